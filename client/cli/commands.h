@@ -1,0 +1,39 @@
+// weightctl subcommands. Each is a plain function of parsed arguments that
+// writes to the given streams and returns the process exit status, so tests
+// can run them in-process.
+#ifndef WEIGHTD_CLIENT_CLI_COMMANDS_H_
+#define WEIGHTD_CLIENT_CLI_COMMANDS_H_
+
+#include <iosfwd>
+#include <string>
+#include <vector>
+
+#include "client/cli/args.h"
+
+namespace weightd::cli {
+
+struct Context {
+  std::string socket;  // gRPC target of the daemon ("unix:///run/weightd/weightd.sock")
+  std::ostream& out;
+  std::ostream& err;
+};
+
+struct Command {
+  const char* name;
+  const char* usage;
+  ArgSpec spec;
+  int (*run)(const Args& args, Context& ctx);
+};
+
+// All subcommands, in the order `weightctl --help` lists them.
+const std::vector<Command>& Commands();
+
+// Runs weightctl with argv (without the program name). Never throws.
+int RunWeightctl(const std::vector<std::string>& argv, std::ostream& out, std::ostream& err);
+
+int RunInspect(const Args& args, Context& ctx);
+int RunMakeDemo(const Args& args, Context& ctx);
+
+}  // namespace weightd::cli
+
+#endif  // WEIGHTD_CLIENT_CLI_COMMANDS_H_

@@ -1,0 +1,195 @@
+#include "common/catalog.h"
+
+#include <algorithm>
+#include <set>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "common/safetensors.h"
+#include "common/status.h"
+#include "nlohmann/json.hpp"
+
+namespace weightd {
+namespace {
+
+using json = nlohmann::json;
+
+std::string Join(const std::string& dir, const std::string& name) {
+  return dir.empty() || dir.back() == '/' ? dir + name : dir + "/" + name;
+}
+
+std::string Basename(const std::string& path) {
+  size_t slash = path.find_last_of('/');
+  return slash == std::string::npos ? path : path.substr(slash + 1);
+}
+
+// Reads one file's header and appends its tensors to the catalog.
+absl::Status AddFile(Env& env, Catalog& catalog, const std::string& path, const std::string& name) {
+  WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<RandomAccessFile> file, env.OpenForRead(path));
+  WEIGHTD_ASSIGN_OR_RETURN(SafetensorsHeader header, ReadHeader(*file, name));
+  uint32_t index = static_cast<uint32_t>(catalog.files.size());
+  catalog.files.push_back({name, path, file->size(), header.data_start, std::move(header.metadata)});
+  for (TensorHeader& t : header.tensors) {
+    catalog.tensors.push_back(
+        {std::move(t.name), t.dtype, std::move(t.shape), index, header.data_start + t.begin, t.end - t.begin});
+  }
+  return absl::OkStatus();
+}
+
+// A tensor name held by two files is an error whichever way the files were found.
+absl::Status CheckUniqueNames(const Catalog& catalog) {
+  absl::flat_hash_map<absl::string_view, uint32_t> seen;
+  seen.reserve(catalog.tensors.size());
+  for (const CatalogTensor& t : catalog.tensors) {
+    auto [it, inserted] = seen.emplace(t.name, t.file);
+    if (!inserted) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name, "' is stored in both ",
+                                                     catalog.files[it->second].name, " and ",
+                                                     catalog.files[t.file].name));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckShardPath(Env& env, const std::string& dir_real, const std::string& shard) {
+  bool dotdot = false;
+  for (absl::string_view part : absl::StrSplit(shard, '/')) dotdot |= part == "..";
+  if (shard.empty() || shard[0] == '/' || dotdot) {
+    return absl::InvalidArgumentError(absl::StrCat(kIndexFileName, ": shard path '", shard, "' leaves the checkpoint folder"));
+  }
+  WEIGHTD_ASSIGN_OR_RETURN(FileKind kind, env.Stat(Join(dir_real, shard)));
+  if (kind == FileKind::kMissing) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(kIndexFileName, ": names shard file '", shard, "', which does not exist"));
+  }
+  WEIGHTD_ASSIGN_OR_RETURN(std::string real, env.RealPath(Join(dir_real, shard)));
+  if (!absl::StartsWith(real, dir_real + "/")) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(kIndexFileName, ": shard path '", shard, "' resolves to ", real, ", outside the checkpoint folder"));
+  }
+  return absl::OkStatus();
+}
+
+struct Index {
+  std::vector<std::pair<std::string, std::string>> weight_map;  // tensor -> shard, in file order
+  std::map<std::string, std::string> metadata;
+  std::optional<uint64_t> total_size;
+};
+
+absl::StatusOr<Index> ParseIndex(const std::string& text) {
+  json doc;
+  try {
+    doc = json::parse(text);
+  } catch (const json::exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat(kIndexFileName, ": not valid JSON: ", e.what()));
+  }
+  if (!doc.is_object() || !doc.contains("weight_map") || !doc["weight_map"].is_object()) {
+    return absl::InvalidArgumentError(absl::StrCat(kIndexFileName, ": missing the \"weight_map\" object"));
+  }
+  Index index;
+  for (auto& [tensor, shard] : doc["weight_map"].items()) {
+    if (!shard.is_string()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(kIndexFileName, ": weight_map entry '", tensor, "' must be a file name string"));
+    }
+    index.weight_map.emplace_back(tensor, shard.get<std::string>());
+  }
+  if (doc.contains("metadata")) {
+    const json& meta = doc["metadata"];
+    if (!meta.is_object()) return absl::InvalidArgumentError(absl::StrCat(kIndexFileName, ": \"metadata\" must be an object"));
+    for (auto& [key, value] : meta.items()) index.metadata[key] = value.is_string() ? value.get<std::string>() : value.dump();
+    if (meta.contains("total_size") && meta["total_size"].is_number_unsigned()) {
+      index.total_size = meta["total_size"].get<uint64_t>();
+    }
+  }
+  return index;
+}
+
+absl::Status CatalogIndexed(Env& env, Catalog& catalog, const std::string& dir) {
+  WEIGHTD_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(env, Join(dir, kIndexFileName), kMaxHeaderBytes));
+  WEIGHTD_ASSIGN_OR_RETURN(Index index, ParseIndex(text));
+  WEIGHTD_ASSIGN_OR_RETURN(std::string dir_real, env.RealPath(dir));
+  std::set<std::string> shards;
+  for (const auto& [tensor, shard] : index.weight_map) shards.insert(shard);
+  for (const std::string& shard : shards) {
+    WEIGHTD_RETURN_IF_ERROR(CheckShardPath(env, dir_real, shard));
+    WEIGHTD_RETURN_IF_ERROR(AddFile(env, catalog, Join(dir, shard), shard));
+  }
+  WEIGHTD_RETURN_IF_ERROR(CheckUniqueNames(catalog));
+  catalog.Finish();
+  for (const auto& [tensor, shard] : index.weight_map) {
+    const CatalogTensor* t = catalog.Find(tensor);
+    if (t == nullptr || catalog.files[t->file].name != shard) {
+      return absl::InvalidArgumentError(absl::StrCat(kIndexFileName, ": places tensor '", tensor, "' in ", shard,
+                                                     ", whose header does not hold it"));
+    }
+  }
+  if (catalog.tensors.size() > index.weight_map.size()) {
+    catalog.warnings.push_back(absl::StrCat(catalog.tensors.size() - index.weight_map.size(),
+                                            " tensor(s) in the shards are not named by ", kIndexFileName,
+                                            "; they are kept"));
+  }
+  if (index.total_size && *index.total_size != catalog.total_bytes()) {
+    catalog.warnings.push_back(absl::StrCat(kIndexFileName, ": metadata.total_size is ", *index.total_size,
+                                            " but the tensors hold ", catalog.total_bytes(), " bytes"));
+  }
+  catalog.index_metadata = std::move(index.metadata);
+  return absl::OkStatus();
+}
+
+absl::Status CatalogFolder(Env& env, Catalog& catalog, const std::string& dir) {
+  WEIGHTD_ASSIGN_OR_RETURN(std::vector<std::string> names, env.ListDir(dir));
+  for (const std::string& name : names) {
+    if (!absl::EndsWith(name, ".safetensors")) continue;
+    WEIGHTD_ASSIGN_OR_RETURN(FileKind kind, env.Stat(Join(dir, name)));
+    if (kind == FileKind::kRegular) WEIGHTD_RETURN_IF_ERROR(AddFile(env, catalog, Join(dir, name), name));
+  }
+  if (catalog.files.empty()) return absl::NotFoundError(absl::StrCat(dir, ": folder holds no .safetensors files"));
+  WEIGHTD_RETURN_IF_ERROR(CheckUniqueNames(catalog));
+  catalog.Finish();
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+uint64_t Catalog::total_bytes() const {
+  uint64_t total = 0;
+  for (const CatalogTensor& t : tensors) total += t.nbytes;
+  return total;
+}
+
+const CatalogTensor* Catalog::Find(absl::string_view name) const {
+  auto it = by_name_.find(name);
+  return it == by_name_.end() ? nullptr : &tensors[it->second];
+}
+
+void Catalog::Finish() {
+  by_name_.clear();
+  by_name_.reserve(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) by_name_.emplace(tensors[i].name, i);
+}
+
+absl::StatusOr<Catalog> BuildCatalog(const std::string& path, Env& env) {
+  Catalog catalog;
+  catalog.root = path;
+  WEIGHTD_ASSIGN_OR_RETURN(FileKind kind, env.Stat(path));
+  switch (kind) {
+    case FileKind::kMissing:
+      return absl::NotFoundError(absl::StrCat(path, ": no such file or folder"));
+    case FileKind::kRegular:
+      WEIGHTD_RETURN_IF_ERROR(AddFile(env, catalog, path, Basename(path)));
+      catalog.Finish();
+      return catalog;
+    case FileKind::kDirectory: {
+      WEIGHTD_ASSIGN_OR_RETURN(FileKind index, env.Stat(Join(path, kIndexFileName)));
+      WEIGHTD_RETURN_IF_ERROR(index == FileKind::kRegular ? CatalogIndexed(env, catalog, path)
+                                                          : CatalogFolder(env, catalog, path));
+      return catalog;
+    }
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(path, ": not a file or folder"));
+  }
+}
+
+}  // namespace weightd

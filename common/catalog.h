@@ -1,0 +1,74 @@
+// A catalog: every tensor of a checkpoint (name, dtype, shape, file, byte
+// range), built from safetensors headers only; tensor data is never read.
+//
+// A checkpoint path is one of (the Hugging Face conventions):
+//   - a single `.safetensors` file;
+//   - a folder with `model.safetensors.index.json`: only the shard files its
+//     `weight_map` names are read. Errors: a named file is missing, a tensor is
+//     absent from its named shard, a tensor is stored in two shards, a shard
+//     path leaves the folder (absolute, "..", or a symlink out). A wrong
+//     `metadata.total_size` is a warning; the `metadata` block is optional.
+//     A tensor a shard holds but the index does not name is kept, with a warning;
+//   - a folder of `.safetensors` files without an index: all of them, sorted by
+//     name; a tensor name in two files is an error.
+#ifndef WEIGHTD_COMMON_CATALOG_H_
+#define WEIGHTD_COMMON_CATALOG_H_
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "common/dtype.h"
+#include "common/env.h"
+
+namespace weightd {
+
+inline constexpr char kIndexFileName[] = "model.safetensors.index.json";
+
+struct CatalogFile {
+  std::string name;  // relative to the checkpoint folder (the basename for a single file)
+  std::string path;  // as opened (the folder joined with `name`)
+  uint64_t size = 0;        // bytes
+  uint64_t data_start = 0;  // file offset of the data section (8 + header length)
+  std::map<std::string, std::string> metadata;  // the header's __metadata__
+};
+
+struct CatalogTensor {
+  std::string name;
+  DType dtype;
+  std::vector<uint64_t> shape;
+  uint32_t file = 0;    // index into Catalog::files
+  uint64_t offset = 0;  // absolute byte offset within the file
+  uint64_t nbytes = 0;
+};
+
+class Catalog {
+ public:
+  std::string root;                  // the checkpoint path as given
+  std::vector<CatalogFile> files;    // in reading order
+  std::vector<CatalogTensor> tensors;  // by file, then by offset
+  std::map<std::string, std::string> index_metadata;  // index "metadata", values as JSON text
+  std::vector<std::string> warnings;                   // advisory problems, one line each
+
+  uint64_t total_bytes() const;
+  // The tensor called `name`, or nullptr. O(1) after Finish().
+  const CatalogTensor* Find(absl::string_view name) const;
+  // Builds the name index; called by BuildCatalog.
+  void Finish();
+
+ private:
+  absl::flat_hash_map<std::string, size_t> by_name_;
+};
+
+// Catalogs the checkpoint at `path`. Errors are INVALID_ARGUMENT (malformed
+// checkpoint; the message names the file, the tensor and the rule) or
+// NOT_FOUND (no such path / no safetensors files). Reads headers only.
+// Thread-safe for distinct calls.
+absl::StatusOr<Catalog> BuildCatalog(const std::string& path, Env& env = *Env::Default());
+
+}  // namespace weightd
+
+#endif  // WEIGHTD_COMMON_CATALOG_H_

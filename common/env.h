@@ -1,0 +1,55 @@
+// All file-system access of the catalog and the load pipeline goes through
+// `Env`, so tests can inject EIO, short reads or missing files without root
+// or a broken disk (the leveldb `Env` pattern).
+#ifndef WEIGHTD_COMMON_ENV_H_
+#define WEIGHTD_COMMON_ENV_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace weightd {
+
+// An open, read-only file. Thread-safe: ReadAt may be called concurrently.
+class RandomAccessFile {
+ public:
+  virtual ~RandomAccessFile() = default;
+  // The path it was opened with (used in error messages).
+  virtual const std::string& path() const = 0;
+  // Size in bytes at open time.
+  virtual uint64_t size() const = 0;
+  // Reads exactly `n` bytes at byte `offset` into `dst` (caller owns dst).
+  // A read past the end (the file shrank) is OUT_OF_RANGE; I/O errors keep
+  // errno's text. Retries EINTR and short reads.
+  virtual absl::Status ReadAt(uint64_t offset, size_t n, char* dst) const = 0;
+  // The file descriptor for zero-copy paths (sendfile, O_DIRECT), or -1.
+  virtual int fd() const = 0;
+};
+
+enum class FileKind { kMissing, kRegular, kDirectory, kOther };
+
+class Env {
+ public:
+  virtual ~Env() = default;
+  // The process-wide POSIX implementation; never null, never freed.
+  static Env* Default();
+
+  virtual absl::StatusOr<std::unique_ptr<RandomAccessFile>> OpenForRead(const std::string& path) = 0;
+  // kMissing when the path does not exist; errors only for other failures.
+  virtual absl::StatusOr<FileKind> Stat(const std::string& path) = 0;
+  // Names (not paths) of the entries of a directory, sorted, without "." "..".
+  virtual absl::StatusOr<std::vector<std::string>> ListDir(const std::string& path) = 0;
+  // realpath(3): resolves symlinks, "." and "..".
+  virtual absl::StatusOr<std::string> RealPath(const std::string& path) = 0;
+};
+
+// Reads a whole small file (an index or config), refusing files larger than
+// `max_bytes` before allocating anything.
+absl::StatusOr<std::string> ReadSmallFile(Env& env, const std::string& path, uint64_t max_bytes);
+
+}  // namespace weightd
+
+#endif  // WEIGHTD_COMMON_ENV_H_
