@@ -29,7 +29,7 @@ absl::Status AddFile(Env& env, Catalog& catalog, const std::string& path, const 
   WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<RandomAccessFile> file, env.OpenForRead(path));
   WEIGHTD_ASSIGN_OR_RETURN(SafetensorsHeader header, ReadHeader(*file, name));
   uint32_t index = static_cast<uint32_t>(catalog.files.size());
-  catalog.files.push_back({name, path, file->size(), header.data_start, std::move(header.metadata)});
+  catalog.files.push_back({name, path, file->size(), header.data_start, file->mtime_ns(), std::move(header.metadata)});
   for (TensorHeader& t : header.tensors) {
     catalog.tensors.push_back(
         {std::move(t.name), t.dtype, std::move(t.shape), index, header.data_start + t.begin, t.end - t.begin});

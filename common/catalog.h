@@ -33,6 +33,7 @@ struct CatalogFile {
   std::string path;  // as opened (the folder joined with `name`)
   uint64_t size = 0;        // bytes
   uint64_t data_start = 0;  // file offset of the data section (8 + header length)
+  int64_t mtime_ns = 0;     // modification time when cataloged
   std::map<std::string, std::string> metadata;  // the header's __metadata__
 };
 

@@ -18,12 +18,14 @@ namespace {
 
 class PosixFile final : public RandomAccessFile {
  public:
-  PosixFile(std::string path, int fd, uint64_t size) : path_(std::move(path)), fd_(fd), size_(size) {}
+  PosixFile(std::string path, int fd, uint64_t size, int64_t mtime_ns)
+      : path_(std::move(path)), fd_(fd), size_(size), mtime_ns_(mtime_ns) {}
   ~PosixFile() override { close(fd_); }
 
   const std::string& path() const override { return path_; }
   uint64_t size() const override { return size_; }
   int fd() const override { return fd_; }
+  int64_t mtime_ns() const override { return mtime_ns_; }
 
   absl::Status ReadAt(uint64_t offset, size_t n, char* dst) const override {
     while (n > 0) {
@@ -47,6 +49,7 @@ class PosixFile final : public RandomAccessFile {
   std::string path_;
   int fd_;
   uint64_t size_;
+  int64_t mtime_ns_;
 };
 
 class PosixEnv final : public Env {
@@ -64,7 +67,8 @@ class PosixEnv final : public Env {
       close(fd);
       return absl::InvalidArgumentError(absl::StrCat(path, ": not a regular file"));
     }
-    return std::make_unique<PosixFile>(path, fd, static_cast<uint64_t>(st.st_size));
+    return std::make_unique<PosixFile>(path, fd, static_cast<uint64_t>(st.st_size),
+                                       int64_t{st.st_mtim.tv_sec} * 1'000'000'000 + st.st_mtim.tv_nsec);
   }
 
   absl::StatusOr<FileKind> Stat(const std::string& path) override {

@@ -27,6 +27,9 @@ class RandomAccessFile {
   virtual absl::Status ReadAt(uint64_t offset, size_t n, char* dst) const = 0;
   // The file descriptor for zero-copy paths (sendfile, O_DIRECT), or -1.
   virtual int fd() const = 0;
+  // Last modification time in nanoseconds since the epoch, at open time
+  // (used to tell a rewritten checkpoint from the one already loaded).
+  virtual int64_t mtime_ns() const = 0;
 };
 
 enum class FileKind { kMissing, kRegular, kDirectory, kOther };

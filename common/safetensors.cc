@@ -325,9 +325,9 @@ std::optional<std::string> SniffForeignFormat(absl::string_view prefix) {
   return std::nullopt;
 }
 
-absl::StatusOr<SafetensorsHeader> ParsePrefixed(absl::string_view prefix, uint64_t file_size,
-                                                const std::function<absl::StatusOr<std::string>(uint64_t)>& read_header) {
-  if (std::optional<std::string> foreign = SniffForeignFormat(prefix)) return absl::InvalidArgumentError(*foreign);
+// The header length N from the 8-byte prefix, checked against the format's
+// limit and the file size.
+absl::StatusOr<uint64_t> HeaderLength(absl::string_view prefix, uint64_t file_size) {
   if (file_size < 8) {
     return absl::InvalidArgumentError(
         absl::StrCat("file is ", file_size, " bytes, shorter than the 8-byte header length prefix"));
@@ -340,8 +340,20 @@ absl::StatusOr<SafetensorsHeader> ParsePrefixed(absl::string_view prefix, uint64
   if (n > file_size - 8) {
     return absl::InvalidArgumentError(absl::StrCat("header length ", n, " exceeds file size ", file_size));
   }
-  WEIGHTD_ASSIGN_OR_RETURN(std::string text, read_header(n));
-  return ParseUnlabelled(text, n, file_size);
+  return n;
+}
+
+absl::StatusOr<SafetensorsHeader> ParsePrefixed(absl::string_view prefix, uint64_t file_size,
+                                                const std::function<absl::StatusOr<std::string>(uint64_t)>& read_header) {
+  absl::StatusOr<uint64_t> n = HeaderLength(prefix, file_size);
+  if (!n.ok()) {
+    // Sniffed only when the prefix is no usable length: a valid file whose
+    // header is 640 bytes begins 80 02 00 .., exactly like a pickle.
+    if (std::optional<std::string> foreign = SniffForeignFormat(prefix)) return absl::InvalidArgumentError(*foreign);
+    return n.status();
+  }
+  WEIGHTD_ASSIGN_OR_RETURN(std::string text, read_header(*n));
+  return ParseUnlabelled(text, *n, file_size);
 }
 
 }  // namespace

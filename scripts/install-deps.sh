@@ -8,6 +8,7 @@ packages=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev nlohmann-json3-dev prometheus-cpp-dev
   libgtest-dev libgmock-dev libxxhash-dev libsystemd-dev libdlpack-dev
+  python3-yaml
 )
 packages+=("$@")
 

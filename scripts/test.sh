@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
 # Builds weightd and runs every test that this machine can run (tests
-# labelled `gpu` skip with a reason when no GPU is present).
+# labelled `gpu` skip with a reason when no GPU is present), then the bounded
+# fuzz runs when clang++ is installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/build.sh
-cd build
-ctest --output-on-failure --timeout 600 -j "$(nproc)"
+(cd build && ctest --output-on-failure --timeout 600 -j "$(nproc)")
+if command -v clang++ >/dev/null; then
+  ./scripts/fuzz.sh
+else
+  echo "test: fuzz runs skipped: clang++ not installed" >&2
+fi

@@ -25,6 +25,14 @@ std::string NormalizeTarget(const std::string& socket) {
 
 const std::vector<Command>& Commands() {
   static const auto* commands = new std::vector<Command>{
+      {"load", "load NAME PATH [--host-resident P ...] [--tp-size N --tp-rule PATTERN:DIM ...] [--devices LIST] [--json]",
+       {{"--host-resident", "--tp-size", "--tp-rule", "--devices"}, {"--json"}}, RunLoad},
+      {"ls", "ls [--json]                            list loaded models", {{}, {"--json"}}, RunList},
+      {"manifest", "manifest NAME [--rank R] [--json]     a rank's manifest, without a lease",
+       {{"--rank"}, {"--json"}}, RunManifest},
+      {"attach", "attach NAME [--rank R] [--verify CHECKPOINT_DIR] [--hold SECONDS] [--json]",
+       {{"--rank", "--verify", "--hold"}, {"--json"}}, RunAttach},
+      {"unload", "unload NAME [--force]", {{}, {"--force"}}, RunUnload},
       {"inspect", "inspect PATH [--json]                 catalog a checkpoint offline", {{}, {"--json"}}, RunInspect},
       {"make-demo", "make-demo DIR [--preset tiny|small|llama-1b]   write the synthetic demo checkpoint",
        {{"--preset"}, {}}, RunMakeDemo},

@@ -1,0 +1,186 @@
+// weightctl commands that talk to the daemon: load, ls, manifest, unload.
+#include <ostream>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "client/cli/commands.h"
+#include "client/cli/output.h"
+#include "nlohmann/json.hpp"
+#include "weightd/client.h"
+
+namespace weightd::cli {
+namespace {
+
+using json = nlohmann::json;
+
+absl::StatusOr<std::unique_ptr<Client>> ConnectTo(const Context& ctx) { return Client::Connect(ctx.socket); }
+
+uint64_t DeviceTotal(const ModelSummary& m) {
+  uint64_t total = 0;
+  for (const auto& [uuid, bytes] : m.device_bytes) total += bytes;
+  return total;
+}
+
+json SummaryJson(const ModelSummary& m) {
+  return {{"name", m.name},
+          {"generation", m.generation},
+          {"state", m.state},
+          {"host_bytes", m.host_bytes},
+          {"locked_bytes", m.locked_bytes},
+          {"device_bytes", m.device_bytes},
+          {"leases", m.leases},
+          {"fingerprint", m.fingerprint},
+          {"tensor_count", m.tensor_count},
+          {"tp_size", m.tp_size},
+          {"checkpoint_path", m.checkpoint_path}};
+}
+
+absl::StatusOr<LoadOptions> ParseLoadOptions(const Args& args) {
+  LoadOptions options;
+  options.host_resident_patterns = args.GetAll("--host-resident");
+  auto tp = args.GetInt("--tp-size", 1, 1, 1024);
+  if (!tp.ok()) return tp.status();
+  options.tp_size = static_cast<uint32_t>(*tp);
+  for (const std::string& rule : args.GetAll("--tp-rule")) {
+    size_t colon = rule.rfind(':');
+    uint32_t dim;
+    if (colon == std::string::npos || colon == 0 || !absl::SimpleAtoi(rule.substr(colon + 1), &dim)) {
+      return absl::InvalidArgumentError(absl::StrCat("--tp-rule must be PATTERN:DIM, got '", rule, "'"));
+    }
+    options.tp_rules.emplace_back(rule.substr(0, colon), dim);
+  }
+  if (auto devices = args.Get("--devices")) {
+    for (absl::string_view d : absl::StrSplit(*devices, ',', absl::SkipEmpty())) options.devices.emplace_back(d);
+  }
+  return options;
+}
+
+}  // namespace
+
+int RunLoad(const Args& args, Context& ctx) {
+  if (args.positional().size() != 2) {
+    return ReportError(absl::InvalidArgumentError("usage: weightctl load NAME PATH [--host-resident P ...] "
+                                                  "[--tp-size N --tp-rule PATTERN:DIM ...] [--devices LIST] [--json]"),
+                       ctx.err);
+  }
+  absl::StatusOr<LoadOptions> options = ParseLoadOptions(args);
+  if (!options.ok()) return ReportError(options.status(), ctx.err);
+  absl::StatusOr<std::unique_ptr<Client>> client = ConnectTo(ctx);
+  if (!client.ok()) return ReportError(client.status(), ctx.err);
+  bool as_json = args.Has("--json");
+  ProgressBar bar("load", !as_json);
+  absl::StatusOr<LoadResult> result =
+      (*client)->Load(args.positional()[0], args.positional()[1], *options,
+                      [&](const LoadProgressInfo& p) { bar.Update(p.bytes_done, p.bytes_total); });
+  bar.Finish();
+  if (!result.ok()) return ReportError(result.status(), ctx.err);
+  const ModelSummary& m = result->model;
+  uint64_t bytes = m.host_bytes + DeviceTotal(m);
+  double seconds = result->reused ? 0 : m.load_seconds;
+  if (as_json) {
+    json doc = {{"model", m.name},       {"generation", m.generation}, {"state", m.state},
+                {"bytes", bytes},        {"seconds", seconds},         {"fingerprint", m.fingerprint},
+                {"reused", result->reused}, {"tensors", m.tensor_count}, {"host_bytes", m.host_bytes},
+                {"device_bytes", m.device_bytes}, {"locked_bytes", m.locked_bytes}};
+    ctx.out << doc.dump(2) << "\n";
+  } else if (result->reused) {
+    ctx.out << absl::StrFormat("'%s' generation %d is already loaded from the same files: reused (fingerprint %s)\n",
+                               m.name, m.generation, m.fingerprint);
+  } else {
+    ctx.out << absl::StrFormat("loaded '%s' generation %d: %d tensors, %s in %.3f s (%.2f GB/s), fingerprint %s\n",
+                               m.name, m.generation, m.tensor_count, HumanBytes(bytes), seconds,
+                               seconds > 0 ? static_cast<double>(bytes) / seconds / 1e9 : 0.0, m.fingerprint);
+  }
+  return kExitOk;
+}
+
+int RunList(const Args& args, Context& ctx) {
+  absl::StatusOr<std::unique_ptr<Client>> client = ConnectTo(ctx);
+  if (!client.ok()) return ReportError(client.status(), ctx.err);
+  absl::StatusOr<std::vector<ModelSummary>> models = (*client)->List();
+  if (!models.ok()) return ReportError(models.status(), ctx.err);
+  if (args.Has("--json")) {
+    json list = json::array();
+    for (const ModelSummary& m : *models) {
+      json entry = SummaryJson(m);
+      entry["device_bytes"] = DeviceTotal(m);
+      entry["device_bytes_by_gpu"] = m.device_bytes;
+      list.push_back(entry);
+    }
+    ctx.out << json{{"models", list}}.dump(2) << "\n";
+    return kExitOk;
+  }
+  ctx.out << absl::StrFormat("%-24s %5s %-9s %12s %12s %6s  %s\n", "NAME", "GEN", "STATE", "HOST", "DEVICE", "LEASES",
+                             "FINGERPRINT");
+  for (const ModelSummary& m : *models) {
+    ctx.out << absl::StrFormat("%-24s %5d %-9s %12s %12s %6d  %s\n", m.name, m.generation, m.state,
+                               HumanBytes(m.host_bytes), HumanBytes(DeviceTotal(m)), m.leases, m.fingerprint);
+  }
+  return kExitOk;
+}
+
+int RunManifest(const Args& args, Context& ctx) {
+  if (args.positional().size() != 1) {
+    return ReportError(absl::InvalidArgumentError("usage: weightctl manifest NAME [--rank R] [--json]"), ctx.err);
+  }
+  absl::StatusOr<int64_t> rank = args.GetInt("--rank", 0, 0, 1 << 20);
+  if (!rank.ok()) return ReportError(rank.status(), ctx.err);
+  absl::StatusOr<std::unique_ptr<Client>> client = ConnectTo(ctx);
+  if (!client.ok()) return ReportError(client.status(), ctx.err);
+  absl::StatusOr<Manifest> manifest = (*client)->GetManifest(args.positional()[0], static_cast<uint32_t>(*rank));
+  if (!manifest.ok()) return ReportError(manifest.status(), ctx.err);
+  auto placement = [](Location l) { return l == Location::kHost ? "host" : "device"; };
+  if (args.Has("--json")) {
+    json tensors = json::array();
+    for (const TensorInfo& t : manifest->tensors) {
+      tensors.push_back({{"name", t.name}, {"dtype", t.dtype}, {"shape", t.shape}, {"placement", placement(t.location)},
+                         {"segment", t.segment}, {"offset", t.offset}, {"nbytes", t.nbytes},
+                         {"full_shape", t.full_shape}, {"split_dim", t.split_dim}, {"split_start", t.split_start},
+                         {"content_hash", t.content_hash}});
+    }
+    json segments = json::array();
+    for (const SegmentInfo& s : manifest->segments) {
+      segments.push_back({{"placement", placement(s.location)}, {"size", s.size}, {"backend", s.backend},
+                          {"gpu_uuid", s.gpu_uuid}});
+    }
+    ctx.out << json{{"model", manifest->model},       {"rank", manifest->rank},
+                    {"generation", manifest->generation}, {"fingerprint", manifest->fingerprint},
+                    {"segments", segments},           {"tensors", tensors}}
+                   .dump(2)
+            << "\n";
+    return kExitOk;
+  }
+  ctx.out << absl::StrFormat("%-48s %-6s %-16s %-7s %3s %12s %12s  %-16s %s\n", "NAME", "DTYPE", "SHAPE", "PLACE", "SEG",
+                             "OFFSET", "BYTES", "FULL_SHAPE", "SPLIT");
+  for (const TensorInfo& t : manifest->tensors) {
+    std::string split = t.split_dim < 0 ? "-" : absl::StrFormat("dim %d from %d", t.split_dim, t.split_start);
+    ctx.out << absl::StrFormat("%-48s %-6s %-16s %-7s %3d %12d %12d  %-16s %s\n", t.name, t.dtype,
+                               "[" + absl::StrJoin(t.shape, ",") + "]", placement(t.location), t.segment, t.offset,
+                               t.nbytes, "[" + absl::StrJoin(t.full_shape, ",") + "]", split);
+  }
+  ctx.out << absl::StrFormat("%d tensors, %d segment(s), rank %d of '%s' generation %d\n", manifest->tensors.size(),
+                             manifest->segments.size(), manifest->rank, manifest->model, manifest->generation);
+  return kExitOk;
+}
+
+int RunUnload(const Args& args, Context& ctx) {
+  if (args.positional().size() != 1) {
+    return ReportError(absl::InvalidArgumentError("usage: weightctl unload NAME [--force]"), ctx.err);
+  }
+  absl::StatusOr<std::unique_ptr<Client>> client = ConnectTo(ctx);
+  if (!client.ok()) return ReportError(client.status(), ctx.err);
+  auto result = (*client)->Unload(args.positional()[0], args.Has("--force"));
+  if (!result.ok()) return ReportError(result.status(), ctx.err);
+  const auto& [m, freed] = *result;
+  if (freed) {
+    ctx.out << absl::StrFormat("unloaded '%s' generation %d: freed\n", m.name, m.generation);
+  } else {
+    ctx.out << absl::StrFormat("unloaded '%s' generation %d: DRAINING until its %d lease(s) end\n", m.name,
+                               m.generation, m.leases);
+  }
+  return kExitOk;
+}
+
+}  // namespace weightd::cli

@@ -1,0 +1,76 @@
+#include "client/cli/verify.h"
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "common/catalog.h"
+#include "common/status.h"
+
+namespace weightd::cli {
+namespace {
+
+// Compares `n` bytes of `file` at `offset` with `mapped`, in bounded chunks.
+absl::Status CompareRange(const RandomAccessFile& file, uint64_t offset, const char* mapped, uint64_t n,
+                          const std::string& tensor, uint64_t tensor_byte, std::string& buffer) {
+  constexpr uint64_t kChunk = 16ull << 20;
+  for (uint64_t done = 0; done < n; done += kChunk) {
+    uint64_t len = std::min(kChunk, n - done);
+    buffer.resize(len);
+    WEIGHTD_RETURN_IF_ERROR(file.ReadAt(offset + done, len, buffer.data()));
+    if (std::memcmp(buffer.data(), mapped + done, len) != 0) {
+      uint64_t i = 0;
+      while (buffer[i] == mapped[done + i]) ++i;
+      return absl::DataLossError(absl::StrCat("tensor '", tensor, "' differs from the checkpoint at byte ",
+                                              tensor_byte + done + i));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<VerifyResult> VerifyAgainstCheckpoint(const MappedModel& model, const std::string& checkpoint_dir) {
+  WEIGHTD_ASSIGN_OR_RETURN(Catalog catalog, BuildCatalog(checkpoint_dir));
+  std::vector<std::unique_ptr<RandomAccessFile>> files;
+  for (const CatalogFile& f : catalog.files) {
+    WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<RandomAccessFile> file, Env::Default()->OpenForRead(f.path));
+    files.push_back(std::move(file));
+  }
+  VerifyResult result;
+  std::string buffer;
+  for (const TensorView& view : model.tensors()) {
+    const TensorInfo& t = *view.info;
+    const CatalogTensor* source = catalog.Find(t.name);
+    if (source == nullptr) return absl::NotFoundError(absl::StrCat("tensor '", t.name, "' is not in ", checkpoint_dir));
+    if (view.location != Location::kHost) {
+      return absl::UnimplementedError(absl::StrCat("tensor '", t.name, "' is on a device; verify host tensors only"));
+    }
+    const char* mapped = static_cast<const char*>(view.data);
+    const RandomAccessFile& file = *files[source->file];
+    if (t.split_dim < 0) {
+      if (t.nbytes != source->nbytes) {
+        return absl::DataLossError(absl::StrCat("tensor '", t.name, "' has ", t.nbytes, " bytes, the checkpoint ",
+                                                source->nbytes));
+      }
+      WEIGHTD_RETURN_IF_ERROR(CompareRange(file, source->offset, mapped, t.nbytes, t.name, 0, buffer));
+    } else {
+      // Row-major: `outer` runs of `run` bytes, each taken at split_start of the split dim.
+      uint64_t outer = 1, inner_elems = 1;
+      for (int d = 0; d < t.split_dim; ++d) outer *= t.full_shape[d];
+      for (size_t d = t.split_dim + 1; d < t.full_shape.size(); ++d) inner_elems *= t.full_shape[d];
+      uint64_t full_elems = outer * t.full_shape[t.split_dim] * inner_elems;
+      uint64_t elem_bits = full_elems == 0 ? 0 : source->nbytes * 8 / full_elems;
+      uint64_t row = inner_elems * elem_bits / 8;
+      uint64_t run = t.shape[t.split_dim] * row;
+      for (uint64_t o = 0; o < outer; ++o) {
+        uint64_t src = source->offset + (o * t.full_shape[t.split_dim] + t.split_start) * row;
+        WEIGHTD_RETURN_IF_ERROR(CompareRange(file, src, mapped + o * run, run, t.name, o * run, buffer));
+      }
+    }
+    ++result.tensors;
+    result.bytes += t.nbytes;
+  }
+  return result;
+}
+
+}  // namespace weightd::cli

@@ -1,0 +1,278 @@
+#include "weightd/client.h"
+
+#include <grpcpp/grpcpp.h>
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <chrono>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+#include "common/unix_socket.h"
+#include "weightd/v1/weightd.grpc.pb.h"
+
+namespace weightd {
+namespace {
+
+absl::Status FromGrpc(const grpc::Status& s) {
+  if (s.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+}
+
+std::string StateName(v1::ModelState s) {
+  switch (s) {
+    case v1::LOADING: return "LOADING";
+    case v1::READY: return "READY";
+    case v1::FAILED: return "FAILED";
+    case v1::DRAINING: return "DRAINING";
+    default: return "UNSPECIFIED";
+  }
+}
+
+ModelSummary FromProto(const v1::ModelInfo& m) {
+  ModelSummary s;
+  s.name = m.name();
+  s.generation = m.generation();
+  s.state = StateName(m.state());
+  s.checkpoint_path = m.checkpoint_path();
+  s.host_bytes = m.host_bytes();
+  s.locked_bytes = m.locked_bytes();
+  for (const auto& d : m.device_bytes()) s.device_bytes[d.gpu_uuid()] = d.bytes();
+  s.leases = m.leases();
+  s.fingerprint = m.fingerprint();
+  s.tensor_count = m.tensor_count();
+  s.tp_size = m.tp_size();
+  s.load_seconds = m.load_seconds();
+  return s;
+}
+
+TensorInfo FromProto(const v1::TensorEntry& t) {
+  TensorInfo info;
+  info.name = t.name();
+  info.dtype = t.dtype();
+  info.shape.assign(t.shape().begin(), t.shape().end());
+  info.location = t.placement() == v1::DEVICE ? Location::kDevice : Location::kHost;
+  info.segment = t.segment();
+  info.offset = t.offset();
+  info.nbytes = t.nbytes();
+  info.full_shape.assign(t.full_shape().begin(), t.full_shape().end());
+  info.split_dim = t.split_dim();
+  info.split_start = t.split_start();
+  info.content_hash = t.content_hash();
+  return info;
+}
+
+SegmentInfo FromProto(const v1::SegmentDescriptor& s) {
+  return {s.placement() == v1::DEVICE ? Location::kDevice : Location::kHost, s.size(), s.backend(), s.gpu_uuid()};
+}
+
+std::string NormalizeTarget(const std::string& target) {
+  return !target.empty() && target[0] == '/' ? "unix://" + target : target;
+}
+
+// Receives the segment fds for `lease_id` on the fd socket ("OK n" + "MORE"s).
+absl::Status ClaimLease(const std::string& fd_socket, const std::string& lease_id, int timeout_ms, ScopedFd* conn,
+                        std::vector<ScopedFd>* fds) {
+  WEIGHTD_ASSIGN_OR_RETURN(*conn, ConnectSeqpacket(fd_socket));
+  WEIGHTD_RETURN_IF_ERROR(SendMessage(conn->get(), "CLAIM " + lease_id, {}));
+  WEIGHTD_ASSIGN_OR_RETURN(std::string reply, ReceiveMessage(conn->get(), fds, timeout_ms));
+  if (absl::StartsWith(reply, "ERR ")) {
+    std::string rest = reply.substr(4);
+    size_t space = rest.find(' ');
+    int code = 13;
+    (void)absl::SimpleAtoi(rest.substr(0, space), &code);
+    return absl::Status(static_cast<absl::StatusCode>(code),
+                        absl::StrCat("fd socket: ", space == std::string::npos ? "" : rest.substr(space + 1)));
+  }
+  size_t expected = 0;
+  if (!absl::StartsWith(reply, "OK ") || !absl::SimpleAtoi(reply.substr(3), &expected)) {
+    return absl::InternalError(absl::StrCat("fd socket: unexpected reply '", reply, "'"));
+  }
+  while (fds->size() < expected) {
+    WEIGHTD_ASSIGN_OR_RETURN(std::string more, ReceiveMessage(conn->get(), fds, timeout_ms));
+    if (more != "MORE") return absl::InternalError("fd socket: expected MORE");
+  }
+  if (fds->size() != expected) return absl::InternalError("fd socket: received more fds than announced");
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- MappedModel
+
+struct MappedModel::State {
+  Manifest manifest;
+  std::vector<TensorView> views;
+  std::vector<std::pair<void*, size_t>> mappings;
+  std::vector<ScopedFd> segment_fds;
+  ScopedFd lease;  // the fd-socket connection: closing it ends the lease
+  double attach_seconds = 0;
+
+  ~State() {
+    for (auto& [addr, size] : mappings) munmap(addr, size);
+  }
+};
+
+MappedModel::MappedModel(std::unique_ptr<State> state) : state_(std::move(state)) {}
+MappedModel::MappedModel(MappedModel&&) noexcept = default;
+MappedModel& MappedModel::operator=(MappedModel&&) noexcept = default;
+MappedModel::~MappedModel() = default;
+
+const Manifest& MappedModel::manifest() const { return state_->manifest; }
+const std::vector<TensorView>& MappedModel::tensors() const { return state_->views; }
+double MappedModel::attach_seconds() const { return state_->attach_seconds; }
+
+const TensorView* MappedModel::Find(absl::string_view name) const {
+  // views are sorted by name (see Client::Attach).
+  auto it = std::lower_bound(state_->views.begin(), state_->views.end(), name,
+                             [](const TensorView& v, absl::string_view n) { return v.info->name < n; });
+  return it != state_->views.end() && it->info->name == name ? &*it : nullptr;
+}
+
+// ---------------------------------------------------------------- Client
+
+struct Client::Impl {
+  std::unique_ptr<v1::Weightd::Stub> stub;
+};
+
+Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Client::~Client() = default;
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& target) {
+  if (target.empty()) return absl::InvalidArgumentError("empty daemon target");
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(-1);  // manifests of 100,000+ tensors exceed the 4 MiB default
+  auto channel = grpc::CreateCustomChannel(NormalizeTarget(target), grpc::InsecureChannelCredentials(), args);
+  auto impl = std::make_unique<Impl>();
+  impl->stub = v1::Weightd::NewStub(channel);
+  return std::unique_ptr<Client>(new Client(std::move(impl)));
+}
+
+absl::StatusOr<LoadResult> Client::Load(const std::string& name, const std::string& checkpoint_path,
+                                        const LoadOptions& options,
+                                        const std::function<void(const LoadProgressInfo&)>& progress) {
+  v1::LoadModelRequest request;
+  request.set_name(name);
+  request.set_checkpoint_path(checkpoint_path);
+  for (const std::string& p : options.host_resident_patterns) request.add_host_resident_patterns(p);
+  request.set_tp_size(options.tp_size);
+  for (const auto& [pattern, dim] : options.tp_rules) {
+    v1::TpRule* rule = request.add_tp_rules();
+    rule->set_pattern(pattern);
+    rule->set_dim(dim);
+  }
+  for (const std::string& d : options.devices) request.add_devices(d);
+  grpc::ClientContext context;
+  auto reader = impl_->stub->LoadModel(&context, request);
+  v1::LoadModelProgress message;
+  LoadResult result;
+  bool done = false;
+  while (reader->Read(&message)) {
+    if (progress) {
+      progress({v1::LoadModelProgress::Phase_Name(message.phase()), message.bytes_done(), message.bytes_total(),
+                message.files_done(), message.files_total(), message.seconds()});
+    }
+    if (message.phase() == v1::LoadModelProgress::DONE) {
+      result.model = FromProto(message.model());
+      result.reused = message.reused();
+      done = true;
+    }
+  }
+  WEIGHTD_RETURN_IF_ERROR(FromGrpc(reader->Finish()));
+  if (!done) return absl::InternalError("load stream ended without a DONE message");
+  return result;
+}
+
+absl::StatusOr<std::vector<ModelSummary>> Client::List() {
+  grpc::ClientContext context;
+  v1::ListModelsResponse response;
+  WEIGHTD_RETURN_IF_ERROR(FromGrpc(impl_->stub->ListModels(&context, v1::ListModelsRequest(), &response)));
+  std::vector<ModelSummary> out;
+  for (const auto& m : response.models()) out.push_back(FromProto(m));
+  return out;
+}
+
+absl::StatusOr<Manifest> Client::GetManifest(const std::string& name, uint32_t rank) {
+  v1::GetManifestRequest request;
+  request.set_name(name);
+  request.set_rank(rank);
+  grpc::ClientContext context;
+  auto reader = impl_->stub->GetManifest(&context, request);
+  Manifest manifest;
+  v1::ManifestPage page;
+  while (reader->Read(&page)) {
+    manifest.model = page.model();
+    manifest.generation = page.generation();
+    manifest.rank = page.rank();
+    manifest.fingerprint = page.fingerprint();
+    for (const auto& s : page.segments()) manifest.segments.push_back(FromProto(s));
+    for (const auto& t : page.tensors()) manifest.tensors.push_back(FromProto(t));
+  }
+  WEIGHTD_RETURN_IF_ERROR(FromGrpc(reader->Finish()));
+  return manifest;
+}
+
+absl::StatusOr<MappedModel> Client::Attach(const std::string& name, uint32_t rank) {
+  auto start = std::chrono::steady_clock::now();
+  v1::AttachRequest request;
+  request.set_name(name);
+  request.set_rank(rank);
+  v1::AttachResponse response;
+  grpc::ClientContext context;
+  WEIGHTD_RETURN_IF_ERROR(FromGrpc(impl_->stub->Attach(&context, request, &response)));
+
+  auto state = std::make_unique<MappedModel::State>();
+  Manifest& m = state->manifest;
+  m.model = response.model();
+  m.generation = response.generation();
+  m.rank = response.rank();
+  m.fingerprint = response.fingerprint();
+  for (const auto& s : response.segments()) m.segments.push_back(FromProto(s));
+  m.tensors.reserve(response.tensors_size());
+  for (const auto& t : response.tensors()) m.tensors.push_back(FromProto(t));
+
+  const char* fd_socket_override = std::getenv("WEIGHTD_FD_SOCKET");
+  std::string fd_socket = fd_socket_override != nullptr ? fd_socket_override : response.fd_socket();
+  int timeout_ms = static_cast<int>(response.claim_timeout_seconds() * 1000);
+  WEIGHTD_RETURN_IF_ERROR(ClaimLease(fd_socket, response.lease_id(), timeout_ms, &state->lease, &state->segment_fds));
+  if (state->segment_fds.size() != m.segments.size()) {
+    return absl::InternalError(absl::StrCat("received ", state->segment_fds.size(), " segment fds for ",
+                                            m.segments.size(), " segments"));
+  }
+  std::vector<const char*> bases(m.segments.size(), nullptr);
+  for (size_t i = 0; i < m.segments.size(); ++i) {
+    if (m.segments[i].location != Location::kHost) {
+      return absl::UnimplementedError("device segments need a device-capable client (see docs/architecture.md)");
+    }
+    if (m.segments[i].size == 0) continue;
+    void* addr = mmap(nullptr, m.segments[i].size, PROT_READ, MAP_SHARED, state->segment_fds[i].get(), 0);
+    if (addr == MAP_FAILED) return ErrnoToStatus(absl::StrCat("mmap segment ", i), errno);
+    state->mappings.emplace_back(addr, m.segments[i].size);
+    bases[i] = static_cast<const char*>(addr);
+  }
+  state->views.reserve(m.tensors.size());
+  for (const TensorInfo& t : m.tensors) {
+    if (t.segment >= bases.size() || t.offset + t.nbytes > m.segments[t.segment].size) {
+      return absl::InternalError(absl::StrCat("tensor '", t.name, "' lies outside its segment"));
+    }
+    state->views.push_back({&t, bases[t.segment] + t.offset, t.nbytes, t.location, "", -1});
+  }
+  std::sort(state->views.begin(), state->views.end(),
+            [](const TensorView& a, const TensorView& b) { return a.info->name < b.info->name; });
+  state->attach_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return MappedModel(std::move(state));
+}
+
+absl::StatusOr<std::pair<ModelSummary, bool>> Client::Unload(const std::string& name, bool force) {
+  v1::UnloadModelRequest request;
+  request.set_name(name);
+  request.set_force(force);
+  v1::UnloadModelResponse response;
+  grpc::ClientContext context;
+  WEIGHTD_RETURN_IF_ERROR(FromGrpc(impl_->stub->UnloadModel(&context, request, &response)));
+  return std::make_pair(FromProto(response.model()), response.freed());
+}
+
+}  // namespace weightd

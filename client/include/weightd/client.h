@@ -1,0 +1,159 @@
+// The weightd C++ client library: talk to the daemon, attach a model and map
+// its tensors zero-copy. No gRPC or protobuf type appears in this header.
+//
+// Typical use:
+//   auto client = weightd::Client::Connect("unix:///run/weightd/weightd.sock");
+//   absl::StatusOr<weightd::MappedModel> model = (*client)->Attach("llama", /*rank=*/0);
+//   const weightd::TensorView* w = model->Find("model.embed_tokens.weight");
+//   // w->data is valid, read-only, for as long as `model` lives.
+//
+// Errors are absl::Status with the daemon's gRPC code and message
+// (UNAVAILABLE when the daemon cannot be reached).
+// Thread-safety: a Client may be used from many threads at once; a
+// MappedModel is immutable and may be read from any thread.
+#ifndef WEIGHTD_CLIENT_INCLUDE_WEIGHTD_CLIENT_H_
+#define WEIGHTD_CLIENT_INCLUDE_WEIGHTD_CLIENT_H_
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace weightd {
+
+enum class Location { kHost, kDevice };
+
+// One tensor of a rank's manifest. Shapes are in elements, sizes in bytes.
+struct TensorInfo {
+  std::string name;
+  std::string dtype;               // safetensors spelling: "BF16", "F8_E4M3", ...
+  std::vector<uint64_t> shape;     // this rank's shape
+  Location location = Location::kHost;
+  uint32_t segment = 0;            // index into the manifest's segments
+  uint64_t offset = 0;             // bytes into the segment
+  uint64_t nbytes = 0;
+  std::vector<uint64_t> full_shape;  // the checkpoint tensor's shape
+  int split_dim = -1;                // -1: not split
+  uint64_t split_start = 0;          // first index along split_dim
+  std::string content_hash;          // 16 hex digits, of the full checkpoint tensor
+};
+
+struct SegmentInfo {
+  Location location = Location::kHost;
+  uint64_t size = 0;
+  std::string backend;   // "memfd", "emulated", "cuda-vmm", "cuda-legacy-ipc"
+  std::string gpu_uuid;
+};
+
+struct Manifest {
+  std::string model;
+  uint64_t generation = 0;
+  uint32_t rank = 0;
+  std::string fingerprint;
+  std::vector<SegmentInfo> segments;
+  std::vector<TensorInfo> tensors;
+};
+
+// A tensor as mapped in this process.
+struct TensorView {
+  const TensorInfo* info = nullptr;  // owned by the MappedModel
+  const void* data = nullptr;        // host address (read-only) or device pointer
+  uint64_t nbytes = 0;
+  Location location = Location::kHost;
+  std::string gpu_uuid;  // device tensors
+  int device_ordinal = -1;  // this process's CUDA ordinal for gpu_uuid
+};
+
+struct ModelSummary {
+  std::string name;
+  uint64_t generation = 0;
+  std::string state;  // LOADING, READY, FAILED, DRAINING
+  std::string checkpoint_path;
+  uint64_t host_bytes = 0;
+  uint64_t locked_bytes = 0;
+  std::map<std::string, uint64_t> device_bytes;  // by GPU UUID
+  uint32_t leases = 0;
+  std::string fingerprint;
+  uint32_t tensor_count = 0;
+  uint32_t tp_size = 1;
+  double load_seconds = 0;
+};
+
+struct LoadOptions {
+  std::vector<std::string> host_resident_patterns;
+  uint32_t tp_size = 1;
+  std::vector<std::pair<std::string, uint32_t>> tp_rules;  // {pattern, dim}
+  std::vector<std::string> devices;                        // GPU UUIDs or ordinals, one per rank
+};
+
+struct LoadProgressInfo {
+  std::string phase;  // CATALOG, PLAN, ALLOCATE, READ, SEAL, DONE
+  uint64_t bytes_done = 0, bytes_total = 0;
+  uint32_t files_done = 0, files_total = 0;
+  double seconds = 0;
+};
+
+struct LoadResult {
+  ModelSummary model;
+  bool reused = false;  // an identical READY generation was reused
+};
+
+// A leased, mapped model. Owns its mappings and its lease (the fd-socket
+// connection): destroying it unmaps everything and ends the lease. Move-only.
+class MappedModel {
+ public:
+  MappedModel(MappedModel&&) noexcept;
+  MappedModel& operator=(MappedModel&&) noexcept;
+  ~MappedModel();
+
+  const Manifest& manifest() const;
+  const std::vector<TensorView>& tensors() const;
+  // nullptr when the rank holds no tensor called `name`. O(log n).
+  const TensorView* Find(absl::string_view name) const;
+  const std::string& fingerprint() const { return manifest().fingerprint; }
+  double attach_seconds() const;  // Attach RPC to all views ready
+
+  struct State;  // implementation detail
+
+ private:
+  friend class Client;
+  explicit MappedModel(std::unique_ptr<State> state);
+  std::unique_ptr<State> state_;
+};
+
+class Client {
+ public:
+  // `target`: "unix:///run/weightd/weightd.sock", a plain socket path, or
+  // "HOST:PORT". Does not block; the first call reports an unreachable daemon.
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(const std::string& target);
+  ~Client();
+
+  // Loads (or reuses) a model; `progress` is called for each progress message.
+  absl::StatusOr<LoadResult> Load(const std::string& name, const std::string& checkpoint_path,
+                                  const LoadOptions& options,
+                                  const std::function<void(const LoadProgressInfo&)>& progress = nullptr);
+  absl::StatusOr<std::vector<ModelSummary>> List();
+  absl::StatusOr<Manifest> GetManifest(const std::string& name, uint32_t rank);
+  // Takes a lease, receives the segment fds and maps them (host segments
+  // read-only and lazily: pages fault in on first use).
+  absl::StatusOr<MappedModel> Attach(const std::string& name, uint32_t rank);
+  // Returns the model as it was when unloaded; `freed` is false while
+  // leases keep it DRAINING.
+  absl::StatusOr<std::pair<ModelSummary, bool>> Unload(const std::string& name, bool force);
+
+  struct Impl;
+
+ private:
+  explicit Client(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace weightd
+
+#endif  // WEIGHTD_CLIENT_INCLUDE_WEIGHTD_CLIENT_H_

@@ -1,0 +1,188 @@
+#include "server/config.h"
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "common/env.h"
+#include "common/status.h"
+
+namespace weightd {
+namespace {
+
+using json = nlohmann::json;
+
+enum class Kind { kString, kStringList, kMap, kGidList, kNumber, kInt, kBool };
+const std::map<std::string, Kind>& Keys() {
+  static const auto* keys = new std::map<std::string, Kind>{
+      {"socket", Kind::kString},         {"fd_socket", Kind::kString},
+      {"grpc_address", Kind::kString},   {"model_root", Kind::kStringList},
+      {"metrics_address", Kind::kString}, {"health_address", Kind::kString},
+      {"device_backend", Kind::kString}, {"preload", Kind::kMap},
+      {"allowed_gids", Kind::kGidList},  {"lease_claim_timeout_seconds", Kind::kNumber},
+      {"load_threads", Kind::kInt},      {"mlock", Kind::kBool},
+  };
+  return *keys;
+}
+
+// Turns one flag value into the JSON the config file would hold.
+absl::Status AddFlag(json& patch, const std::string& key, Kind kind, const std::string& value) {
+  auto bad = [&](absl::string_view what) {
+    return absl::InvalidArgumentError(absl::StrCat("--", key, ": ", what, ", got '", value, "'"));
+  };
+  switch (kind) {
+    case Kind::kString: patch[key] = value; break;
+    case Kind::kStringList: patch[key].push_back(value); break;
+    case Kind::kMap: {
+      size_t eq = value.find('=');
+      if (eq == std::string::npos || eq == 0) return bad("expected NAME=PATH");
+      patch[key][value.substr(0, eq)] = value.substr(eq + 1);
+      break;
+    }
+    case Kind::kGidList: {
+      uint32_t gid;
+      if (!absl::SimpleAtoi(value, &gid)) return bad("expected a numeric gid");
+      patch[key].push_back(gid);
+      break;
+    }
+    case Kind::kNumber: {
+      double d;
+      if (!absl::SimpleAtod(value, &d)) return bad("expected a number");
+      patch[key] = d;
+      break;
+    }
+    case Kind::kInt: {
+      int i;
+      if (!absl::SimpleAtoi(value, &i)) return bad("expected an integer");
+      patch[key] = i;
+      break;
+    }
+    case Kind::kBool:
+      if (value != "true" && value != "false") return bad("expected true or false");
+      patch[key] = value == "true";
+      break;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Apply(const json& doc, absl::string_view where, DaemonConfig& c) {
+  if (!doc.is_object()) return absl::InvalidArgumentError(absl::StrCat(where, ": expected a JSON object"));
+  for (auto& [key, value] : doc.items()) {
+    if (Keys().count(key) == 0) return absl::InvalidArgumentError(absl::StrCat(where, ": unknown key '", key, "'"));
+  }
+  try {
+    auto get = [&](const char* key, auto& field) {
+      if (doc.contains(key)) doc.at(key).get_to(field);
+    };
+    get("socket", c.socket);
+    get("fd_socket", c.fd_socket);
+    get("grpc_address", c.grpc_address);
+    get("model_root", c.model_root);
+    get("metrics_address", c.metrics_address);
+    get("health_address", c.health_address);
+    get("device_backend", c.device_backend);
+    get("preload", c.preload);
+    get("allowed_gids", c.allowed_gids);
+    get("lease_claim_timeout_seconds", c.lease_claim_timeout_seconds);
+    get("load_threads", c.load_threads);
+    get("mlock", c.mlock);
+  } catch (const json::exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": ", e.what()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Validate(DaemonConfig& c) {
+  static const char* kBackends[] = {"auto", "cuda", "cuda-legacy-ipc", "emulated", "none"};
+  if (std::find(std::begin(kBackends), std::end(kBackends), c.device_backend) == std::end(kBackends)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--device-backend must be auto, cuda, cuda-legacy-ipc, emulated or none, got '", c.device_backend, "'"));
+  }
+  if (c.lease_claim_timeout_seconds <= 0) return absl::InvalidArgumentError("--lease-claim-timeout-seconds must be > 0");
+  if (c.load_threads < 0) return absl::InvalidArgumentError("--load-threads must be >= 0");
+  if (c.socket.empty()) return absl::InvalidArgumentError("--socket must not be empty");
+  if (c.fd_socket.empty()) {
+    std::string stem = absl::EndsWith(c.socket, ".sock") ? c.socket.substr(0, c.socket.size() - 5) : c.socket;
+    c.fd_socket = stem + ".fd.sock";
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::string DaemonUsage() {
+  return "usage: weightd --socket PATH --model-root DIR [--model-root DIR ...] [--metrics-address HOST:PORT]\n"
+         "               [--health-address HOST:PORT] [--device-backend auto|cuda|cuda-legacy-ipc|emulated|none]\n"
+         "               [--config FILE.json] [--preload NAME=PATH ...] [--fd-socket PATH] [--grpc-address HOST:PORT]\n"
+         "               [--allowed-gids GID ...] [--lease-claim-timeout-seconds S] [--load-threads N]\n"
+         "               [--mlock true|false] [--print-config]\n";
+}
+
+absl::StatusOr<ParsedArgs> ParseDaemonArgs(const std::vector<std::string>& argv) {
+  ParsedArgs parsed;
+  json patch = json::object();
+  std::string config_file;
+  for (size_t i = 0; i < argv.size(); ++i) {
+    std::string arg = argv[i];
+    if (arg == "--help" || arg == "-h") {
+      parsed.help = true;
+      continue;
+    }
+    if (arg == "--print-config") {
+      parsed.print_config = true;
+      continue;
+    }
+    if (!absl::StartsWith(arg, "--")) return absl::InvalidArgumentError(absl::StrCat("unexpected argument '", arg, "'"));
+    std::string name = arg.substr(2), value;
+    size_t eq = name.find('=');
+    bool inline_value = eq != std::string::npos;
+    if (inline_value) {
+      value = name.substr(eq + 1);
+      name = name.substr(0, eq);
+    } else if (i + 1 < argv.size()) {
+      value = argv[++i];
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat("--", name, " needs a value"));
+    }
+    if (name == "config") {
+      config_file = value;
+      continue;
+    }
+    std::string key = name;
+    std::replace(key.begin(), key.end(), '-', '_');
+    if (key == "allowed_gid") key = "allowed_gids";
+    auto kind = Keys().find(key);
+    if (kind == Keys().end()) return absl::InvalidArgumentError(absl::StrCat("unknown flag --", name));
+    WEIGHTD_RETURN_IF_ERROR(AddFlag(patch, key, kind->second, value));
+  }
+  if (!config_file.empty()) {
+    WEIGHTD_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(*Env::Default(), config_file, 1 << 20));
+    json doc;
+    try {
+      doc = json::parse(text);
+    } catch (const json::exception& e) {
+      return absl::InvalidArgumentError(absl::StrCat(config_file, ": not valid JSON: ", e.what()));
+    }
+    WEIGHTD_RETURN_IF_ERROR(Apply(doc, config_file, parsed.config));
+  }
+  // Flags win: list-valued flags replace the file's list rather than extend it.
+  WEIGHTD_RETURN_IF_ERROR(Apply(patch, "flags", parsed.config));
+  WEIGHTD_RETURN_IF_ERROR(Validate(parsed.config));
+  return parsed;
+}
+
+json ConfigToJson(const DaemonConfig& c) {
+  return {{"socket", c.socket},
+          {"fd_socket", c.fd_socket},
+          {"grpc_address", c.grpc_address},
+          {"model_root", c.model_root},
+          {"metrics_address", c.metrics_address},
+          {"health_address", c.health_address},
+          {"device_backend", c.device_backend},
+          {"preload", c.preload},
+          {"allowed_gids", c.allowed_gids},
+          {"lease_claim_timeout_seconds", c.lease_claim_timeout_seconds},
+          {"load_threads", c.load_threads},
+          {"mlock", c.mlock}};
+}
+
+}  // namespace weightd

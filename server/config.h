@@ -1,0 +1,48 @@
+// The daemon's configuration: flags (DESIGN.md "Command line") and an
+// optional JSON file with the same keys (a flag's name without "--", with
+// '_' for '-'). Flags win over the file; an unknown key or flag is an error
+// that names it.
+#ifndef WEIGHTD_SERVER_CONFIG_H_
+#define WEIGHTD_SERVER_CONFIG_H_
+
+#include <sys/types.h>
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "nlohmann/json.hpp"
+
+namespace weightd {
+
+struct DaemonConfig {
+  std::string socket = "/run/weightd/weightd.sock";  // gRPC Unix socket, mode 0660
+  std::string fd_socket;                             // default: beside socket, "<stem>.fd.sock"
+  std::string grpc_address;                          // optional extra gRPC TCP listener, HOST:PORT
+  std::vector<std::string> model_root;
+  std::string metrics_address = "127.0.0.1:9400";    // "" disables
+  std::string health_address;                        // optional TCP health-only listener
+  std::string device_backend = "auto";               // auto|cuda|cuda-legacy-ipc|emulated|none
+  std::map<std::string, std::string> preload;        // name -> checkpoint path
+  std::vector<gid_t> allowed_gids;                   // fd socket peers besides our uid and root
+  double lease_claim_timeout_seconds = 10;
+  int load_threads = 0;                              // 0: one per core
+  bool mlock = true;
+};
+
+struct ParsedArgs {
+  DaemonConfig config;
+  bool print_config = false;
+  bool help = false;
+};
+
+// Parses argv (without the program name). INVALID_ARGUMENT names the flag,
+// key or value at fault; a --config file that cannot be read is NOT_FOUND.
+absl::StatusOr<ParsedArgs> ParseDaemonArgs(const std::vector<std::string>& argv);
+nlohmann::json ConfigToJson(const DaemonConfig& config);
+std::string DaemonUsage();
+
+}  // namespace weightd
+
+#endif  // WEIGHTD_SERVER_CONFIG_H_

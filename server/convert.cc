@@ -1,0 +1,91 @@
+#include "server/convert.h"
+
+#include "absl/strings/str_format.h"
+
+namespace weightd {
+
+grpc::Status ToGrpcStatus(const absl::Status& status) {
+  if (status.ok()) return grpc::Status::OK;
+  // absl and gRPC share the canonical code numbering.
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
+}
+
+LoadRequest FromProto(const v1::LoadModelRequest& r) {
+  LoadRequest out;
+  out.name = r.name();
+  out.checkpoint_path = r.checkpoint_path();
+  out.host_resident_patterns.assign(r.host_resident_patterns().begin(), r.host_resident_patterns().end());
+  out.tp_size = r.tp_size() == 0 ? 1 : r.tp_size();
+  for (const v1::TpRule& rule : r.tp_rules()) out.tp_rules.push_back({rule.pattern(), rule.dim()});
+  out.devices.assign(r.devices().begin(), r.devices().end());
+  return out;
+}
+
+static v1::ModelState StateToProto(ModelState s) {
+  switch (s) {
+    case ModelState::kLoading: return v1::LOADING;
+    case ModelState::kReady: return v1::READY;
+    case ModelState::kFailed: return v1::FAILED;
+    case ModelState::kDraining: return v1::DRAINING;
+  }
+  return v1::MODEL_STATE_UNSPECIFIED;
+}
+
+void ToProto(const ModelGeneration& m, v1::ModelInfo* out) {
+  out->set_name(m.request.name);
+  out->set_generation(m.generation);
+  out->set_state(StateToProto(m.state.load()));
+  out->set_checkpoint_path(m.request.checkpoint_path);
+  out->set_host_bytes(m.host_bytes);
+  out->set_locked_bytes(m.locked_bytes);
+  for (const SegmentInfo& s : m.segments) {
+    if (s.placement != Placement::kDevice) continue;
+    v1::DeviceBytes* d = nullptr;
+    for (auto& existing : *out->mutable_device_bytes()) {
+      if (existing.gpu_uuid() == s.gpu_uuid) d = &existing;
+    }
+    if (d == nullptr) {
+      d = out->add_device_bytes();
+      d->set_gpu_uuid(s.gpu_uuid);
+    }
+    d->set_bytes(d->bytes() + s.size);
+  }
+  out->set_leases(static_cast<uint32_t>(m.leases.load()));
+  out->set_fingerprint(m.fingerprint);
+  out->set_tensor_count(static_cast<uint32_t>(m.tensor_count));
+  out->set_tp_size(m.request.tp_size);
+  out->set_load_seconds(m.load_seconds);
+}
+
+void ToProto(const TensorRecord& t, v1::TensorEntry* out) {
+  out->set_name(t.name);
+  out->set_dtype(std::string(DTypeName(t.dtype)));
+  for (uint64_t d : t.shape) out->add_shape(d);
+  out->set_placement(t.placement == Placement::kHost ? v1::HOST : v1::DEVICE);
+  out->set_segment(t.segment);
+  out->set_offset(t.offset);
+  out->set_nbytes(t.nbytes);
+  for (uint64_t d : t.full_shape) out->add_full_shape(d);
+  out->set_split_dim(t.split_dim);
+  out->set_split_start(t.split_start);
+  out->set_content_hash(absl::StrFormat("%016x", t.content_hash));
+}
+
+void ToProto(const SegmentInfo& s, uint32_t id, v1::SegmentDescriptor* out) {
+  out->set_id(id);
+  out->set_placement(s.placement == Placement::kHost ? v1::HOST : v1::DEVICE);
+  out->set_size(s.size);
+  out->set_gpu_uuid(s.gpu_uuid);
+  out->set_backend(s.backend);
+}
+
+void ToProto(const LoadProgress& p, v1::LoadModelProgress* out) {
+  out->set_phase(static_cast<v1::LoadModelProgress::Phase>(static_cast<int>(p.phase) + 1));
+  out->set_bytes_done(p.bytes_done);
+  out->set_bytes_total(p.bytes_total);
+  out->set_files_done(p.files_done);
+  out->set_files_total(p.files_total);
+  out->set_seconds(p.seconds);
+}
+
+}  // namespace weightd

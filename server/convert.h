@@ -1,0 +1,24 @@
+// Conversions between the gRPC messages (weightd.v1) and the core's domain
+// types, and the one place absl::Status becomes grpc::Status.
+#ifndef WEIGHTD_SERVER_CONVERT_H_
+#define WEIGHTD_SERVER_CONVERT_H_
+
+#include <grpcpp/support/status.h>
+
+#include "absl/status/status.h"
+#include "server/loader.h"
+#include "server/model.h"
+#include "weightd/v1/weightd.pb.h"
+
+namespace weightd {
+
+grpc::Status ToGrpcStatus(const absl::Status& status);
+LoadRequest FromProto(const v1::LoadModelRequest& request);
+void ToProto(const ModelGeneration& model, v1::ModelInfo* out);
+void ToProto(const TensorRecord& tensor, v1::TensorEntry* out);
+void ToProto(const SegmentInfo& segment, uint32_t id, v1::SegmentDescriptor* out);
+void ToProto(const LoadProgress& progress, v1::LoadModelProgress* out);
+
+}  // namespace weightd
+
+#endif  // WEIGHTD_SERVER_CONVERT_H_

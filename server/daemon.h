@@ -1,0 +1,28 @@
+// Wires the daemon together: registry, fd channel, gRPC server (with the
+// standard health service), preloads, and systemd notification.
+//
+// Thread-safety: Start, then Shutdown from any one thread; Shutdown is
+// idempotent.
+#ifndef WEIGHTD_SERVER_DAEMON_H_
+#define WEIGHTD_SERVER_DAEMON_H_
+
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "server/config.h"
+
+namespace weightd {
+
+class Daemon {
+ public:
+  // Listens on every configured socket, sends READY=1 to systemd (when
+  // NOTIFY_SOCKET is set), then starts the preloads in the background.
+  static absl::StatusOr<std::unique_ptr<Daemon>> Start(const DaemonConfig& config);
+  virtual ~Daemon() = default;
+  // Stops accepting, lets in-flight calls finish (up to 10 s), ends leases.
+  virtual void Shutdown() = 0;
+};
+
+}  // namespace weightd
+
+#endif  // WEIGHTD_SERVER_DAEMON_H_

@@ -1,0 +1,134 @@
+#include "server/fd_channel.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cerrno>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+
+namespace weightd {
+
+struct FdChannel::Connection {
+  ScopedFd sock;
+  std::string lease_id;  // empty until claimed
+  std::chrono::steady_clock::time_point deadline;
+};
+
+absl::StatusOr<std::unique_ptr<FdChannel>> FdChannel::Start(FdChannelOptions options, ModelRegistry* registry) {
+  WEIGHTD_ASSIGN_OR_RETURN(ScopedFd listener, ListenSeqpacket(options.path, options.mode));
+  int pipe_fds[2];
+  if (pipe2(pipe_fds, O_CLOEXEC | O_NONBLOCK) != 0) return ErrnoToStatus("pipe2", errno);
+  std::unique_ptr<FdChannel> channel(new FdChannel(std::move(options), registry, std::move(listener),
+                                                   ScopedFd(pipe_fds[0]), ScopedFd(pipe_fds[1])));
+  channel->thread_ = std::thread([c = channel.get()] { c->Loop(); });
+  return channel;
+}
+
+FdChannel::FdChannel(FdChannelOptions options, ModelRegistry* registry, ScopedFd listener, ScopedFd wake_read,
+                     ScopedFd wake_write)
+    : options_(std::move(options)),
+      registry_(registry),
+      listener_(std::move(listener)),
+      wake_read_(std::move(wake_read)),
+      wake_write_(std::move(wake_write)) {}
+
+FdChannel::~FdChannel() {
+  char byte = 1;
+  (void)!write(wake_write_.get(), &byte, 1);
+  if (thread_.joinable()) thread_.join();
+  for (auto& c : connections_) {
+    if (!c->lease_id.empty()) registry_->Release(c->lease_id);
+  }
+  unlink(options_.path.c_str());
+}
+
+void FdChannel::Loop() {
+  while (true) {
+    std::vector<pollfd> fds = {{wake_read_.get(), POLLIN, 0}, {listener_.get(), POLLIN, 0}};
+    for (auto& c : connections_) fds.push_back({c->sock.get(), POLLIN, 0});
+    int ready = poll(fds.data(), fds.size(), 100);
+    if (ready < 0 && errno != EINTR) return;
+    if (fds[0].revents) return;
+    if (fds[1].revents & POLLIN) Accept();
+    auto now = std::chrono::steady_clock::now();
+    std::vector<std::unique_ptr<Connection>> keep;
+    for (size_t i = 0; i < connections_.size(); ++i) {
+      Connection& c = *connections_[i];
+      short revents = i + 2 < fds.size() ? fds[i + 2].revents : 0;
+      bool alive = true;
+      if (revents & (POLLIN | POLLHUP | POLLERR)) {
+        alive = Serve(c);
+      } else if (c.lease_id.empty()) {
+        alive = now < c.deadline;  // never claimed: give up after the claim timeout
+      } else {
+        alive = registry_->IsLeaseLive(c.lease_id);  // revoked by a forced unload or Detach
+      }
+      if (!alive) {
+        if (!c.lease_id.empty()) registry_->Release(c.lease_id);
+        continue;
+      }
+      keep.push_back(std::move(connections_[i]));
+    }
+    connections_ = std::move(keep);
+    registry_->ExpirePending();
+  }
+}
+
+void FdChannel::Accept() {
+  int fd = accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC);
+  if (fd < 0) return;
+  auto c = std::make_unique<Connection>();
+  c->sock = ScopedFd(fd);
+  c->deadline = std::chrono::steady_clock::now() + registry_->claim_timeout();
+  connections_.push_back(std::move(c));
+}
+
+bool FdChannel::PeerAllowed(int sock, std::string* why) const {
+  absl::StatusOr<PeerCredentials> peer = GetPeerCredentials(sock);
+  if (!peer.ok()) {
+    *why = std::string(peer.status().message());
+    return false;
+  }
+  if (peer->uid == getuid() || peer->uid == 0) return true;
+  if (std::find(options_.allowed_gids.begin(), options_.allowed_gids.end(), peer->gid) != options_.allowed_gids.end()) {
+    return true;
+  }
+  *why = absl::StrCat("peer uid ", peer->uid, " gid ", peer->gid, " (pid ", peer->pid,
+                      ") is neither the daemon's uid nor in the allowed gids");
+  return false;
+}
+
+bool FdChannel::Serve(Connection& c) {
+  absl::StatusOr<std::string> message = ReceiveMessage(c.sock.get(), nullptr, 0);
+  if (!message.ok()) return false;  // EOF or error: the lease (if any) ends
+  if (!c.lease_id.empty()) return true;  // clients send nothing after CLAIM; ignore
+  auto refuse = [&](absl::StatusCode code, absl::string_view why) {
+    (void)SendMessage(c.sock.get(), absl::StrCat("ERR ", static_cast<int>(code), " ", why), {});
+    return false;
+  };
+  std::string why;
+  if (!PeerAllowed(c.sock.get(), &why)) return refuse(absl::StatusCode::kPermissionDenied, why);
+  if (!absl::StartsWith(*message, "CLAIM ")) return refuse(absl::StatusCode::kInvalidArgument, "expected 'CLAIM <lease_id>'");
+  absl::StatusOr<ModelRegistry::Grant> grant = registry_->Claim(message->substr(6));
+  if (!grant.ok()) return refuse(grant.status().code(), grant.status().message());
+  c.lease_id = grant->lease_id;
+  std::vector<int> fds;
+  for (uint32_t id : grant->model->ranks[grant->rank].segments) fds.push_back(grant->model->segments[id].fd);
+  size_t sent = std::min(fds.size(), kMaxFdsPerMessage);
+  if (!SendMessage(c.sock.get(), absl::StrCat("OK ", fds.size()), {fds.begin(), fds.begin() + sent}).ok()) return false;
+  while (sent < fds.size()) {
+    size_t n = std::min(fds.size() - sent, kMaxFdsPerMessage);
+    if (!SendMessage(c.sock.get(), "MORE", {fds.begin() + sent, fds.begin() + sent + n}).ok()) return false;
+    sent += n;
+  }
+  return true;
+}
+
+}  // namespace weightd

@@ -1,0 +1,67 @@
+// The fd channel: a SOCK_SEQPACKET Unix socket beside the gRPC socket over
+// which clients receive segment file descriptors, and whose connection is the
+// lease.
+//
+// Protocol (one SEQPACKET message per line below):
+//   client -> daemon   "CLAIM <lease_id>"
+//   daemon -> client   "OK <n>" carrying the first min(n, 250) fds (SCM_RIGHTS),
+//                      then "MORE" messages carrying the rest, in the order of
+//                      the Attach response's segments;
+//                  or  "ERR <grpc-code-number> <message>" and the daemon closes.
+// The client then keeps the connection open and sends nothing. When it closes
+// (exit, crash, SIGKILL: the kernel closes it), the daemon sees EOF and ends
+// the lease. A connection that does not send CLAIM within the claim timeout
+// is closed. The peer is checked with SO_PEERCRED: same uid as the daemon,
+// root, or a gid in the allowed list.
+//
+// Thread-safety: Start/Stop from one thread; the channel runs its own thread.
+#ifndef WEIGHTD_SERVER_FD_CHANNEL_H_
+#define WEIGHTD_SERVER_FD_CHANNEL_H_
+
+#include <sys/types.h>
+
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/unix_socket.h"
+#include "server/registry.h"
+
+namespace weightd {
+
+struct FdChannelOptions {
+  std::string path;                 // e.g. /run/weightd/weightd.fd.sock
+  mode_t mode = 0660;
+  std::vector<gid_t> allowed_gids;  // besides the daemon's own uid and root
+};
+
+class FdChannel {
+ public:
+  // Listens on options.path and starts serving. `registry` must outlive this.
+  static absl::StatusOr<std::unique_ptr<FdChannel>> Start(FdChannelOptions options, ModelRegistry* registry);
+  // Stops the thread and closes every connection, ending their leases.
+  ~FdChannel();
+
+ private:
+  struct Connection;
+  FdChannel(FdChannelOptions options, ModelRegistry* registry, ScopedFd listener, ScopedFd wake_read,
+            ScopedFd wake_write);
+  void Loop();
+  void Accept();
+  // Returns false when the connection must be closed.
+  bool Serve(Connection& connection);
+  bool PeerAllowed(int sock, std::string* why) const;
+
+  FdChannelOptions options_;
+  ModelRegistry* registry_;
+  ScopedFd listener_;
+  ScopedFd wake_read_, wake_write_;
+  std::vector<std::unique_ptr<Connection>> connections_;
+  std::thread thread_;
+};
+
+}  // namespace weightd
+
+#endif  // WEIGHTD_SERVER_FD_CHANNEL_H_

@@ -1,0 +1,56 @@
+// The load pipeline: catalog -> plan -> allocate -> parallel read + hash ->
+// seal. Host tensors are read with pread(2) straight into their sealed-to-be
+// memfd (no intermediate copy) by a pool of threads, in blocks of at most
+// kReadBlockBytes; each block is hashed while it is still in cache.
+//
+// Content hash of a tensor (xxHash's XXH3-64, seed 0): the tensor's bytes are
+// cut into kHashBlockBytes blocks; a tensor of one block (or empty) hashes to
+// XXH3-64 of its bytes, a larger one to XXH3-64 of the little-endian array of
+// its block hashes. The model fingerprint is XXH3-128 over, for each tensor in
+// name order, "name\0dtype\0dim,dim,...\0<16 hex hash>\n".
+#ifndef WEIGHTD_SERVER_LOADER_H_
+#define WEIGHTD_SERVER_LOADER_H_
+
+#include <functional>
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "common/catalog.h"
+#include "server/model.h"
+
+namespace weightd {
+
+inline constexpr uint64_t kReadBlockBytes = 16ull << 20;
+inline constexpr uint64_t kHashBlockBytes = 16ull << 20;
+inline constexpr uint64_t kHostAlignment = 64;
+
+struct LoadProgress {
+  enum class Phase { kCatalog, kPlan, kAllocate, kRead, kSeal, kDone };
+  Phase phase = Phase::kCatalog;
+  uint64_t bytes_done = 0;
+  uint64_t bytes_total = 0;
+  uint32_t files_done = 0;
+  uint32_t files_total = 0;
+  double seconds = 0;
+};
+using ProgressFn = std::function<void(const LoadProgress&)>;
+
+struct LoaderOptions {
+  int threads = 0;     // 0: one per core
+  bool mlock = true;   // lock host segments when RLIMIT_MEMLOCK allows
+};
+
+// Loads `catalog` (already validated) into a new generation placed per
+// `request`. Progress is reported from the calling thread only, at most every
+// 100 ms and at each phase change. On any error everything allocated is freed
+// before returning. Errors name the file and byte offset of a failed read.
+absl::StatusOr<std::unique_ptr<ModelGeneration>> LoadGeneration(const Catalog& catalog, const LoadRequest& request,
+                                                                 const LoaderOptions& options,
+                                                                 const ProgressFn& progress);
+
+// The content hash of `n` bytes, as defined above (for clients and tests).
+uint64_t TensorContentHash(const char* data, uint64_t n);
+
+}  // namespace weightd
+
+#endif  // WEIGHTD_SERVER_LOADER_H_

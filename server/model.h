@@ -1,0 +1,93 @@
+// A model generation: one load of a model name, with its segments and the
+// manifest of each tensor-parallel rank. Immutable once READY; its memory
+// lives exactly as long as the last shared_ptr to it (registry entry or lease).
+#ifndef WEIGHTD_SERVER_MODEL_H_
+#define WEIGHTD_SERVER_MODEL_H_
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/dtype.h"
+#include "common/host_segment.h"
+
+namespace weightd {
+
+enum class ModelState { kLoading, kReady, kFailed, kDraining };
+enum class Placement { kHost, kDevice };
+
+// A {pattern, dim} tensor-parallel rule: tensors whose name contains
+// `pattern` are split evenly along `dim`.
+struct TpRule {
+  std::string pattern;
+  uint32_t dim = 0;
+};
+
+// What a client asked to load (LoadModelRequest in domain types).
+struct LoadRequest {
+  std::string name;
+  std::string checkpoint_path;
+  std::vector<std::string> host_resident_patterns;
+  uint32_t tp_size = 1;
+  std::vector<TpRule> tp_rules;
+  std::vector<std::string> devices;
+  bool SamePlan(const LoadRequest& other) const;
+};
+
+struct TensorRecord {
+  std::string name;
+  DType dtype;
+  std::vector<uint64_t> shape;       // this rank's shape
+  Placement placement = Placement::kHost;
+  uint32_t segment = 0;              // index into RankManifest::segments
+  uint64_t offset = 0;               // bytes within the segment
+  uint64_t nbytes = 0;
+  std::vector<uint64_t> full_shape;  // the checkpoint's shape
+  int32_t split_dim = -1;            // -1: not split
+  uint64_t split_start = 0;
+  uint64_t content_hash = 0;         // of the full checkpoint tensor (see loader.h)
+};
+
+struct SegmentInfo {
+  Placement placement = Placement::kHost;
+  uint64_t size = 0;
+  std::string backend;   // "memfd", "emulated", "cuda-vmm", "cuda-legacy-ipc"
+  std::string gpu_uuid;  // device segments
+  int fd = -1;           // shareable fd (owned by the segment object)
+};
+
+struct RankManifest {
+  std::vector<uint32_t> segments;  // ids into ModelGeneration::segments, in fd order
+  std::vector<TensorRecord> tensors;
+};
+
+struct FileStamp {
+  std::string name;
+  uint64_t size = 0;
+  int64_t mtime_ns = 0;
+  bool operator==(const FileStamp&) const = default;
+};
+
+class ModelGeneration {
+ public:
+  LoadRequest request;             // checkpoint_path resolved with realpath
+  uint64_t generation = 0;
+  std::vector<FileStamp> files;    // what was read, to detect a rewritten checkpoint
+  std::vector<std::unique_ptr<HostSegment>> host_segments;
+  std::vector<SegmentInfo> segments;
+  std::vector<RankManifest> ranks;  // tp_size entries
+  std::string fingerprint;          // 32 hex digits
+  double load_seconds = 0;
+  uint64_t host_bytes = 0;
+  uint64_t locked_bytes = 0;
+  uint64_t tensor_count = 0;
+
+  std::atomic<ModelState> state{ModelState::kLoading};
+  std::atomic<int> leases{0};
+};
+
+}  // namespace weightd
+
+#endif  // WEIGHTD_SERVER_MODEL_H_

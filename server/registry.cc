@@ -1,0 +1,268 @@
+#include "server/registry.h"
+
+#include <random>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "common/status.h"
+
+namespace weightd {
+namespace {
+
+std::string NewLeaseId() {
+  static std::mutex mu;
+  static std::random_device device;
+  std::lock_guard<std::mutex> lock(mu);
+  return absl::StrFormat("%08x%08x%08x%08x", device(), device(), device(), device());
+}
+
+}  // namespace
+
+bool LoadRequest::SamePlan(const LoadRequest& o) const {
+  auto same_rules = [&] {
+    if (tp_rules.size() != o.tp_rules.size()) return false;
+    for (size_t i = 0; i < tp_rules.size(); ++i) {
+      if (tp_rules[i].pattern != o.tp_rules[i].pattern || tp_rules[i].dim != o.tp_rules[i].dim) return false;
+    }
+    return true;
+  };
+  return checkpoint_path == o.checkpoint_path && host_resident_patterns == o.host_resident_patterns &&
+         tp_size == o.tp_size && devices == o.devices && same_rules();
+}
+
+absl::Status ValidateModelName(const std::string& name) {
+  if (name.empty() || name.size() > 128) {
+    return absl::InvalidArgumentError(absl::StrCat("model name must be 1 to 128 characters, got ", name.size()));
+  }
+  for (char c : name) {
+    if (!(isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-')) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("model name '", name, "' may hold only letters, digits, '.', '_' and '-'"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+ModelRegistry::ModelRegistry(RegistryOptions options, RegistryListener* listener)
+    : options_(std::move(options)), listener_(listener) {}
+
+absl::StatusOr<std::string> ModelRegistry::ResolvePath(const std::string& path) const {
+  if (path.empty()) return absl::InvalidArgumentError("checkpoint path is empty");
+  if (options_.model_roots.empty()) {
+    return absl::PermissionDeniedError("no --model-root is configured, so no checkpoint may be loaded");
+  }
+  std::vector<std::string> candidates;
+  if (path[0] == '/') {
+    candidates.push_back(path);
+  } else {
+    for (const std::string& root : options_.model_roots) candidates.push_back(root + "/" + path);
+  }
+  std::string resolved;
+  for (const std::string& candidate : candidates) {
+    absl::StatusOr<std::string> real = Env::Default()->RealPath(candidate);
+    if (real.ok()) {
+      resolved = *real;
+      break;
+    }
+  }
+  if (resolved.empty()) return absl::NotFoundError(absl::StrCat(path, ": no such checkpoint file or folder"));
+  for (const std::string& root : options_.model_roots) {
+    absl::StatusOr<std::string> real_root = Env::Default()->RealPath(root);
+    if (!real_root.ok()) continue;
+    if (resolved == *real_root || absl::StartsWith(resolved, *real_root + "/")) return resolved;
+  }
+  return absl::PermissionDeniedError(
+      absl::StrCat(path, ": resolves to ", resolved, ", outside every --model-root (", absl::StrJoin(options_.model_roots, ", "), ")"));
+}
+
+std::shared_ptr<ModelGeneration> ModelRegistry::Reusable(const LoadRequest& request, const Catalog& catalog) const {
+  auto it = current_.find(request.name);
+  if (it == current_.end() || it->second->state != ModelState::kReady) return nullptr;
+  const ModelGeneration& model = *it->second;
+  if (!model.request.SamePlan(request) || model.files.size() != catalog.files.size()) return nullptr;
+  for (size_t i = 0; i < catalog.files.size(); ++i) {
+    const CatalogFile& f = catalog.files[i];
+    if (!(model.files[i] == FileStamp{f.name, f.size, f.mtime_ns})) return nullptr;
+  }
+  return it->second;
+}
+
+absl::StatusOr<ModelRegistry::LoadResult> ModelRegistry::Load(LoadRequest request, const ProgressFn& progress) {
+  WEIGHTD_RETURN_IF_ERROR(ValidateModelName(request.name));
+  if (request.tp_size == 0) request.tp_size = 1;
+  WEIGHTD_ASSIGN_OR_RETURN(request.checkpoint_path, ResolvePath(request.checkpoint_path));
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!loading_.insert(request.name).second) {
+      return absl::AlreadyExistsError(absl::StrCat("model '", request.name, "' is already being loaded"));
+    }
+  }
+  auto done_loading = [&] {
+    std::lock_guard<std::mutex> lock(mu_);
+    loading_.erase(request.name);
+  };
+  if (progress) progress(LoadProgress{});
+  absl::StatusOr<Catalog> catalog = BuildCatalog(request.checkpoint_path);
+  if (!catalog.ok()) {
+    done_loading();
+    if (listener_) listener_->OnLoadFailed(catalog.status());
+    return catalog.status();
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (std::shared_ptr<ModelGeneration> same = Reusable(request, *catalog)) {
+      loading_.erase(request.name);
+      return LoadResult{same, true};
+    }
+  }
+  absl::StatusOr<std::unique_ptr<ModelGeneration>> loaded =
+      LoadGeneration(*catalog, request, options_.loader, progress);
+  std::lock_guard<std::mutex> lock(mu_);
+  loading_.erase(request.name);
+  if (!loaded.ok()) {
+    if (listener_) listener_->OnLoadFailed(loaded.status());
+    return loaded.status();
+  }
+  std::shared_ptr<ModelGeneration> model = std::move(*loaded);
+  model->generation = next_generation_++;
+  model->state = ModelState::kReady;
+  auto it = current_.find(request.name);
+  if (it != current_.end()) Retire(std::move(it->second));
+  current_[request.name] = model;
+  if (listener_) {
+    listener_->OnLoadFinished(*model, catalog->total_bytes(), model->load_seconds);
+    listener_->OnModelServing(request.name, true);
+  }
+  NotifyMemory();
+  return LoadResult{model, false};
+}
+
+void ModelRegistry::Retire(std::shared_ptr<ModelGeneration> model) {
+  if (model->leases.load() > 0) {
+    model->state = ModelState::kDraining;
+    draining_.push_back(std::move(model));
+  }
+  // Otherwise the last reference goes out of scope here and frees the segments.
+}
+
+absl::StatusOr<ModelRegistry::UnloadResult> ModelRegistry::Unload(const std::string& name, bool force) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = current_.find(name);
+  if (it == current_.end()) return absl::NotFoundError(absl::StrCat("no model named '", name, "'"));
+  std::shared_ptr<ModelGeneration> model = std::move(it->second);
+  current_.erase(it);
+  if (listener_) listener_->OnModelServing(name, false);
+  if (force) {
+    for (auto l = leases_.begin(); l != leases_.end();) {
+      auto next = std::next(l);
+      if (l->second.model->request.name == name) DropLease(l);
+      l = next;
+    }
+  }
+  bool freed = model->leases.load() == 0;
+  Retire(model);
+  NotifyMemory();
+  return UnloadResult{model, freed};
+}
+
+std::vector<std::shared_ptr<ModelGeneration>> ModelRegistry::List() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::shared_ptr<ModelGeneration>> out;
+  for (const auto& [name, model] : current_) out.push_back(model);
+  out.insert(out.end(), draining_.begin(), draining_.end());
+  return out;
+}
+
+absl::StatusOr<std::shared_ptr<ModelGeneration>> ModelRegistry::Get(const std::string& name) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = current_.find(name);
+  if (it == current_.end()) {
+    if (loading_.count(name)) return absl::FailedPreconditionError(absl::StrCat("model '", name, "' is still loading"));
+    return absl::NotFoundError(absl::StrCat("no model named '", name, "'"));
+  }
+  return it->second;
+}
+
+absl::StatusOr<ModelRegistry::Grant> ModelRegistry::Attach(const std::string& name, uint32_t rank) {
+  WEIGHTD_ASSIGN_OR_RETURN(std::shared_ptr<ModelGeneration> model, Get(name));
+  if (rank >= model->ranks.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", rank, " is out of range: model '", name, "' has ", model->ranks.size(), " rank(s)"));
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  std::string id = NewLeaseId();
+  leases_[id] = Lease{model, rank, false, std::chrono::steady_clock::now() + options_.claim_timeout};
+  int count = ++model->leases;
+  if (listener_) listener_->OnLeasesChanged(name, count);
+  return Grant{id, model, rank};
+}
+
+absl::StatusOr<ModelRegistry::Grant> ModelRegistry::Claim(const std::string& lease_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = leases_.find(lease_id);
+  if (it == leases_.end()) return absl::NotFoundError("unknown or expired lease id");
+  if (it->second.claimed) return absl::FailedPreconditionError("lease already claimed on another connection");
+  it->second.claimed = true;
+  return Grant{lease_id, it->second.model, it->second.rank};
+}
+
+void ModelRegistry::DropLease(std::map<std::string, Lease>::iterator it) {
+  std::shared_ptr<ModelGeneration> model = std::move(it->second.model);
+  leases_.erase(it);
+  int count = --model->leases;
+  if (listener_) listener_->OnLeasesChanged(model->request.name, count);
+  if (count == 0 && model->state == ModelState::kDraining) {
+    std::erase(draining_, model);
+  }
+}
+
+void ModelRegistry::Release(const std::string& lease_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = leases_.find(lease_id);
+  if (it == leases_.end()) return;
+  DropLease(it);
+  NotifyMemory();
+}
+
+absl::Status ModelRegistry::Detach(const std::string& lease_id) {
+  if (!IsLeaseLive(lease_id)) return absl::NotFoundError("unknown or expired lease id");
+  Release(lease_id);
+  return absl::OkStatus();
+}
+
+bool ModelRegistry::IsLeaseLive(const std::string& lease_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return leases_.count(lease_id) != 0;
+}
+
+int ModelRegistry::ExpirePending() {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto now = std::chrono::steady_clock::now();
+  int expired = 0;
+  for (auto it = leases_.begin(); it != leases_.end();) {
+    auto next = std::next(it);
+    if (!it->second.claimed && it->second.deadline < now) {
+      DropLease(it);
+      ++expired;
+    }
+    it = next;
+  }
+  if (expired) NotifyMemory();
+  return expired;
+}
+
+void ModelRegistry::NotifyMemory() {
+  if (!listener_) return;
+  uint64_t host = 0, locked = 0;
+  auto add = [&](const ModelGeneration& m) {
+    host += m.host_bytes;
+    locked += m.locked_bytes;
+  };
+  for (const auto& [name, model] : current_) add(*model);
+  for (const auto& model : draining_) add(*model);
+  listener_->OnMemoryChanged(host, locked);
+}
+
+}  // namespace weightd

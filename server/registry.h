@@ -1,0 +1,121 @@
+// The model registry: names -> generations, their states, and leases.
+//
+// Memory ownership: a generation is held by shared_ptr from the registry
+// (while it is the current generation of its name, or DRAINING) and from
+// every lease on it; its segments are freed when the last holder lets go.
+// A lease is PENDING from Attach() until the client claims it on the fd
+// socket (or it expires after claim_timeout), then ACTIVE until released.
+//
+// Thread-safety: every method may be called from any thread.
+#ifndef WEIGHTD_SERVER_REGISTRY_H_
+#define WEIGHTD_SERVER_REGISTRY_H_
+
+#include <chrono>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "server/loader.h"
+#include "server/model.h"
+
+namespace weightd {
+
+// Told about state changes (health, metrics). Called with the registry lock
+// held: implementations must be quick, thread-safe, and never call back into
+// the registry.
+class RegistryListener {
+ public:
+  virtual ~RegistryListener() = default;
+  virtual void OnModelServing(const std::string& name, bool serving) {}
+  virtual void OnLoadFinished(const ModelGeneration& model, uint64_t bytes, double seconds) {}
+  virtual void OnLoadFailed(const absl::Status& status) {}
+  virtual void OnLeasesChanged(const std::string& name, int active) {}
+  virtual void OnMemoryChanged(uint64_t host_bytes, uint64_t locked_bytes) {}
+};
+
+struct RegistryOptions {
+  std::vector<std::string> model_roots;  // a load path must resolve under one of these
+  LoaderOptions loader;
+  std::chrono::milliseconds claim_timeout{10000};
+};
+
+class ModelRegistry {
+ public:
+  ModelRegistry(RegistryOptions options, RegistryListener* listener);
+
+  struct LoadResult {
+    std::shared_ptr<ModelGeneration> model;
+    bool reused = false;
+  };
+  // Validates the request, resolves the path under a model root (symlinks
+  // included; PERMISSION_DENIED outside), catalogs, and loads a new
+  // generation; or reuses the READY one loaded from the same unchanged files
+  // with the same plan. ALREADY_EXISTS while another load of the name runs.
+  absl::StatusOr<LoadResult> Load(LoadRequest request, const ProgressFn& progress);
+
+  struct UnloadResult {
+    std::shared_ptr<ModelGeneration> model;
+    bool freed = false;
+  };
+  // Stops new leases; frees at once when unleased, else DRAINING until the
+  // last lease ends. `force` revokes every lease of the name first.
+  absl::StatusOr<UnloadResult> Unload(const std::string& name, bool force);
+
+  // Current generations by name, then draining ones.
+  std::vector<std::shared_ptr<ModelGeneration>> List() const;
+  // The READY generation of `name`: NOT_FOUND, or FAILED_PRECONDITION when loading.
+  absl::StatusOr<std::shared_ptr<ModelGeneration>> Get(const std::string& name) const;
+
+  struct Grant {
+    std::string lease_id;  // 32 hex digits
+    std::shared_ptr<ModelGeneration> model;
+    uint32_t rank = 0;
+  };
+  absl::StatusOr<Grant> Attach(const std::string& name, uint32_t rank);
+  // PENDING -> ACTIVE. NOT_FOUND for an unknown or expired id,
+  // FAILED_PRECONDITION for one already claimed.
+  absl::StatusOr<Grant> Claim(const std::string& lease_id);
+  // Ends a lease in any state; unknown ids are ignored.
+  void Release(const std::string& lease_id);
+  // Release() for clients: NOT_FOUND for an unknown id.
+  absl::Status Detach(const std::string& lease_id);
+  bool IsLeaseLive(const std::string& lease_id) const;
+  // Drops PENDING leases older than claim_timeout; returns how many.
+  int ExpirePending();
+
+  std::chrono::milliseconds claim_timeout() const { return options_.claim_timeout; }
+
+ private:
+  struct Lease {
+    std::shared_ptr<ModelGeneration> model;
+    uint32_t rank;
+    bool claimed;
+    std::chrono::steady_clock::time_point deadline;
+  };
+
+  absl::StatusOr<std::string> ResolvePath(const std::string& path) const;
+  std::shared_ptr<ModelGeneration> Reusable(const LoadRequest& request, const Catalog& catalog) const;
+  void Retire(std::shared_ptr<ModelGeneration> model);  // requires mu_
+  void DropLease(std::map<std::string, Lease>::iterator it);  // requires mu_
+  void NotifyMemory();  // requires mu_
+
+  const RegistryOptions options_;
+  RegistryListener* listener_;
+  mutable std::mutex mu_;
+  std::map<std::string, std::shared_ptr<ModelGeneration>> current_;
+  std::vector<std::shared_ptr<ModelGeneration>> draining_;
+  std::set<std::string> loading_;
+  std::map<std::string, Lease> leases_;
+  uint64_t next_generation_ = 1;
+};
+
+// Model names: 1..128 characters of [A-Za-z0-9._-].
+absl::Status ValidateModelName(const std::string& name);
+
+}  // namespace weightd
+
+#endif  // WEIGHTD_SERVER_REGISTRY_H_

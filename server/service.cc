@@ -1,0 +1,116 @@
+#include "server/service.h"
+
+#include "absl/strings/str_cat.h"
+#include "server/convert.h"
+
+namespace weightd {
+namespace {
+
+constexpr size_t kMaxPathBytes = 4096;
+constexpr uint32_t kDefaultPageSize = 4096;
+
+absl::Status CheckLoadRequest(const v1::LoadModelRequest& r) {
+  if (r.checkpoint_path().size() > kMaxPathBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("checkpoint path is longer than ", kMaxPathBytes, " bytes"));
+  }
+  for (const auto& rule : r.tp_rules()) {
+    if (rule.pattern().empty()) return absl::InvalidArgumentError("a TP rule has an empty pattern");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+WeightdService::WeightdService(ModelRegistry* registry, std::string fd_socket_path)
+    : registry_(registry), fd_socket_path_(std::move(fd_socket_path)) {}
+
+grpc::Status WeightdService::LoadModel(grpc::ServerContext* context, const v1::LoadModelRequest* request,
+                                       grpc::ServerWriter<v1::LoadModelProgress>* writer) {
+  if (absl::Status bad = CheckLoadRequest(*request); !bad.ok()) return ToGrpcStatus(bad);
+  auto progress = [&](const LoadProgress& p) {
+    v1::LoadModelProgress message;
+    ToProto(p, &message);
+    writer->Write(message);  // a gone client does not stop the load: others may attach
+  };
+  absl::StatusOr<ModelRegistry::LoadResult> result = registry_->Load(FromProto(*request), progress);
+  if (!result.ok()) return ToGrpcStatus(result.status());
+  v1::LoadModelProgress done;
+  done.set_phase(v1::LoadModelProgress::DONE);
+  done.set_reused(result->reused);
+  done.set_bytes_done(result->model->host_bytes);
+  done.set_bytes_total(result->model->host_bytes);
+  done.set_seconds(result->reused ? 0 : result->model->load_seconds);
+  ToProto(*result->model, done.mutable_model());
+  writer->Write(done);
+  return grpc::Status::OK;
+}
+
+grpc::Status WeightdService::UnloadModel(grpc::ServerContext*, const v1::UnloadModelRequest* request,
+                                         v1::UnloadModelResponse* response) {
+  absl::StatusOr<ModelRegistry::UnloadResult> result = registry_->Unload(request->name(), request->force());
+  if (!result.ok()) return ToGrpcStatus(result.status());
+  ToProto(*result->model, response->mutable_model());
+  response->set_freed(result->freed);
+  return grpc::Status::OK;
+}
+
+grpc::Status WeightdService::ListModels(grpc::ServerContext*, const v1::ListModelsRequest*,
+                                        v1::ListModelsResponse* response) {
+  for (const auto& model : registry_->List()) ToProto(*model, response->add_models());
+  return grpc::Status::OK;
+}
+
+grpc::Status WeightdService::GetManifest(grpc::ServerContext*, const v1::GetManifestRequest* request,
+                                         grpc::ServerWriter<v1::ManifestPage>* writer) {
+  absl::StatusOr<std::shared_ptr<ModelGeneration>> model = registry_->Get(request->name());
+  if (!model.ok()) return ToGrpcStatus(model.status());
+  const ModelGeneration& m = **model;
+  if (request->rank() >= m.ranks.size()) {
+    return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat("rank ", request->rank(), " is out of range: model '",
+                                                                request->name(), "' has ", m.ranks.size(), " rank(s)")));
+  }
+  const RankManifest& rank = m.ranks[request->rank()];
+  uint32_t page_size = request->page_size() == 0 ? kDefaultPageSize : request->page_size();
+  size_t i = 0;
+  do {
+    v1::ManifestPage page;
+    page.set_model(m.request.name);
+    page.set_generation(m.generation);
+    page.set_rank(request->rank());
+    page.set_fingerprint(m.fingerprint);
+    page.set_total_tensors(static_cast<uint32_t>(rank.tensors.size()));
+    if (i == 0) {
+      for (uint32_t s = 0; s < rank.segments.size(); ++s) ToProto(m.segments[rank.segments[s]], s, page.add_segments());
+    }
+    for (size_t end = std::min(rank.tensors.size(), i + page_size); i < end; ++i) {
+      ToProto(rank.tensors[i], page.add_tensors());
+    }
+    if (!writer->Write(page)) break;
+  } while (i < rank.tensors.size());
+  return grpc::Status::OK;
+}
+
+grpc::Status WeightdService::Attach(grpc::ServerContext*, const v1::AttachRequest* request,
+                                    v1::AttachResponse* response) {
+  absl::StatusOr<ModelRegistry::Grant> grant = registry_->Attach(request->name(), request->rank());
+  if (!grant.ok()) return ToGrpcStatus(grant.status());
+  const ModelGeneration& m = *grant->model;
+  const RankManifest& rank = m.ranks[grant->rank];
+  response->set_lease_id(grant->lease_id);
+  response->set_fd_socket(fd_socket_path_);
+  response->set_claim_timeout_seconds(
+      std::chrono::duration<double>(registry_->claim_timeout()).count());
+  response->set_model(m.request.name);
+  response->set_generation(m.generation);
+  response->set_rank(grant->rank);
+  response->set_fingerprint(m.fingerprint);
+  for (uint32_t s = 0; s < rank.segments.size(); ++s) ToProto(m.segments[rank.segments[s]], s, response->add_segments());
+  for (const TensorRecord& t : rank.tensors) ToProto(t, response->add_tensors());
+  return grpc::Status::OK;
+}
+
+grpc::Status WeightdService::Detach(grpc::ServerContext*, const v1::DetachRequest* request, v1::DetachResponse*) {
+  return ToGrpcStatus(registry_->Detach(request->lease_id()));
+}
+
+}  // namespace weightd

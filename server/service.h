@@ -1,0 +1,42 @@
+// The gRPC service: each handler converts the request, calls the registry,
+// converts back. No logic lives here (see registry.h), and no metrics: RPCs
+// are counted and timed by an interceptor (see daemon.cc).
+//
+// It uses gRPC's synchronous API: LoadModel blocks for the whole load and
+// streams progress from the handler thread, which the sync thread pool suits.
+#ifndef WEIGHTD_SERVER_SERVICE_H_
+#define WEIGHTD_SERVER_SERVICE_H_
+
+#include <string>
+
+#include "server/registry.h"
+#include "weightd/v1/weightd.grpc.pb.h"
+
+namespace weightd {
+
+class WeightdService final : public v1::Weightd::Service {
+ public:
+  // `registry` must outlive the service.
+  WeightdService(ModelRegistry* registry, std::string fd_socket_path);
+
+  grpc::Status LoadModel(grpc::ServerContext* context, const v1::LoadModelRequest* request,
+                         grpc::ServerWriter<v1::LoadModelProgress>* writer) override;
+  grpc::Status UnloadModel(grpc::ServerContext* context, const v1::UnloadModelRequest* request,
+                           v1::UnloadModelResponse* response) override;
+  grpc::Status ListModels(grpc::ServerContext* context, const v1::ListModelsRequest* request,
+                          v1::ListModelsResponse* response) override;
+  grpc::Status GetManifest(grpc::ServerContext* context, const v1::GetManifestRequest* request,
+                           grpc::ServerWriter<v1::ManifestPage>* writer) override;
+  grpc::Status Attach(grpc::ServerContext* context, const v1::AttachRequest* request,
+                      v1::AttachResponse* response) override;
+  grpc::Status Detach(grpc::ServerContext* context, const v1::DetachRequest* request,
+                      v1::DetachResponse* response) override;
+
+ private:
+  ModelRegistry* registry_;
+  std::string fd_socket_path_;
+};
+
+}  // namespace weightd
+
+#endif  // WEIGHTD_SERVER_SERVICE_H_

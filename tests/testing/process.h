@@ -1,0 +1,75 @@
+// Real processes for end-to-end tests: spawn a binary with its output going
+// to files, wait for it, signal it; and a weightd daemon on a temporary
+// socket.
+#ifndef WEIGHTD_TESTS_TESTING_PROCESS_H_
+#define WEIGHTD_TESTS_TESTING_PROCESS_H_
+
+#include <sys/types.h>
+
+#include <string>
+#include <vector>
+
+#include "tests/testing/shared_inputs.h"
+
+namespace weightd::testing {
+
+class Process {
+ public:
+  // Starts argv[0] (a path) with stdout/stderr redirected into files in `dir`.
+  Process(const std::vector<std::string>& argv, const std::string& dir);
+  ~Process();  // SIGKILLs and reaps a process still running
+  Process(const Process&) = delete;
+  Process& operator=(const Process&) = delete;
+
+  pid_t pid() const { return pid_; }
+  // Waits for exit; returns the exit status, or 128 + signal number.
+  int Wait();
+  bool Running();
+  void Signal(int sig);
+  std::string Stdout() const;
+  std::string Stderr() const;
+
+ private:
+  pid_t pid_ = -1;
+  bool reaped_ = false;
+  int status_ = 0;
+  std::string out_path_, err_path_;
+};
+
+struct CommandResult {
+  int code;
+  std::string out, err;
+};
+// Runs a command to completion.
+CommandResult RunCommand(const std::vector<std::string>& argv);
+
+// WEIGHTD_BINARY / WEIGHTCTL_BINARY, set by CTest.
+std::string WeightdBinary();
+std::string WeightctlBinary();
+
+// A weightd on <tmp>/w.sock with model roots <tmp>/models and ../shared
+// (when present). Start() waits until the gRPC socket answers.
+class DaemonProcess {
+ public:
+  explicit DaemonProcess(std::vector<std::string> extra_args = {});
+  ~DaemonProcess();
+  const std::string& socket() const { return socket_; }
+  std::string models_dir() const { return dir_.Join("models"); }
+  const TempDir& dir() const { return dir_; }
+  pid_t pid() const { return process_->pid(); }
+  Process& process() { return *process_; }
+  // weightctl --socket <socket> args...
+  CommandResult Ctl(const std::vector<std::string>& args) const;
+  std::vector<std::string> CtlArgv(const std::vector<std::string>& args) const;
+  // SIGTERM and wait: the exit status.
+  int Stop();
+
+ private:
+  TempDir dir_;
+  std::string socket_;
+  std::unique_ptr<Process> process_;
+};
+
+}  // namespace weightd::testing
+
+#endif  // WEIGHTD_TESTS_TESTING_PROCESS_H_
