@@ -4,11 +4,13 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <cstring>
 #include <chrono>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/device.h"
 #include "common/status.h"
 #include "common/unix_socket.h"
 #include "weightd/v1/weightd.grpc.pb.h"
@@ -37,6 +39,7 @@ ModelSummary FromProto(const v1::ModelInfo& m) {
   s.generation = m.generation();
   s.state = StateName(m.state());
   s.checkpoint_path = m.checkpoint_path();
+  s.checkpoint_bytes = m.checkpoint_bytes();
   s.host_bytes = m.host_bytes();
   s.locked_bytes = m.locked_bytes();
   for (const auto& d : m.device_bytes()) s.device_bytes[d.gpu_uuid()] = d.bytes();
@@ -65,7 +68,8 @@ TensorInfo FromProto(const v1::TensorEntry& t) {
 }
 
 SegmentInfo FromProto(const v1::SegmentDescriptor& s) {
-  return {s.placement() == v1::DEVICE ? Location::kDevice : Location::kHost, s.size(), s.backend(), s.gpu_uuid()};
+  return {s.placement() == v1::DEVICE ? Location::kDevice : Location::kHost, s.size(), s.backend(), s.gpu_uuid(),
+          s.ipc_handle()};
 }
 
 std::string NormalizeTarget(const std::string& target) {
@@ -106,6 +110,7 @@ struct MappedModel::State {
   Manifest manifest;
   std::vector<TensorView> views;
   std::vector<std::pair<void*, size_t>> mappings;
+  std::vector<std::unique_ptr<ImportedArena>> imports;  // by segment; null for host segments
   std::vector<ScopedFd> segment_fds;
   ScopedFd lease;  // the fd-socket connection: closing it ends the lease
   double attach_seconds = 0;
@@ -115,7 +120,7 @@ struct MappedModel::State {
   }
 };
 
-MappedModel::MappedModel(std::unique_ptr<State> state) : state_(std::move(state)) {}
+MappedModel::MappedModel(std::shared_ptr<State> state) : state_(std::move(state)) {}
 MappedModel::MappedModel(MappedModel&&) noexcept = default;
 MappedModel& MappedModel::operator=(MappedModel&&) noexcept = default;
 MappedModel::~MappedModel() = default;
@@ -129,6 +134,23 @@ const TensorView* MappedModel::Find(absl::string_view name) const {
   auto it = std::lower_bound(state_->views.begin(), state_->views.end(), name,
                              [](const TensorView& v, absl::string_view n) { return v.info->name < n; });
   return it != state_->views.end() && it->info->name == name ? &*it : nullptr;
+}
+
+absl::Status MappedModel::CopyToHost(const TensorView& view, uint64_t offset, void* dst, uint64_t n) const {
+  if (offset + n > view.nbytes) return absl::OutOfRangeError(absl::StrCat("read past tensor '", view.info->name, "'"));
+  const ImportedArena* imported = state_->imports[view.info->segment].get();
+  if (imported == nullptr) {
+    std::memcpy(dst, static_cast<const char*>(view.data) + offset, n);
+    return absl::OkStatus();
+  }
+  return imported->CopyToHost(view.info->offset + offset, dst, n);
+}
+
+bool MappedModel::device_read_only() const {
+  for (const auto& imported : state_->imports) {
+    if (imported && !imported->read_only()) return false;
+  }
+  return true;
 }
 
 // ---------------------------------------------------------------- Client
@@ -237,14 +259,33 @@ absl::StatusOr<MappedModel> Client::Attach(const std::string& name, uint32_t ran
   std::string fd_socket = fd_socket_override != nullptr ? fd_socket_override : response.fd_socket();
   int timeout_ms = static_cast<int>(response.claim_timeout_seconds() * 1000);
   WEIGHTD_RETURN_IF_ERROR(ClaimLease(fd_socket, response.lease_id(), timeout_ms, &state->lease, &state->segment_fds));
-  if (state->segment_fds.size() != m.segments.size()) {
+  // One fd per segment in order, except segments exported by handle bytes.
+  std::vector<ScopedFd> by_segment(m.segments.size());
+  size_t next_fd = 0;
+  for (size_t i = 0; i < m.segments.size(); ++i) {
+    if (m.segments[i].backend == "cuda-legacy-ipc") continue;
+    if (next_fd == state->segment_fds.size()) break;
+    by_segment[i] = std::move(state->segment_fds[next_fd++]);
+  }
+  if (next_fd != state->segment_fds.size() ||
+      std::count_if(by_segment.begin(), by_segment.end(), [](const ScopedFd& f) { return f.valid(); }) !=
+          std::count_if(m.segments.begin(), m.segments.end(), [](const SegmentInfo& s) { return s.backend != "cuda-legacy-ipc"; })) {
     return absl::InternalError(absl::StrCat("received ", state->segment_fds.size(), " segment fds for ",
                                             m.segments.size(), " segments"));
   }
+  state->segment_fds = std::move(by_segment);
   std::vector<const char*> bases(m.segments.size(), nullptr);
+  state->imports.resize(m.segments.size());
   for (size_t i = 0; i < m.segments.size(); ++i) {
-    if (m.segments[i].location != Location::kHost) {
-      return absl::UnimplementedError("device segments need a device-capable client (see docs/architecture.md)");
+    if (m.segments[i].location == Location::kDevice) {
+      WEIGHTD_ASSIGN_OR_RETURN(DeviceBackend * backend, ClientBackendFor(m.segments[i].backend));
+      ArenaExport exported{m.segments[i].backend, m.segments[i].gpu_uuid, m.segments[i].size, m.segments[i].handle,
+                           std::move(state->segment_fds[i])};
+      absl::StatusOr<std::unique_ptr<ImportedArena>> imported = backend->Import(std::move(exported));
+      if (!imported.ok()) return Annotate(imported.status(), absl::StrCat("importing segment ", i, " on ", m.segments[i].gpu_uuid));
+      bases[i] = static_cast<const char*>((*imported)->device_pointer());
+      state->imports[i] = std::move(*imported);
+      continue;
     }
     if (m.segments[i].size == 0) continue;
     void* addr = mmap(nullptr, m.segments[i].size, PROT_READ, MAP_SHARED, state->segment_fds[i].get(), 0);
@@ -257,12 +298,14 @@ absl::StatusOr<MappedModel> Client::Attach(const std::string& name, uint32_t ran
     if (t.segment >= bases.size() || t.offset + t.nbytes > m.segments[t.segment].size) {
       return absl::InternalError(absl::StrCat("tensor '", t.name, "' lies outside its segment"));
     }
-    state->views.push_back({&t, bases[t.segment] + t.offset, t.nbytes, t.location, "", -1});
+    const ImportedArena* imported = state->imports[t.segment].get();
+    state->views.push_back({&t, bases[t.segment] + t.offset, t.nbytes, t.location,
+                            imported ? m.segments[t.segment].gpu_uuid : "", imported ? imported->device_ordinal() : -1});
   }
   std::sort(state->views.begin(), state->views.end(),
             [](const TensorView& a, const TensorView& b) { return a.info->name < b.info->name; });
   state->attach_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  return MappedModel(std::move(state));
+  return MappedModel(std::shared_ptr<MappedModel::State>(std::move(state)));
 }
 
 absl::StatusOr<std::pair<ModelSummary, bool>> Client::Unload(const std::string& name, bool force) {

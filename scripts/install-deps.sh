@@ -9,6 +9,8 @@ packages=(
   libabsl-dev nlohmann-json3-dev prometheus-cpp-dev
   libgtest-dev libgmock-dev libxxhash-dev libsystemd-dev libdlpack-dev
   python3-yaml
+  python3-dev pybind11-dev python3-pybind11 python3-grpcio python3-grpc-tools
+  python3-pytest python3-numpy python3-torch
 )
 packages+=("$@")
 

@@ -38,6 +38,7 @@ void ToProto(const ModelGeneration& m, v1::ModelInfo* out) {
   out->set_checkpoint_path(m.request.checkpoint_path);
   out->set_host_bytes(m.host_bytes);
   out->set_locked_bytes(m.locked_bytes);
+  out->set_checkpoint_bytes(m.checkpoint_bytes);
   for (const SegmentInfo& s : m.segments) {
     if (s.placement != Placement::kDevice) continue;
     v1::DeviceBytes* d = nullptr;
@@ -77,6 +78,7 @@ void ToProto(const SegmentInfo& s, uint32_t id, v1::SegmentDescriptor* out) {
   out->set_size(s.size);
   out->set_gpu_uuid(s.gpu_uuid);
   out->set_backend(s.backend);
+  out->set_ipc_handle(s.handle);
 }
 
 void ToProto(const LoadProgress& p, v1::LoadModelProgress* out) {

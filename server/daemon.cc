@@ -1,6 +1,7 @@
 #include "server/daemon.h"
 
 #include <grpcpp/grpcpp.h>
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <sys/stat.h>
 #include <systemd/sd-daemon.h>
@@ -9,24 +10,37 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <map>
 #include <thread>
 
 #include "absl/strings/str_format.h"
+#include "common/device.h"
 #include "common/log.h"
+#include "common/status.h"
 #include "server/fd_channel.h"
+#include "server/metrics_listener.h"
 #include "server/registry.h"
+#include "server/rpc_metrics.h"
 #include "server/service.h"
 
 namespace weightd {
 namespace {
 
-// Health, logs and systemd status follow the registry.
+// Health, logs and systemd status follow the registry. Every server's
+// health service mirrors the per-model statuses, also those set before the
+// server was added.
 class DaemonListener final : public RegistryListener {
  public:
-  void SetServer(grpc::Server* server) { server_ = server; }
+  void AddServer(grpc::Server* server) {
+    std::lock_guard<std::mutex> lock(mu_);
+    servers_.push_back(server);
+    for (const auto& [name, serving] : serving_) server->GetHealthCheckService()->SetServingStatus(name, serving);
+  }
 
   void OnModelServing(const std::string& name, bool serving) override {
-    if (server_ != nullptr) server_->GetHealthCheckService()->SetServingStatus(name, serving);
+    std::lock_guard<std::mutex> lock(mu_);
+    serving_[name] = serving;
+    for (grpc::Server* server : servers_) server->GetHealthCheckService()->SetServingStatus(name, serving);
   }
   void OnLoadFinished(const ModelGeneration& m, uint64_t bytes, double seconds) override {
     std::string line = absl::StrFormat("loaded '%s' generation %d: %d tensors, %d bytes in %.3f s (%.2f GB/s), fingerprint %s",
@@ -44,22 +58,73 @@ class DaemonListener final : public RegistryListener {
   }
 
  private:
-  grpc::Server* server_ = nullptr;
+  std::mutex mu_;
+  std::vector<grpc::Server*> servers_;
+  std::map<std::string, bool> serving_;
   std::atomic<bool> warned_memlock_{false};
 };
 
+// Hands every registry event to each listener in turn. Add() them all before
+// the registry is used.
+class ListenerFanOut final : public RegistryListener {
+ public:
+  void Add(RegistryListener* listener) { listeners_.push_back(listener); }
+  void OnModelServing(const std::string& name, bool serving) override {
+    for (auto* l : listeners_) l->OnModelServing(name, serving);
+  }
+  void OnLoadFinished(const ModelGeneration& m, uint64_t bytes, double seconds) override {
+    for (auto* l : listeners_) l->OnLoadFinished(m, bytes, seconds);
+  }
+  void OnLoadFailed(const absl::Status& status) override {
+    for (auto* l : listeners_) l->OnLoadFailed(status);
+  }
+  void OnLeasesChanged(const std::string& name, int active) override {
+    for (auto* l : listeners_) l->OnLeasesChanged(name, active);
+  }
+  void OnMemoryChanged(uint64_t host, uint64_t locked) override {
+    for (auto* l : listeners_) l->OnMemoryChanged(host, locked);
+  }
+
+ private:
+  std::vector<RegistryListener*> listeners_;
+};
+
+// Adds gRPC server reflection to one builder only (the reflection plugin's
+// global registration would add it to the health-only server too).
+class ReflectionOption final : public grpc::ServerBuilderOption {
+ public:
+  void UpdateArguments(grpc::ChannelArguments*) override {}
+  void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin>>* plugins) override {
+    plugins->push_back(std::make_unique<grpc::reflection::ProtoServerReflectionPlugin>());
+  }
+};
+
+// A builder whose every call is counted and timed in `metrics`.
+void CountRpcs(grpc::ServerBuilder& builder, Metrics* metrics) {
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> factories;
+  factories.push_back(std::make_unique<RpcMetricsFactory>(metrics));
+  builder.experimental().SetInterceptorCreators(std::move(factories));
+}
+
 class DaemonImpl final : public Daemon {
  public:
-  explicit DaemonImpl(const DaemonConfig& config) : config_(config) {}
+  explicit DaemonImpl(const DaemonConfig& config) : config_(config) { listeners_.Add(&listener_); }
   ~DaemonImpl() override { Shutdown(); }
 
   absl::Status Init() {
+    std::string chosen;
+    absl::StatusOr<std::unique_ptr<DeviceBackend>> backend = MakeDeviceBackend(config_.device_backend, &chosen);
+    if (!backend.ok()) return Annotate(backend.status(), absl::StrCat("--device-backend ", config_.device_backend));
+    device_backend_ = std::move(*backend);
+    LogInfo(chosen);
     RegistryOptions options;
+    options.loader.device_backend = device_backend_.get();
     options.model_roots = config_.model_root;
     options.loader.threads = config_.load_threads;
     options.loader.mlock = config_.mlock;
     options.claim_timeout = std::chrono::milliseconds(static_cast<int64_t>(config_.lease_claim_timeout_seconds * 1000));
-    registry_ = std::make_unique<ModelRegistry>(options, &listener_);
+    registry_ = std::make_unique<ModelRegistry>(options, &listeners_);
+    WEIGHTD_RETURN_IF_ERROR(StartMetrics());
     absl::StatusOr<std::unique_ptr<FdChannel>> channel = FdChannel::Start({config_.fd_socket, 0660, config_.allowed_gids},
                                                                          registry_.get());
     if (!channel.ok()) return channel.status();
@@ -72,13 +137,16 @@ class DaemonImpl final : public Daemon {
     if (!config_.grpc_address.empty()) builder.AddListeningPort(config_.grpc_address, grpc::InsecureServerCredentials());
     builder.RegisterService(service_.get());
     builder.SetMaxSendMessageSize(-1);
+    builder.SetOption(std::make_unique<ReflectionOption>());
+    CountRpcs(builder, metrics_.get());
     server_ = builder.BuildAndStart();
     if (server_ == nullptr) {
       return absl::UnavailableError(absl::StrCat("cannot listen on unix:", config_.socket,
                                                  config_.grpc_address.empty() ? "" : " or " + config_.grpc_address));
     }
     chmod(config_.socket.c_str(), 0660);
-    listener_.SetServer(server_.get());
+    listener_.AddServer(server_.get());
+    WEIGHTD_RETURN_IF_ERROR(StartHealthServer());
     LogInfo(absl::StrCat("listening on unix:", config_.socket, " (fd socket ", config_.fd_socket, ")",
                          config_.grpc_address.empty() ? "" : ", " + config_.grpc_address));
     sd_notify(0, "READY=1\nSTATUS=listening");
@@ -96,6 +164,7 @@ class DaemonImpl final : public Daemon {
       cv_.notify_all();
     }
     if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    if (health_server_) health_server_->Shutdown(std::chrono::system_clock::now());
     if (preload_thread_.joinable()) preload_thread_.join();
     if (watchdog_thread_.joinable()) watchdog_thread_.join();
     fd_channel_.reset();
@@ -104,6 +173,35 @@ class DaemonImpl final : public Daemon {
   }
 
  private:
+  absl::Status StartMetrics() {
+    WEIGHTD_ASSIGN_OR_RETURN(metrics_, PrometheusMetrics::Create({config_.metrics_address, WEIGHTD_VERSION,
+                                                                  [this] { return SampleModels(registry_->List()); }}));
+    metrics_listener_ = std::make_unique<MetricsListener>(metrics_.get());
+    listeners_.Add(metrics_listener_.get());
+    if (metrics_->port() != 0) {
+      std::string host = config_.metrics_address.substr(0, config_.metrics_address.rfind(':'));
+      LogInfo(absl::StrCat("metrics on http://", host, ":", metrics_->port(), "/metrics"));
+    }
+    return absl::OkStatus();
+  }
+
+  // The TCP listener for Kubernetes gRPC probes: the health service only.
+  absl::Status StartHealthServer() {
+    if (config_.health_address.empty()) return absl::OkStatus();
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort(config_.health_address, grpc::InsecureServerCredentials(), &port);
+    CountRpcs(builder, metrics_.get());
+    health_server_ = builder.BuildAndStart();
+    if (health_server_ == nullptr || port == 0) {
+      return absl::UnavailableError(absl::StrCat("cannot listen on --health-address ", config_.health_address));
+    }
+    listener_.AddServer(health_server_.get());
+    std::string host = config_.health_address.substr(0, config_.health_address.rfind(':'));
+    LogInfo(absl::StrCat("health service on ", host, ":", port));
+    return absl::OkStatus();
+  }
+
   void Preload() {
     for (const auto& [name, path] : config_.preload) {
       if (Stopping()) return;
@@ -133,10 +231,15 @@ class DaemonImpl final : public Daemon {
 
   const DaemonConfig config_;
   DaemonListener listener_;
+  ListenerFanOut listeners_;
+  std::unique_ptr<DeviceBackend> device_backend_;  // outlives the registry's generations
   std::unique_ptr<ModelRegistry> registry_;
+  std::unique_ptr<PrometheusMetrics> metrics_;  // destroyed before registry_, which it samples on each scrape
+  std::unique_ptr<MetricsListener> metrics_listener_;
   std::unique_ptr<FdChannel> fd_channel_;
   std::unique_ptr<WeightdService> service_;
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<grpc::Server> health_server_;
   std::thread preload_thread_, watchdog_thread_;
   std::mutex mu_;
   std::condition_variable cv_;

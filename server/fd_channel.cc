@@ -120,7 +120,9 @@ bool FdChannel::Serve(Connection& c) {
   if (!grant.ok()) return refuse(grant.status().code(), grant.status().message());
   c.lease_id = grant->lease_id;
   std::vector<int> fds;
-  for (uint32_t id : grant->model->ranks[grant->rank].segments) fds.push_back(grant->model->segments[id].fd);
+  for (uint32_t id : grant->model->ranks[grant->rank].segments) {
+    if (grant->model->segments[id].fd >= 0) fds.push_back(grant->model->segments[id].fd);
+  }
   size_t sent = std::min(fds.size(), kMaxFdsPerMessage);
   if (!SendMessage(c.sock.get(), absl::StrCat("OK ", fds.size()), {fds.begin(), fds.begin() + sent}).ok()) return false;
   while (sent < fds.size()) {

@@ -6,7 +6,8 @@
 //   client -> daemon   "CLAIM <lease_id>"
 //   daemon -> client   "OK <n>" carrying the first min(n, 250) fds (SCM_RIGHTS),
 //                      then "MORE" messages carrying the rest, in the order of
-//                      the Attach response's segments;
+//                      the Attach response's segments, skipping segments
+//                      exported by handle bytes (cuda-legacy-ipc);
 //                  or  "ERR <grpc-code-number> <message>" and the daemon closes.
 // The client then keeps the connection open and sends nothing. When it closes
 // (exit, crash, SIGKILL: the kernel closes it), the daemon sees EOF and ends

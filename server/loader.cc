@@ -10,7 +10,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "common/status.h"
+#include "server/reader.h"
 
 namespace weightd {
 namespace {
@@ -19,92 +21,154 @@ double SecondsSince(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
-uint64_t AlignUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
-
-// One pread of at most kReadBlockBytes into a host segment; also one hash block.
+// One block of one checkpoint tensor: tensor bytes [start, start + n).
 struct ReadTask {
   uint32_t tensor;
-  uint32_t file;
-  uint64_t src;    // file offset
-  uint64_t dst;    // segment offset
+  uint64_t start;
   uint64_t n;
-  uint32_t block;  // index of this block within its tensor
+  uint32_t block;  // index of the block within its tensor
 };
 
-struct Plan {
-  std::vector<TensorRecord> tensors;  // catalog order
-  std::vector<ReadTask> tasks;
-  std::vector<std::vector<uint64_t>> block_hashes;  // per tensor
-  uint64_t segment_bytes = 0;
+// A device arena and the lock that serialises copies into it.
+struct ArenaSlot {
+  std::unique_ptr<DeviceArena> arena;
+  std::mutex mu;
 };
 
-absl::Status CheckRequestSupported(const LoadRequest& request) {
-  if (!request.devices.empty() || request.tp_size > 1) {
+// A pinned staging buffer and the fences of the copies still reading it.
+struct Staging {
+  std::unique_ptr<PinnedBuffer> buffer;
+  std::vector<std::pair<ArenaSlot*, uint64_t>> fences;
+};
+
+struct Allocation {
+  std::unique_ptr<HostSegment> host;
+  std::vector<std::vector<std::unique_ptr<ArenaSlot>>> arenas;  // [rank][arena]
+};
+
+absl::StatusOr<std::vector<DeviceInfo>> ResolveDevices(const LoadRequest& request, DeviceBackend* backend) {
+  if (request.devices.empty()) return std::vector<DeviceInfo>{};
+  if (backend == nullptr) {
     return absl::InvalidArgumentError(
-        "device placement and tensor parallelism need a device backend; this daemon places every tensor on the host");
+        "devices were requested but this daemon has no device backend (start it with --device-backend "
+        "auto|cuda|cuda-legacy-ipc|emulated)");
+  }
+  WEIGHTD_ASSIGN_OR_RETURN(std::vector<DeviceInfo> available, backend->Devices());
+  std::vector<DeviceInfo> out;
+  for (const std::string& want : request.devices) {
+    auto it = std::find_if(available.begin(), available.end(), [&](const DeviceInfo& d) {
+      return d.uuid == want || std::to_string(d.ordinal) == want;
+    });
+    if (it == available.end()) {
+      std::vector<std::string> names;
+      for (const DeviceInfo& d : available) names.push_back(absl::StrCat(d.ordinal, "=", d.uuid));
+      return absl::InvalidArgumentError(absl::StrCat("no device '", want, "' on the ", backend->name(),
+                                                     " backend (available: ", absl::StrJoin(names, ", "), ")"));
+    }
+    out.push_back(*it);
+  }
+  return out;
+}
+
+std::vector<ReadTask> MakeTasks(const Catalog& catalog) {
+  std::vector<ReadTask> tasks;
+  for (uint32_t i = 0; i < catalog.tensors.size(); ++i) {
+    uint64_t nbytes = catalog.tensors[i].nbytes;
+    for (uint64_t start = 0, b = 0; start < nbytes; start += kReadBlockBytes, ++b) {
+      tasks.push_back({i, start, std::min(kReadBlockBytes, nbytes - start), static_cast<uint32_t>(b)});
+    }
+  }
+  return tasks;
+}
+
+absl::StatusOr<Allocation> Allocate(const std::string& name, const LoadPlan& plan,
+                                    const std::vector<DeviceInfo>& devices, DeviceBackend* backend) {
+  Allocation a;
+  WEIGHTD_ASSIGN_OR_RETURN(a.host, HostSegment::Create(absl::StrCat(name, ":host"), plan.host_bytes));
+  a.arenas.resize(devices.empty() ? 0 : plan.ranks.size());
+  for (size_t r = 0; r < a.arenas.size(); ++r) {
+    for (uint64_t bytes : plan.ranks[r].arena_bytes) {
+      auto slot = std::make_unique<ArenaSlot>();
+      absl::StatusOr<std::unique_ptr<DeviceArena>> arena = backend->Allocate(devices[r], bytes);
+      if (!arena.ok()) {
+        return Annotate(arena.status(), absl::StrCat("allocating a ", bytes, "-byte arena for rank ", r, " on ",
+                                                     devices[r].uuid));
+      }
+      slot->arena = std::move(*arena);
+      a.arenas[r].push_back(std::move(slot));
+    }
+  }
+  return a;
+}
+
+// Enqueues the copies that place tensor bytes [b0, b1), staged at `src`,
+// into every rank's arena.
+absl::Status CopyBlockToRanks(const TensorPlan& tp, uint64_t b0, uint64_t b1, const char* src,
+                              Allocation& a, Staging& staging) {
+  for (size_t r = 0; r < tp.ranks.size(); ++r) {
+    ArenaSlot& slot = *a.arenas[r][tp.ranks[r].arena];
+    std::lock_guard<std::mutex> lock(slot.mu);
+    uint64_t base = tp.ranks[r].offset;
+    if (tp.split_dim < 0) {
+      WEIGHTD_RETURN_IF_ERROR(slot.arena->CopyFromHost(base + b0, 0, src, 0, b1 - b0, 1));
+    } else {
+      // The tensor is [outer][tp * slice][row]; rank r's slice in outer row o
+      // is bytes [o * full + r * part, + part).
+      uint64_t part = tp.slice_elements * tp.row_bytes;
+      uint64_t full = part * tp.ranks.size();
+      uint64_t run_first = 0, run_rows = 0;  // a run of whole slices: one 2D copy
+      auto flush = [&]() -> absl::Status {
+        if (run_rows == 0) return absl::OkStatus();
+        uint64_t s = run_first * full + r * part;
+        absl::Status st = slot.arena->CopyFromHost(base + run_first * part, part, src + (s - b0), full, part, run_rows);
+        run_rows = 0;
+        return st;
+      };
+      for (uint64_t o = b0 / full; o < tp.outer && o * full < b1; ++o) {
+        uint64_t s = o * full + r * part, e = s + part;
+        uint64_t lo = std::max(s, b0), hi = std::min(e, b1);
+        if (lo >= hi) continue;
+        if (lo == s && hi == e) {
+          if (run_rows == 0) run_first = o;
+          ++run_rows;
+          continue;
+        }
+        WEIGHTD_RETURN_IF_ERROR(flush());
+        WEIGHTD_RETURN_IF_ERROR(slot.arena->CopyFromHost(base + o * part + (lo - s), 0, src + (lo - b0), 0, hi - lo, 1));
+      }
+      WEIGHTD_RETURN_IF_ERROR(flush());
+    }
+    WEIGHTD_ASSIGN_OR_RETURN(uint64_t fence, slot.arena->RecordFence());
+    staging.fences.emplace_back(&slot, fence);
   }
   return absl::OkStatus();
 }
 
-Plan MakeHostPlan(const Catalog& catalog) {
-  Plan plan;
-  plan.tensors.reserve(catalog.tensors.size());
-  plan.block_hashes.resize(catalog.tensors.size());
-  uint64_t offset = 0;
-  for (uint32_t i = 0; i < catalog.tensors.size(); ++i) {
-    const CatalogTensor& t = catalog.tensors[i];
-    offset = AlignUp(offset, kHostAlignment);
-    TensorRecord r;
-    r.name = t.name;
-    r.dtype = t.dtype;
-    r.shape = t.shape;
-    r.full_shape = t.shape;
-    r.placement = Placement::kHost;
-    r.segment = 0;
-    r.offset = offset;
-    r.nbytes = t.nbytes;
-    plan.tensors.push_back(std::move(r));
-    uint32_t blocks = static_cast<uint32_t>((t.nbytes + kReadBlockBytes - 1) / kReadBlockBytes);
-    plan.block_hashes[i].assign(std::max<uint32_t>(blocks, 1), 0);
-    for (uint32_t b = 0; b < blocks; ++b) {
-      uint64_t start = uint64_t{b} * kReadBlockBytes;
-      plan.tasks.push_back({i, t.file, t.offset + start, offset + start, std::min(kReadBlockBytes, t.nbytes - start), b});
-    }
-    if (blocks == 0) plan.block_hashes[i][0] = XXH3_64bits(nullptr, 0);
-    offset += t.nbytes;
-  }
-  plan.segment_bytes = offset;
-  return plan;
+absl::Status WaitStaging(Staging& staging) {
+  for (auto& [slot, fence] : staging.fences) WEIGHTD_RETURN_IF_ERROR(slot->arena->WaitFence(fence));
+  staging.fences.clear();
+  return absl::OkStatus();
 }
 
 // Shared state of one parallel read; workers take tasks by atomic index.
 class ReadJob {
  public:
-  ReadJob(const Catalog& catalog, Plan& plan, char* base, std::vector<std::unique_ptr<RandomAccessFile>>& files)
-      : catalog_(catalog), plan_(plan), base_(base), files_(files), file_remaining_(catalog.files.size()) {
-    for (const ReadTask& t : plan.tasks) file_remaining_[t.file] += t.n;
-    for (uint64_t r : file_remaining_) files_done_ += r == 0;
-  }
-
-  void Work() {
-    for (size_t i; (i = next_.fetch_add(1)) < plan_.tasks.size();) {
-      if (failed_.load()) return;
-      const ReadTask& task = plan_.tasks[i];
-      absl::Status read = files_[task.file]->ReadAt(task.src, task.n, base_ + task.dst);
-      if (!read.ok()) return Fail(read, task);
-      plan_.block_hashes[task.tensor][task.block] = XXH3_64bits(base_ + task.dst, task.n);
-      bytes_done_.fetch_add(task.n);
-      if (file_remaining_[task.file].fetch_sub(task.n) == task.n) files_done_.fetch_add(1);
-    }
+  ReadJob(const Catalog& catalog, const LoadPlan& plan, const std::vector<ReadTask>& tasks,
+          const CheckpointReader& reader, Allocation& alloc, std::vector<std::vector<uint64_t>>& block_hashes)
+      : catalog_(catalog), plan_(plan), tasks_(tasks), reader_(reader), alloc_(alloc), block_hashes_(block_hashes),
+        file_remaining_(catalog.files.size()) {
+    for (const ReadTask& t : tasks) file_remaining_[catalog.tensors[t.tensor].file] += t.n;
+    for (const auto& r : file_remaining_) files_done_ += r.load() == 0;
   }
 
   // Blocks until every worker returned; reports progress meanwhile.
-  absl::Status Run(int threads, const std::function<void(uint64_t, uint32_t)>& report) {
+  absl::Status Run(int threads, DeviceBackend* backend, const std::function<void(uint64_t, uint32_t)>& report) {
     std::vector<std::thread> workers;
     for (int i = 0; i < threads; ++i) {
-      workers.emplace_back([this] {
-        Work();
+      workers.emplace_back([this, backend] {
+        absl::Status status = Work(backend);
         std::lock_guard<std::mutex> lock(mu_);
+        if (!status.ok() && error_.ok()) error_ = status;
         ++finished_;
         cv_.notify_all();
       });
@@ -122,18 +186,52 @@ class ReadJob {
   }
 
  private:
-  void Fail(const absl::Status& status, const ReadTask& task) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!failed_.exchange(true)) {
-      error_ = Annotate(status, absl::StrCat(catalog_.files[task.file].name, ": tensor '",
-                                             catalog_.tensors[task.tensor].name, "'"));
+  absl::Status Work(DeviceBackend* backend) {
+    Staging staging[2];
+    int turn = 0;
+    for (size_t i; (i = next_.fetch_add(1)) < tasks_.size();) {
+      if (failed_.load()) break;
+      const ReadTask& task = tasks_[i];
+      const CatalogTensor& t = catalog_.tensors[task.tensor];
+      const TensorPlan& tp = plan_.tensors[task.tensor];
+      char* dst;
+      Staging* stage = nullptr;
+      if (tp.placement == Placement::kHost) {
+        dst = alloc_.host->writable() + tp.host_offset + task.start;
+      } else {
+        stage = &staging[turn ^= 1];
+        WEIGHTD_RETURN_IF_ERROR(Fail(WaitStaging(*stage)));
+        if (!stage->buffer) {
+          absl::StatusOr<std::unique_ptr<PinnedBuffer>> buffer = backend->AllocatePinned(kReadBlockBytes);
+          WEIGHTD_RETURN_IF_ERROR(Fail(buffer.status()));
+          stage->buffer = std::move(*buffer);
+        }
+        dst = stage->buffer->data();
+      }
+      absl::Status read = reader_.Read(t.file, t.offset + task.start, task.n, dst);
+      if (!read.ok()) return Fail(Annotate(read, absl::StrCat(catalog_.files[t.file].name, ": tensor '", t.name, "'")));
+      block_hashes_[task.tensor][task.block] = XXH3_64bits(dst, task.n);
+      if (stage != nullptr) {
+        WEIGHTD_RETURN_IF_ERROR(Fail(CopyBlockToRanks(tp, task.start, task.start + task.n, dst, alloc_, *stage)));
+      }
+      bytes_done_.fetch_add(task.n);
+      if (file_remaining_[t.file].fetch_sub(task.n) == task.n) files_done_.fetch_add(1);
     }
+    for (Staging& s : staging) WEIGHTD_RETURN_IF_ERROR(WaitStaging(s));
+    return absl::OkStatus();
+  }
+
+  absl::Status Fail(absl::Status status) {
+    if (!status.ok()) failed_ = true;
+    return status;
   }
 
   const Catalog& catalog_;
-  Plan& plan_;
-  char* base_;
-  std::vector<std::unique_ptr<RandomAccessFile>>& files_;
+  const LoadPlan& plan_;
+  const std::vector<ReadTask>& tasks_;
+  const CheckpointReader& reader_;
+  Allocation& alloc_;
+  std::vector<std::vector<uint64_t>>& block_hashes_;
   std::vector<std::atomic<uint64_t>> file_remaining_;
   std::atomic<size_t> next_{0};
   std::atomic<uint64_t> bytes_done_{0};
@@ -146,6 +244,7 @@ class ReadJob {
 };
 
 uint64_t CombineBlockHashes(const std::vector<uint64_t>& blocks) {
+  if (blocks.empty()) return XXH3_64bits(nullptr, 0);
   if (blocks.size() == 1) return blocks[0];
   std::vector<unsigned char> bytes(blocks.size() * 8);
   for (size_t i = 0; i < blocks.size(); ++i) {
@@ -154,21 +253,49 @@ uint64_t CombineBlockHashes(const std::vector<uint64_t>& blocks) {
   return XXH3_64bits(bytes.data(), bytes.size());
 }
 
-std::string Fingerprint(const std::vector<TensorRecord>& tensors) {
-  std::vector<const TensorRecord*> sorted;
-  for (const TensorRecord& t : tensors) sorted.push_back(&t);
-  std::sort(sorted.begin(), sorted.end(), [](auto* a, auto* b) { return a->name < b->name; });
+std::string Fingerprint(const Catalog& catalog, const std::vector<uint64_t>& hashes) {
+  std::vector<size_t> order(catalog.tensors.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return catalog.tensors[a].name < catalog.tensors[b].name; });
   XXH3_state_t* state = XXH3_createState();
   XXH3_128bits_reset(state);
-  for (const TensorRecord* t : sorted) {
-    std::string line = absl::StrCat(t->name, std::string(1, '\0'), DTypeName(t->dtype), std::string(1, '\0'));
-    for (size_t i = 0; i < t->full_shape.size(); ++i) absl::StrAppend(&line, i ? "," : "", t->full_shape[i]);
-    absl::StrAppend(&line, std::string(1, '\0'), absl::StrFormat("%016x", t->content_hash), "\n");
+  for (size_t i : order) {
+    const CatalogTensor& t = catalog.tensors[i];
+    std::string line = absl::StrCat(t.name, std::string(1, '\0'), DTypeName(t.dtype), std::string(1, '\0'),
+                                    absl::StrJoin(t.shape, ","), std::string(1, '\0'),
+                                    absl::StrFormat("%016x", hashes[i]), "\n");
     XXH3_128bits_update(state, line.data(), line.size());
   }
   XXH128_hash_t h = XXH3_128bits_digest(state);
   XXH3_freeState(state);
   return absl::StrFormat("%016x%016x", h.high64, h.low64);
+}
+
+// Seals every segment and moves them, with the manifests, into `gen`.
+absl::Status Publish(const LoadPlan& plan, Allocation& alloc, const std::vector<uint64_t>& hashes, bool mlock,
+                     DeviceBackend* backend, ModelGeneration& gen) {
+  WEIGHTD_RETURN_IF_ERROR(alloc.host->Seal(mlock));
+  gen.host_bytes = alloc.host->size();
+  gen.locked_bytes = alloc.host->locked() ? alloc.host->size() : 0;
+  gen.segments.push_back({Placement::kHost, alloc.host->size(), "memfd", "", alloc.host->fd(), ""});
+  gen.host_segments.push_back(std::move(alloc.host));
+  std::string backend_name = backend == nullptr ? "" : backend->name() == "cuda" ? "cuda-vmm" : backend->name();
+  for (size_t r = 0; r < plan.ranks.size(); ++r) {
+    RankManifest rank;
+    rank.segments.push_back(0);
+    static const std::vector<std::unique_ptr<ArenaSlot>> kNone;
+    for (const auto& slot : r < alloc.arenas.size() ? alloc.arenas[r] : kNone) {
+      WEIGHTD_RETURN_IF_ERROR(slot->arena->Seal());
+      DeviceArena& a = *slot->arena;
+      rank.segments.push_back(static_cast<uint32_t>(gen.segments.size()));
+      gen.segments.push_back({Placement::kDevice, a.size(), backend_name, a.device().uuid, a.export_fd(), a.export_handle()});
+      gen.arenas.push_back(std::move(slot->arena));
+    }
+    rank.tensors = plan.ranks[r].tensors;
+    for (size_t i = 0; i < rank.tensors.size(); ++i) rank.tensors[i].content_hash = hashes[i];
+    gen.ranks.push_back(std::move(rank));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -178,13 +305,13 @@ uint64_t TensorContentHash(const char* data, uint64_t n) {
   for (uint64_t start = 0; start < n; start += kHashBlockBytes) {
     blocks.push_back(XXH3_64bits(data + start, std::min(kHashBlockBytes, n - start)));
   }
-  if (blocks.empty()) blocks.push_back(XXH3_64bits(nullptr, 0));
   return CombineBlockHashes(blocks);
 }
 
 absl::StatusOr<std::unique_ptr<ModelGeneration>> LoadGeneration(const Catalog& catalog, const LoadRequest& request,
                                                                  const LoaderOptions& options,
                                                                  const ProgressFn& progress) {
+  static_assert(kReadBlockBytes == kHashBlockBytes, "a read block is a hash block");
   auto start = std::chrono::steady_clock::now();
   LoadProgress p;
   p.files_total = static_cast<uint32_t>(catalog.files.size());
@@ -194,49 +321,37 @@ absl::StatusOr<std::unique_ptr<ModelGeneration>> LoadGeneration(const Catalog& c
     p.seconds = SecondsSince(start);
     if (progress) progress(p);
   };
-  WEIGHTD_RETURN_IF_ERROR(CheckRequestSupported(request));
   report(LoadProgress::Phase::kPlan);
-  Plan plan = MakeHostPlan(catalog);
+  WEIGHTD_ASSIGN_OR_RETURN(std::vector<DeviceInfo> devices, ResolveDevices(request, options.device_backend));
+  WEIGHTD_ASSIGN_OR_RETURN(LoadPlan plan, MakeLoadPlan(catalog, request, devices.size(), options.max_arena_bytes));
 
   report(LoadProgress::Phase::kAllocate);
-  auto gen = std::make_unique<ModelGeneration>();
-  WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<HostSegment> segment,
-                           HostSegment::Create(absl::StrCat(request.name, ":host"), plan.segment_bytes));
-  std::vector<std::unique_ptr<RandomAccessFile>> files;
-  for (const CatalogFile& f : catalog.files) {
-    WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<RandomAccessFile> file, Env::Default()->OpenForRead(f.path));
-    if (file->size() != f.size) {
-      return absl::FailedPreconditionError(absl::StrCat(f.name, ": file changed size while loading (", f.size, " -> ",
-                                                        file->size(), " bytes)"));
-    }
-    gen->files.push_back({f.name, f.size, file->mtime_ns()});
-    files.push_back(std::move(file));
-  }
+  WEIGHTD_ASSIGN_OR_RETURN(Allocation alloc, Allocate(request.name, plan, devices, options.device_backend));
+  WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader, CheckpointReader::Open(catalog));
 
   report(LoadProgress::Phase::kRead);
+  std::vector<ReadTask> tasks = MakeTasks(catalog);
+  std::vector<std::vector<uint64_t>> block_hashes(catalog.tensors.size());
+  for (const ReadTask& t : tasks) block_hashes[t.tensor].resize(t.block + 1);
   int threads = options.threads > 0 ? options.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  threads = static_cast<int>(std::min<size_t>(threads, std::max<size_t>(plan.tasks.size(), 1)));
-  ReadJob job(catalog, plan, segment->writable(), files);
-  WEIGHTD_RETURN_IF_ERROR(job.Run(threads, [&](uint64_t bytes, uint32_t files_done) {
+  threads = static_cast<int>(std::min<size_t>(threads, std::max<size_t>(tasks.size(), 1)));
+  ReadJob job(catalog, plan, tasks, *reader, alloc, block_hashes);
+  WEIGHTD_RETURN_IF_ERROR(job.Run(threads, options.device_backend, [&](uint64_t bytes, uint32_t files_done) {
     p.bytes_done = bytes;
     p.files_done = files_done;
     report(LoadProgress::Phase::kRead);
   }));
 
   report(LoadProgress::Phase::kSeal);
-  for (size_t i = 0; i < plan.tensors.size(); ++i) plan.tensors[i].content_hash = CombineBlockHashes(plan.block_hashes[i]);
-  WEIGHTD_RETURN_IF_ERROR(segment->Seal(options.mlock));
+  std::vector<uint64_t> hashes(catalog.tensors.size());
+  for (size_t i = 0; i < hashes.size(); ++i) hashes[i] = CombineBlockHashes(block_hashes[i]);
+  auto gen = std::make_unique<ModelGeneration>();
+  WEIGHTD_RETURN_IF_ERROR(Publish(plan, alloc, hashes, options.mlock, options.device_backend, *gen));
   gen->request = request;
-  gen->fingerprint = Fingerprint(plan.tensors);
-  gen->tensor_count = plan.tensors.size();
-  gen->host_bytes = segment->size();
-  gen->locked_bytes = segment->locked() ? segment->size() : 0;
-  gen->segments.push_back({Placement::kHost, segment->size(), "memfd", "", segment->fd()});
-  gen->host_segments.push_back(std::move(segment));
-  RankManifest rank;
-  rank.segments = {0};
-  rank.tensors = std::move(plan.tensors);
-  gen->ranks.push_back(std::move(rank));
+  gen->files = reader->stamps();
+  gen->fingerprint = Fingerprint(catalog, hashes);
+  gen->tensor_count = catalog.tensors.size();
+  gen->checkpoint_bytes = catalog.total_bytes();
   gen->load_seconds = SecondsSince(start);
   return gen;
 }

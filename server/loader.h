@@ -1,7 +1,13 @@
 // The load pipeline: catalog -> plan -> allocate -> parallel read + hash ->
-// seal. Host tensors are read with pread(2) straight into their sealed-to-be
-// memfd (no intermediate copy) by a pool of threads, in blocks of at most
-// kReadBlockBytes; each block is hashed while it is still in cache.
+// seal and export. Work is cut into blocks of at most kReadBlockBytes that a
+// pool of threads takes in file order. Host tensors are read with pread(2)
+// straight into their sealed-to-be memfd (no intermediate copy). Device
+// tensors are read into a bounded ring of pinned staging buffers (two per
+// thread) and copied asynchronously to every rank that needs them: whole for
+// replicated tensors, one contiguous range per rank for a split on dim 0, 2D
+// strided copies for other split dims; a buffer is reused only after its
+// copies' fences complete. Each block is hashed while it is in cache. Peak
+// host memory: host-resident bytes + 2 * threads * kReadBlockBytes.
 //
 // Content hash of a tensor (xxHash's XXH3-64, seed 0): the tensor's bytes are
 // cut into kHashBlockBytes blocks; a tensor of one block (or empty) hashes to
@@ -17,12 +23,12 @@
 #include "absl/status/statusor.h"
 #include "common/catalog.h"
 #include "server/model.h"
+#include "server/plan.h"
 
 namespace weightd {
 
 inline constexpr uint64_t kReadBlockBytes = 16ull << 20;
 inline constexpr uint64_t kHashBlockBytes = 16ull << 20;
-inline constexpr uint64_t kHostAlignment = 64;
 
 struct LoadProgress {
   enum class Phase { kCatalog, kPlan, kAllocate, kRead, kSeal, kDone };
@@ -38,6 +44,8 @@ using ProgressFn = std::function<void(const LoadProgress&)>;
 struct LoaderOptions {
   int threads = 0;     // 0: one per core
   bool mlock = true;   // lock host segments when RLIMIT_MEMLOCK allows
+  DeviceBackend* device_backend = nullptr;  // null: host only; not owned
+  uint64_t max_arena_bytes = kDefaultMaxArenaBytes;
 };
 
 // Loads `catalog` (already validated) into a new generation placed per

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "common/device.h"
 #include "common/dtype.h"
 #include "common/host_segment.h"
 
@@ -55,7 +56,8 @@ struct SegmentInfo {
   uint64_t size = 0;
   std::string backend;   // "memfd", "emulated", "cuda-vmm", "cuda-legacy-ipc"
   std::string gpu_uuid;  // device segments
-  int fd = -1;           // shareable fd (owned by the segment object)
+  int fd = -1;           // shareable fd (owned by the segment object), or -1
+  std::string handle;    // handle bytes for backends that export without an fd
 };
 
 struct RankManifest {
@@ -76,10 +78,12 @@ class ModelGeneration {
   uint64_t generation = 0;
   std::vector<FileStamp> files;    // what was read, to detect a rewritten checkpoint
   std::vector<std::unique_ptr<HostSegment>> host_segments;
+  std::vector<std::unique_ptr<DeviceArena>> arenas;  // declared after host_segments: freed first
   std::vector<SegmentInfo> segments;
   std::vector<RankManifest> ranks;  // tp_size entries
   std::string fingerprint;          // 32 hex digits
   double load_seconds = 0;
+  uint64_t checkpoint_bytes = 0;  // tensor bytes of the checkpoint
   uint64_t host_bytes = 0;
   uint64_t locked_bytes = 0;
   uint64_t tensor_count = 0;

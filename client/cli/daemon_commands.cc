@@ -34,7 +34,8 @@ json SummaryJson(const ModelSummary& m) {
           {"fingerprint", m.fingerprint},
           {"tensor_count", m.tensor_count},
           {"tp_size", m.tp_size},
-          {"checkpoint_path", m.checkpoint_path}};
+          {"checkpoint_path", m.checkpoint_path},
+          {"checkpoint_bytes", m.checkpoint_bytes}};
 }
 
 absl::StatusOr<LoadOptions> ParseLoadOptions(const Args& args) {
@@ -77,7 +78,7 @@ int RunLoad(const Args& args, Context& ctx) {
   bar.Finish();
   if (!result.ok()) return ReportError(result.status(), ctx.err);
   const ModelSummary& m = result->model;
-  uint64_t bytes = m.host_bytes + DeviceTotal(m);
+  uint64_t bytes = m.checkpoint_bytes;
   double seconds = result->reused ? 0 : m.load_seconds;
   if (as_json) {
     json doc = {{"model", m.name},       {"generation", m.generation}, {"state", m.state},

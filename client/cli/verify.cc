@@ -9,18 +9,23 @@
 namespace weightd::cli {
 namespace {
 
-// Compares `n` bytes of `file` at `offset` with `mapped`, in bounded chunks.
-absl::Status CompareRange(const RandomAccessFile& file, uint64_t offset, const char* mapped, uint64_t n,
-                          const std::string& tensor, uint64_t tensor_byte, std::string& buffer) {
+// Compares `n` bytes of `file` at `offset` with the mapped tensor's bytes
+// [tensor_byte, tensor_byte + n), in bounded chunks. Device bytes are copied
+// back to the host to compare.
+absl::Status CompareRange(const RandomAccessFile& file, uint64_t offset, const MappedModel& model,
+                          const TensorView& view, uint64_t tensor_byte, uint64_t n) {
   constexpr uint64_t kChunk = 16ull << 20;
+  std::string expected, mapped;
   for (uint64_t done = 0; done < n; done += kChunk) {
     uint64_t len = std::min(kChunk, n - done);
-    buffer.resize(len);
-    WEIGHTD_RETURN_IF_ERROR(file.ReadAt(offset + done, len, buffer.data()));
-    if (std::memcmp(buffer.data(), mapped + done, len) != 0) {
+    expected.resize(len);
+    mapped.resize(len);
+    WEIGHTD_RETURN_IF_ERROR(file.ReadAt(offset + done, len, expected.data()));
+    WEIGHTD_RETURN_IF_ERROR(model.CopyToHost(view, tensor_byte + done, mapped.data(), len));
+    if (expected != mapped) {
       uint64_t i = 0;
-      while (buffer[i] == mapped[done + i]) ++i;
-      return absl::DataLossError(absl::StrCat("tensor '", tensor, "' differs from the checkpoint at byte ",
+      while (expected[i] == mapped[i]) ++i;
+      return absl::DataLossError(absl::StrCat("tensor '", view.info->name, "' differs from the checkpoint at byte ",
                                               tensor_byte + done + i));
     }
   }
@@ -37,22 +42,17 @@ absl::StatusOr<VerifyResult> VerifyAgainstCheckpoint(const MappedModel& model, c
     files.push_back(std::move(file));
   }
   VerifyResult result;
-  std::string buffer;
   for (const TensorView& view : model.tensors()) {
     const TensorInfo& t = *view.info;
     const CatalogTensor* source = catalog.Find(t.name);
     if (source == nullptr) return absl::NotFoundError(absl::StrCat("tensor '", t.name, "' is not in ", checkpoint_dir));
-    if (view.location != Location::kHost) {
-      return absl::UnimplementedError(absl::StrCat("tensor '", t.name, "' is on a device; verify host tensors only"));
-    }
-    const char* mapped = static_cast<const char*>(view.data);
     const RandomAccessFile& file = *files[source->file];
     if (t.split_dim < 0) {
       if (t.nbytes != source->nbytes) {
         return absl::DataLossError(absl::StrCat("tensor '", t.name, "' has ", t.nbytes, " bytes, the checkpoint ",
                                                 source->nbytes));
       }
-      WEIGHTD_RETURN_IF_ERROR(CompareRange(file, source->offset, mapped, t.nbytes, t.name, 0, buffer));
+      WEIGHTD_RETURN_IF_ERROR(CompareRange(file, source->offset, model, view, 0, t.nbytes));
     } else {
       // Row-major: `outer` runs of `run` bytes, each taken at split_start of the split dim.
       uint64_t outer = 1, inner_elems = 1;
@@ -64,7 +64,7 @@ absl::StatusOr<VerifyResult> VerifyAgainstCheckpoint(const MappedModel& model, c
       uint64_t run = t.shape[t.split_dim] * row;
       for (uint64_t o = 0; o < outer; ++o) {
         uint64_t src = source->offset + (o * t.full_shape[t.split_dim] + t.split_start) * row;
-        WEIGHTD_RETURN_IF_ERROR(CompareRange(file, src, mapped + o * run, run, t.name, o * run, buffer));
+        WEIGHTD_RETURN_IF_ERROR(CompareRange(file, src, model, view, o * run, run));
       }
     }
     ++result.tensors;

@@ -1,7 +1,8 @@
 // libFuzzer target for the safetensors header parser: any byte string is a
 // candidate file image. ParseFileImage must return a status for every input:
 // no crash, no sanitizer report, no exception escaping, no allocation sized by
-// an unchecked length field (libFuzzer's -rss_limit_mb catches that).
+// an unchecked length field (libFuzzer's -malloc_limit_mb, by default
+// -rss_limit_mb, catches that).
 #include <cstddef>
 #include <cstdint>
 

@@ -2,6 +2,7 @@
 // checkpoints generated into temporary model roots.
 #include "server/registry.h"
 
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -360,15 +361,15 @@ TEST_F(RegistryTest, RankOutOfRangeIsInvalidArgument) {
   EXPECT_THAT(registry_.Attach("m", 1), StatusIs(Code::kInvalidArgument, "rank 1 is out of range"));
 }
 
-TEST_F(RegistryTest, TensorParallelOrDevicePlacementIsRefused) {
+TEST_F(RegistryTest, TensorParallelOrDevicePlacementWithoutBackendIsRefused) {
   LoadRequest request;
   request.name = "m";
   request.checkpoint_path = Checkpoint("ck", 1);
   request.tp_size = 2;
-  EXPECT_THAT(registry_.Load(request, nullptr), StatusIs(Code::kInvalidArgument, "tensor parallelism"));
+  EXPECT_THAT(registry_.Load(request, nullptr), StatusIs(Code::kInvalidArgument, "tp_size 2 needs one device per rank"));
   request.tp_size = 1;
   request.devices = {"GPU-00000000-0000-0000-0000-000000000000"};
-  EXPECT_THAT(registry_.Load(request, nullptr), StatusIs(Code::kInvalidArgument, "device placement"));
+  EXPECT_THAT(registry_.Load(request, nullptr), StatusIs(Code::kInvalidArgument, "this daemon has no device backend"));
   EXPECT_TRUE(registry_.List().empty());
   EXPECT_EQ(listener_.failures(), 2u);
 }

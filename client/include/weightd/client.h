@@ -25,6 +25,8 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 
+struct DLManagedTensor;  // <dlpack/dlpack.h>
+
 namespace weightd {
 
 enum class Location { kHost, kDevice };
@@ -49,6 +51,7 @@ struct SegmentInfo {
   uint64_t size = 0;
   std::string backend;   // "memfd", "emulated", "cuda-vmm", "cuda-legacy-ipc"
   std::string gpu_uuid;
+  std::string handle;    // cuda-legacy-ipc: cudaIpcMemHandle_t bytes
 };
 
 struct Manifest {
@@ -75,6 +78,7 @@ struct ModelSummary {
   uint64_t generation = 0;
   std::string state;  // LOADING, READY, FAILED, DRAINING
   std::string checkpoint_path;
+  uint64_t checkpoint_bytes = 0;  // tensor bytes read from the checkpoint
   uint64_t host_bytes = 0;
   uint64_t locked_bytes = 0;
   std::map<std::string, uint64_t> device_bytes;  // by GPU UUID
@@ -118,13 +122,28 @@ class MappedModel {
   const TensorView* Find(absl::string_view name) const;
   const std::string& fingerprint() const { return manifest().fingerprint; }
   double attach_seconds() const;  // Attach RPC to all views ready
+  // Copies `n` bytes at byte `offset` of `view` into host memory `dst`
+  // (a memcpy for host tensors, a device-to-host copy for device tensors).
+  absl::Status CopyToHost(const TensorView& view, uint64_t offset, void* dst, uint64_t n) const;
+  // Whether device mappings are read-only (false when the driver refused
+  // read-only access and the mapping fell back to read-write).
+  bool device_read_only() const;
+
+  // The tensor as a DLPack tensor (DLPack 0.6, <dlpack/dlpack.h>): kDLCUDA
+  // with this process's device ordinal, or kDLCPU for host and emulated
+  // tensors; byte_offset 0, compact row-major strides. The caller owns the
+  // result and must call its deleter (frameworks do); until then it keeps
+  // this model's mappings and lease alive, even after the MappedModel is
+  // destroyed. UNIMPLEMENTED for dtypes DLPack 0.6 cannot describe
+  // (F8_*, F4, F6_*), naming the dtype.
+  absl::StatusOr<DLManagedTensor*> ToDLPack(const TensorView& view) const;
 
   struct State;  // implementation detail
 
  private:
   friend class Client;
-  explicit MappedModel(std::unique_ptr<State> state);
-  std::unique_ptr<State> state_;
+  explicit MappedModel(std::shared_ptr<State> state);
+  std::shared_ptr<State> state_;  // shared with live DLPack tensors
 };
 
 class Client {

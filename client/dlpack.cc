@@ -1,0 +1,68 @@
+// MappedModel::ToDLPack: a framework-owned view of a mapped tensor that keeps
+// the mapping (and so the lease) alive until the framework drops it.
+#include <dlpack/dlpack.h>
+
+#include <memory>
+
+#include "absl/strings/str_cat.h"
+#include "weightd/client.h"
+
+namespace weightd {
+namespace {
+
+// DLPack 0.6 has no bool code; 6 is kDLBool in DLPack >= 0.8, which torch and
+// numpy read.
+constexpr uint8_t kDLBoolCode = 6;
+
+absl::StatusOr<DLDataType> ToDLDataType(const std::string& dtype) {
+  struct Entry {
+    const char* name;
+    uint8_t code;
+    uint8_t bits;
+  };
+  static constexpr Entry kTable[] = {
+      {"BOOL", kDLBoolCode, 8}, {"U8", kDLUInt, 8},   {"I8", kDLInt, 8},       {"U16", kDLUInt, 16},
+      {"I16", kDLInt, 16},      {"F16", kDLFloat, 16}, {"BF16", kDLBfloat, 16}, {"U32", kDLUInt, 32},
+      {"I32", kDLInt, 32},      {"F32", kDLFloat, 32}, {"U64", kDLUInt, 64},    {"I64", kDLInt, 64},
+      {"F64", kDLFloat, 64},    {"C64", kDLComplex, 64},
+  };
+  for (const Entry& e : kTable) {
+    if (dtype == e.name) return DLDataType{e.code, e.bits, 1};
+  }
+  return absl::UnimplementedError(absl::StrCat("dtype ", dtype, " has no DLPack 0.6 type code; read it as raw bytes"));
+}
+
+// Owns what a DLManagedTensor points at.
+struct Holder {
+  std::shared_ptr<const void> keep_alive;
+  std::vector<int64_t> shape, strides;
+  DLManagedTensor tensor;
+};
+
+}  // namespace
+
+absl::StatusOr<DLManagedTensor*> MappedModel::ToDLPack(const TensorView& view) const {
+  absl::StatusOr<DLDataType> dtype = ToDLDataType(view.info->dtype);
+  if (!dtype.ok()) return absl::Status(dtype.status().code(), absl::StrCat("tensor '", view.info->name, "': ", dtype.status().message()));
+  auto holder = std::make_unique<Holder>();
+  holder->keep_alive = std::static_pointer_cast<const void>(state_);
+  for (uint64_t d : view.info->shape) holder->shape.push_back(static_cast<int64_t>(d));
+  holder->strides.assign(holder->shape.size(), 1);
+  for (int i = static_cast<int>(holder->shape.size()) - 2; i >= 0; --i) {
+    holder->strides[i] = holder->strides[i + 1] * holder->shape[i + 1];
+  }
+  DLTensor& t = holder->tensor.dl_tensor;
+  t.data = const_cast<void*>(view.data);
+  bool cuda = view.location == Location::kDevice && view.info && manifest().segments[view.info->segment].backend != "emulated";
+  t.device = cuda ? DLDevice{kDLCUDA, view.device_ordinal} : DLDevice{kDLCPU, 0};
+  t.ndim = static_cast<int32_t>(holder->shape.size());
+  t.dtype = *dtype;
+  t.shape = holder->shape.data();
+  t.strides = holder->strides.data();
+  t.byte_offset = 0;
+  holder->tensor.manager_ctx = holder.get();
+  holder->tensor.deleter = [](DLManagedTensor* self) { delete static_cast<Holder*>(self->manager_ctx); };
+  return &holder.release()->tensor;
+}
+
+}  // namespace weightd

@@ -1,0 +1,186 @@
+// weightd._native: the small native part of the Python client.
+//
+// It maps a segment fd read-only and exports byte ranges of the mapping as
+// DLPack capsules. It deliberately holds no gRPC or protobuf code, so it can
+// never load a second, clashing copy of them next to torch or grpcio (see
+// docs/integration.md); the control RPCs go through grpcio in Python.
+//
+// Ownership: a Segment owns one mapping and unmaps it when Python frees it.
+// Each exported DLManagedTensor holds a strong reference to an `owner` object
+// (the Python lease, which holds the Segments), released by the DLPack
+// deleter, so a framework tensor keeps its mapping and its lease alive.
+// Thread-safety: called with the GIL held; the deleter takes the GIL itself
+// and may run on any thread.
+#include <Python.h>
+#include <dlpack/dlpack.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <sys/mman.h>
+
+#include <cerrno>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace {
+
+// DLPack >= 0.8 names boolean data kDLBool; the 0.6 header Debian ships lacks it.
+constexpr uint8_t kDLBoolCode = 6;
+
+struct DtypeInfo {
+  const char* name;  // safetensors spelling
+  uint8_t code;
+  uint8_t bits;
+};
+
+// F8_E4M3 and F8_E5M2 travel as uint8 carriers: DLPack 0.6 has no float8
+// code. The Python side reinterprets them with Tensor.view(torch.float8_*).
+constexpr DtypeInfo kDtypes[] = {
+    {"F64", kDLFloat, 64},  {"F32", kDLFloat, 32},  {"F16", kDLFloat, 16},       {"BF16", kDLBfloat, 16},
+    {"C64", kDLComplex, 64}, {"I64", kDLInt, 64},   {"I32", kDLInt, 32},         {"I16", kDLInt, 16},
+    {"I8", kDLInt, 8},      {"U64", kDLUInt, 64},   {"U32", kDLUInt, 32},        {"U16", kDLUInt, 16},
+    {"U8", kDLUInt, 8},     {"BOOL", kDLBoolCode, 8}, {"F8_E4M3", kDLUInt, 8},   {"F8_E5M2", kDLUInt, 8},
+};
+
+const DtypeInfo& LookupDtype(const std::string& dtype) {
+  for (const DtypeInfo& d : kDtypes) {
+    if (dtype == d.name) return d;
+  }
+  throw py::value_error("safetensors dtype " + dtype +
+                        " has no DLPack equivalent (weightd exports F64, F32, F16, BF16, C64, I8-I64, U8-U64, BOOL, "
+                        "F8_E4M3, F8_E5M2); use Tensor.raw() for its bytes");
+}
+
+// A DLManagedTensor and the arrays its DLTensor points into, freed together.
+struct ExportedTensor {
+  DLManagedTensor managed{};
+  std::vector<int64_t> shape;
+  std::vector<int64_t> strides;
+  PyObject* owner = nullptr;  // strong reference
+};
+
+bool InterpreterAlive() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsInitialized() && !Py_IsFinalizing();
+#else
+  return Py_IsInitialized() && !_Py_IsFinalizing();
+#endif
+}
+
+void DeleteExport(DLManagedTensor* managed) {
+  auto* e = static_cast<ExportedTensor*>(managed->manager_ctx);
+  // During interpreter shutdown the owner is left to the OS: taking the GIL
+  // then may hang, and the process is exiting anyway.
+  if (InterpreterAlive()) {
+    PyGILState_STATE gil = PyGILState_Ensure();
+    Py_XDECREF(e->owner);
+    PyGILState_Release(gil);
+  }
+  delete e;
+}
+
+// Frees the tensor when no consumer took the capsule (a consumer renames it
+// to "used_dltensor" and becomes responsible for calling the deleter).
+void DestroyCapsule(PyObject* capsule) {
+  if (!PyCapsule_IsValid(capsule, "dltensor")) return;
+  auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule, "dltensor"));
+  if (managed != nullptr && managed->deleter != nullptr) managed->deleter(managed);
+}
+
+class Segment {
+ public:
+  // Maps `size` bytes of `fd` read-only and shared. The fd may be closed
+  // afterwards; the mapping keeps the memory. Raises OSError on failure.
+  Segment(int fd, uint64_t size) : size_(size) {
+    if (size == 0) return;
+    void* addr = mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
+    if (addr == MAP_FAILED) {
+      int err = errno;
+      std::string what = "mmap of segment fd " + std::to_string(fd);
+      errno = err;
+      PyErr_SetFromErrnoWithFilename(PyExc_OSError, what.c_str());
+      throw py::error_already_set();
+    }
+    base_ = static_cast<char*>(addr);
+  }
+  Segment(const Segment&) = delete;
+  Segment& operator=(const Segment&) = delete;
+  ~Segment() {
+    if (base_ != nullptr) munmap(base_, size_);
+  }
+
+  uintptr_t address() const { return reinterpret_cast<uintptr_t>(base_); }
+  uint64_t size() const { return size_; }
+
+  // A "dltensor" capsule viewing [offset, offset + nbytes) as `dtype` with
+  // `shape` (C-contiguous). `owner` stays referenced until the consumer
+  // drops the tensor; it must keep this Segment alive.
+  py::capsule Export(uint64_t offset, uint64_t nbytes, const std::string& dtype, const std::vector<int64_t>& shape,
+                     py::object owner) const {
+    const DtypeInfo& info = LookupDtype(dtype);
+    uint64_t elements = 1;
+    for (int64_t d : shape) {
+      if (d < 0) throw py::value_error("negative dimension in shape");
+      if (d != 0 && elements > UINT64_MAX / static_cast<uint64_t>(d)) throw py::value_error("shape overflows");
+      elements *= static_cast<uint64_t>(d);
+    }
+    if (elements > UINT64_MAX / (info.bits / 8) || elements * (info.bits / 8) != nbytes) {
+      throw py::value_error("tensor of " + std::to_string(nbytes) + " bytes does not hold its shape as " + dtype);
+    }
+    if (offset > size_ || nbytes > size_ - offset) {
+      throw py::value_error("byte range [" + std::to_string(offset) + ", +" + std::to_string(nbytes) +
+                            ") lies outside the segment of " + std::to_string(size_) + " bytes");
+    }
+    auto* e = new ExportedTensor;
+    e->shape = shape;
+    e->strides.assign(shape.size(), 1);
+    for (size_t i = shape.size(); i-- > 1;) e->strides[i - 1] = e->strides[i] * shape[i];
+    e->owner = owner.release().ptr();
+    DLTensor& t = e->managed.dl_tensor;
+    // A zero-byte tensor of an empty segment still needs a non-null pointer.
+    static char empty_target = 0;
+    t.data = base_ != nullptr ? base_ + offset : &empty_target;
+    t.device = {kDLCPU, 0};
+    t.ndim = static_cast<int>(shape.size());
+    t.dtype = {info.code, info.bits, 1};
+    t.shape = e->shape.empty() ? nullptr : e->shape.data();
+    t.strides = e->strides.empty() ? nullptr : e->strides.data();
+    t.byte_offset = 0;
+    e->managed.manager_ctx = e;
+    e->managed.deleter = DeleteExport;
+    PyObject* capsule = PyCapsule_New(&e->managed, "dltensor", DestroyCapsule);
+    if (capsule == nullptr) {
+      DeleteExport(&e->managed);
+      throw py::error_already_set();
+    }
+    return py::reinterpret_steal<py::capsule>(capsule);
+  }
+
+ private:
+  char* base_ = nullptr;
+  uint64_t size_ = 0;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(_native, m) {
+  m.doc() = "weightd native helpers: read-only segment mappings and DLPack export (no gRPC inside)";
+  py::class_<Segment>(m, "Segment")
+      .def(py::init<int, uint64_t>(), py::arg("fd"), py::arg("size"),
+           "Maps `size` bytes of segment `fd` read-only (PROT_READ, MAP_SHARED).")
+      .def_property_readonly("address", &Segment::address, "base address of the mapping (0 for an empty segment)")
+      .def_property_readonly("size", &Segment::size)
+      .def("export", &Segment::Export, py::arg("offset"), py::arg("nbytes"), py::arg("dtype"), py::arg("shape"),
+           py::arg("owner"), "A DLPack capsule of a byte range; `owner` stays alive until the tensor is dropped.");
+  m.def(
+      "dlpack_dtype",
+      [](const std::string& dtype) {
+        const DtypeInfo& d = LookupDtype(dtype);
+        return py::make_tuple(d.code, d.bits, 1);
+      },
+      py::arg("dtype"), "The DLPack (code, bits, lanes) a safetensors dtype is exported as.");
+  m.attr("DLPACK_VERSION") = DLPACK_VERSION;
+}

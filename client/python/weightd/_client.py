@@ -1,0 +1,152 @@
+"""Control RPCs through grpcio, and attach (fd socket + native mapping)."""
+import os
+import time
+
+import grpc
+
+from . import _fdsock
+from ._errors import WeightdError
+from ._model import Model, _Lease
+from ._native import Segment
+from ._types import LoadProgress, LoadResult, Manifest, ModelInfo, SegmentInfo, TensorInfo, UnloadResult
+from .v1 import weightd_pb2 as pb
+from .v1 import weightd_pb2_grpc as pb_grpc
+
+DEFAULT_SOCKET = "/run/weightd/weightd.sock"
+# Backends whose segments are memfds this process can map (the emulated
+# device arena is memfd-backed too).
+_MAPPABLE_BACKENDS = ("memfd", "emulated", "")
+
+
+def connect(socket_path=None):
+    """A Client for the daemon at `socket_path`.
+
+    Default: $WEIGHTD_SOCKET, then /run/weightd/weightd.sock. Accepts a
+    socket path, "unix://PATH" or "HOST:PORT". Does not block: the first call
+    reports an unreachable daemon (WeightdError with code UNAVAILABLE).
+    """
+    return Client(socket_path or os.environ.get("WEIGHTD_SOCKET") or DEFAULT_SOCKET)
+
+
+def _target(socket_path):
+    return "unix://" + socket_path if socket_path.startswith("/") else socket_path
+
+
+class Client:
+    """A connection to one daemon. Safe to use from many threads."""
+
+    def __init__(self, socket_path):
+        self.target = _target(socket_path)
+        # Manifests of 100,000+ tensors exceed grpc's 4 MiB default.
+        self._channel = grpc.insecure_channel(self.target, options=[("grpc.max_receive_message_length", -1)])
+        self._stub = pb_grpc.WeightdStub(self._channel)
+
+    def close(self):
+        """Closes the control channel; attached models stay valid."""
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def load(self, name, checkpoint_path, *, host_resident=(), tp_size=1, tp_rules=(), devices=(), progress=None):
+        """Loads (or reuses) `checkpoint_path` under `name`; returns a LoadResult.
+
+        tp_rules: (pattern, dim) pairs. progress: called with a LoadProgress
+        for each progress message.
+        """
+        request = pb.LoadModelRequest(
+            name=name, checkpoint_path=os.fspath(checkpoint_path), host_resident_patterns=list(host_resident),
+            tp_size=tp_size, tp_rules=[pb.TpRule(pattern=p, dim=d) for p, d in tp_rules], devices=list(devices))
+        result = None
+        try:
+            for message in self._stub.LoadModel(request):
+                if progress is not None:
+                    progress(LoadProgress(pb.LoadModelProgress.Phase.Name(message.phase), message.bytes_done,
+                                          message.bytes_total, message.files_done, message.files_total,
+                                          message.seconds))
+                if message.phase == pb.LoadModelProgress.DONE:
+                    result = LoadResult(ModelInfo.from_proto(message.model), message.reused)
+        except grpc.RpcError as e:
+            raise WeightdError.from_rpc(e) from None
+        if result is None:
+            raise WeightdError(grpc.StatusCode.INTERNAL, "load stream ended without a DONE message")
+        return result
+
+    def list(self):
+        """Every live generation (including draining ones) as ModelInfo."""
+        response = self._call(self._stub.ListModels, pb.ListModelsRequest())
+        return [ModelInfo.from_proto(m) for m in response.models]
+
+    def unload(self, name, force=False):
+        """Stops new leases of `name`; `force` revokes existing ones. Returns an UnloadResult."""
+        response = self._call(self._stub.UnloadModel, pb.UnloadModelRequest(name=name, force=force))
+        return UnloadResult(ModelInfo.from_proto(response.model), response.freed)
+
+    def manifest(self, name, rank=0):
+        """The Manifest of (name, rank), without taking a lease."""
+        pages = []
+        try:
+            pages = list(self._stub.GetManifest(pb.GetManifestRequest(name=name, rank=rank)))
+        except grpc.RpcError as e:
+            raise WeightdError.from_rpc(e) from None
+        first = pages[0] if pages else pb.ManifestPage()
+        return Manifest(first.model, first.generation, first.rank, first.fingerprint,
+                        tuple(SegmentInfo.from_proto(s) for p in pages for s in p.segments),
+                        tuple(TensorInfo.from_proto(t) for p in pages for t in p.tensors))
+
+    def attach(self, model, rank=0):
+        """Takes a lease on `model` and maps rank `rank` read-only, lazily; returns a Model.
+
+        Raises WeightdError with the daemon's code: NOT_FOUND, FAILED_PRECONDITION
+        (draining), UNIMPLEMENTED (CUDA device segments, not supported by the
+        Python client yet), ...
+        """
+        start = time.monotonic()
+        response = self._call(self._stub.Attach, pb.AttachRequest(name=model, rank=rank))
+        fd_socket = os.environ.get("WEIGHTD_FD_SOCKET") or response.fd_socket
+        try:
+            connection, fds = _fdsock.claim(fd_socket, response.lease_id, response.claim_timeout_seconds)
+        except WeightdError:
+            self._detach_quietly(response.lease_id)
+            raise
+        try:
+            lease = _Lease(response.lease_id, connection, _map_segments(response, fds))
+        except BaseException:
+            connection.close()
+            raise
+        finally:
+            for fd in fds:
+                os.close(fd)
+        return Model(response, lease, time.monotonic() - start)
+
+    def _call(self, method, request):
+        try:
+            return method(request)
+        except grpc.RpcError as e:
+            raise WeightdError.from_rpc(e) from None
+
+    def _detach_quietly(self, lease_id):
+        try:
+            self._stub.Detach(pb.DetachRequest(lease_id=lease_id), timeout=5)
+        except grpc.RpcError:
+            pass  # the unclaimed lease expires on its own
+
+
+def _map_segments(response, fds):
+    """Maps each segment read-only; `fds` come in segment order."""
+    for i, descriptor in enumerate(response.segments):
+        if descriptor.backend not in _MAPPABLE_BACKENDS:
+            raise WeightdError(grpc.StatusCode.UNIMPLEMENTED,
+                               f"segment {i} of model {response.model!r} is a {descriptor.backend} device arena "
+                               f"on {descriptor.gpu_uuid}; the Python client maps host and emulated segments only")
+    if len(fds) != len(response.segments):
+        raise WeightdError(grpc.StatusCode.INTERNAL,
+                           f"received {len(fds)} segment fds for {len(response.segments)} segments")
+    segments = [Segment(fd, descriptor.size) for descriptor, fd in zip(response.segments, fds)]
+    for t in response.tensors:
+        if t.segment >= len(segments) or t.offset + t.nbytes > segments[t.segment].size:
+            raise WeightdError(grpc.StatusCode.INTERNAL, f"tensor {t.name!r} lies outside its segment")
+    return segments

@@ -1,0 +1,200 @@
+"""An attached model: a read-only, zero-copy Mapping of tensor name -> Tensor."""
+import collections.abc
+
+from . import _torch
+from ._types import Manifest, SegmentInfo, TensorInfo
+
+_CPU = 1  # DLPack kDLCPU
+
+
+class _Lease:
+    """One attach's fd-socket connection (the lease) and segment mappings.
+
+    Freed when its last reference goes: the Model holds one and every
+    exported DLPack tensor holds one until the framework drops it. Freeing
+    closes the connection (the daemon ends the lease) and unmaps the segments.
+    """
+
+    __slots__ = ("lease_id", "connection", "segments")
+
+    def __init__(self, lease_id, connection, segments):
+        self.lease_id = lease_id
+        self.connection = connection
+        self.segments = segments  # one weightd._native.Segment per manifest segment
+
+    def __del__(self):
+        connection = getattr(self, "connection", None)
+        if connection is not None:
+            connection.close()
+
+
+class _Exporter:
+    """Exports one byte range of a segment through DLPack (CPU, read-only memory)."""
+
+    __slots__ = ("_lease", "_segment", "_offset", "_nbytes", "_export_dtype", "_export_shape")
+
+    def __init__(self, lease, segment, offset, nbytes, export_dtype, export_shape):
+        self._lease = lease
+        self._segment = segment
+        self._offset = offset
+        self._nbytes = nbytes
+        self._export_dtype = export_dtype
+        self._export_shape = export_shape
+
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        # Always a legacy "dltensor" capsule (allowed whatever max_version
+        # asks); DLPack 0.6 has no read-only flag, see docs/integration.md.
+        if stream not in (None, -1):
+            raise BufferError("weightd tensors live in host memory: stream must be None")
+        if dl_device is not None and tuple(dl_device) != (_CPU, 0):
+            raise BufferError(f"weightd tensors live in host memory, not on device {tuple(dl_device)}")
+        if copy:
+            raise BufferError("weightd exports zero-copy views only; copy after importing")
+        return self._segment.export(self._offset, self._nbytes, self._export_dtype,
+                                    list(self._export_shape), self._lease)
+
+    def __dlpack_device__(self):
+        return (_CPU, 0)
+
+    @property
+    def nbytes(self):
+        return self._nbytes
+
+    def data_ptr(self):
+        """The address of the first byte in this process (inside a read-only mapping)."""
+        return self._segment.address + self._offset if self._segment.address else 0
+
+
+class Tensor(_Exporter):
+    """One tensor of an attached model, exportable with DLPack (zero-copy).
+
+    `torch.from_dlpack(t)` / `numpy.from_dlpack(t)` share weightd's memory.
+    F8_E4M3/F8_E5M2 are exported as uint8 of the same shape (DLPack has no
+    float8 code here); `to_torch()` gives them their torch float8 dtype.
+    The memory is read-only: writing through an imported tensor raises
+    SIGSEGV in this process (see docs/integration.md).
+    """
+
+    __slots__ = ("info",)
+
+    def __init__(self, lease, segment, info):
+        super().__init__(lease, segment, info.offset, info.nbytes, info.dtype, info.shape)
+        self.info = info  # a weightd.TensorInfo
+
+    @property
+    def name(self):
+        return self.info.name
+
+    @property
+    def dtype(self):
+        """The safetensors dtype: "BF16", "F8_E4M3", ..."""
+        return self.info.dtype
+
+    @property
+    def shape(self):
+        return self.info.shape
+
+    def to_torch(self):
+        """A torch.Tensor with the matching torch dtype, sharing this memory."""
+        return _torch.to_torch(self)
+
+    def raw(self):
+        """The tensor's bytes as a 1-D uint8 DLPack exporter (any dtype, including F4/F6/F8_E8M0)."""
+        return _Exporter(self._lease, self._segment, self._offset, self._nbytes, "U8", (self._nbytes,))
+
+    def _carrier(self, dtype):
+        """The same elements exported as `dtype` of equal width, to reinterpret after import."""
+        return _Exporter(self._lease, self._segment, self._offset, self._nbytes, dtype, self.shape)
+
+    def __repr__(self):
+        return f"<weightd.Tensor {self.name!r} {self.dtype}{list(self.shape)}>"
+
+
+class Model(collections.abc.Mapping):
+    """A leased, mapped model rank: a Mapping from tensor name to Tensor.
+
+    Use it as a context manager or call close(). Tensors taken from it (Tensor
+    objects and the framework tensors imported from them) keep the lease and
+    the mappings alive after close(): the lease ends when the last of them is
+    dropped. Thread-safety: reading from many
+    threads is safe; close() must not race other calls.
+    """
+
+    def __init__(self, response, lease, attach_seconds):
+        self.name = response.model
+        self.generation = response.generation
+        self.rank = response.rank
+        self.fingerprint = response.fingerprint
+        self.attach_seconds = attach_seconds  # Attach RPC to all segments mapped
+        self._segments = tuple(SegmentInfo.from_proto(s) for s in response.segments)
+        self._entries = response.tensors  # protobuf entries, converted on demand
+        self._index = {t.name: i for i, t in enumerate(self._entries)}
+        self._lease = lease
+        self._lease_id = lease.lease_id
+
+    # Mapping
+    def __getitem__(self, name):
+        lease = self._open_lease()
+        info = self.tensor_info(name)
+        return Tensor(lease, lease.segments[info.segment], info)
+
+    def __iter__(self):
+        return iter(self._index)
+
+    def __len__(self):
+        return len(self._index)
+
+    def __contains__(self, name):
+        return name in self._index
+
+    def tensor_info(self, name):
+        """The manifest entry of `name` (KeyError when this rank has no such tensor)."""
+        return TensorInfo.from_proto(self._entries[self._index[name]])
+
+    @property
+    def manifest(self):
+        return Manifest(self.name, self.generation, self.rank, self.fingerprint, self._segments,
+                        tuple(TensorInfo.from_proto(t) for t in self._entries))
+
+    @property
+    def lease_id(self):
+        return self._lease_id
+
+    @property
+    def mappings(self):
+        """(address, size) of each mapped segment in this process, in segment order."""
+        return [(s.address, s.size) for s in self._open_lease().segments]
+
+    # torch
+    def weights_iterator(self):
+        """Yields (name, torch.Tensor) pairs in manifest order, zero-copy, for a load_weights() loop."""
+        for name in self:
+            yield name, self[name].to_torch()
+
+    def torch_state_dict(self):
+        """{name: torch.Tensor}, zero-copy."""
+        return dict(self.weights_iterator())
+
+    # lifetime
+    @property
+    def closed(self):
+        return self._lease is None
+
+    def close(self):
+        """Drops this model's hold on the lease; exported tensors keep theirs. Idempotent."""
+        self._lease = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _open_lease(self):
+        if self._lease is None:
+            raise ValueError(f"model {self.name!r} (rank {self.rank}) is closed")
+        return self._lease
+
+    def __repr__(self):
+        state = "closed" if self.closed else f"{len(self)} tensors"
+        return f"<weightd.Model {self.name!r} generation {self.generation} rank {self.rank}: {state}>"

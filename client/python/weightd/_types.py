@@ -1,0 +1,101 @@
+"""Plain records returned by the client: no protobuf type leaks out."""
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Tuple
+
+from .v1 import weightd_pb2 as pb
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """One generation of a model, as ListModels / LoadModel / UnloadModel report it."""
+    name: str
+    generation: int
+    state: str  # LOADING, READY, FAILED, DRAINING
+    checkpoint_path: str
+    host_bytes: int
+    locked_bytes: int
+    device_bytes: Dict[str, int]  # by GPU UUID
+    leases: int
+    fingerprint: str
+    tensor_count: int
+    tp_size: int
+    load_seconds: float
+    error: str
+
+    @classmethod
+    def from_proto(cls, m):
+        return cls(
+            name=m.name, generation=m.generation, state=pb.ModelState.Name(m.state),
+            checkpoint_path=m.checkpoint_path, host_bytes=m.host_bytes, locked_bytes=m.locked_bytes,
+            device_bytes={d.gpu_uuid: d.bytes for d in m.device_bytes}, leases=m.leases,
+            fingerprint=m.fingerprint, tensor_count=m.tensor_count, tp_size=m.tp_size,
+            load_seconds=m.load_seconds, error=m.error)
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    model: ModelInfo
+    reused: bool  # an identical READY generation was reused; nothing was read
+
+
+@dataclass(frozen=True)
+class UnloadResult:
+    model: ModelInfo
+    freed: bool  # False while leases keep the generation DRAINING
+
+
+@dataclass(frozen=True)
+class LoadProgress:
+    phase: str  # CATALOG, PLAN, ALLOCATE, READ, SEAL, DONE
+    bytes_done: int
+    bytes_total: int
+    files_done: int
+    files_total: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a rank's manifest. Shapes in elements, sizes in bytes."""
+    name: str
+    dtype: str  # safetensors spelling: "BF16", "F8_E4M3", ...
+    shape: Tuple[int, ...]  # this rank's shape
+    placement: str  # "host" or "device"
+    segment: int
+    offset: int
+    nbytes: int
+    full_shape: Tuple[int, ...]
+    split_dim: int  # -1: not split
+    split_start: int
+    content_hash: str
+
+    @classmethod
+    def from_proto(cls, t):
+        return cls(
+            name=t.name, dtype=t.dtype, shape=tuple(t.shape),
+            placement="device" if t.placement == pb.DEVICE else "host", segment=t.segment,
+            offset=t.offset, nbytes=t.nbytes, full_shape=tuple(t.full_shape), split_dim=t.split_dim,
+            split_start=t.split_start, content_hash=t.content_hash)
+
+
+@dataclass(frozen=True)
+class SegmentInfo:
+    placement: str  # "host" or "device"
+    size: int
+    backend: str  # "memfd", "emulated", "cuda-vmm", "cuda-legacy-ipc"
+    gpu_uuid: str = ""
+
+    @classmethod
+    def from_proto(cls, s):
+        return cls(placement="device" if s.placement == pb.DEVICE else "host", size=s.size,
+                   backend=s.backend, gpu_uuid=s.gpu_uuid)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    model: str
+    generation: int
+    rank: int
+    fingerprint: str
+    segments: Tuple[SegmentInfo, ...]
+    tensors: Tuple[TensorInfo, ...]

@@ -1,0 +1,248 @@
+#include "server/metrics.h"
+
+#include <prometheus/collectable.h>
+#include <prometheus/counter.h>
+#include <prometheus/exposer.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+#include <prometheus/text_serializer.h>
+
+#include <exception>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+
+namespace weightd {
+namespace {
+
+// Checked in order against the error message: the first phrase found names
+// the reason. The phrases are those of common/safetensors.cc and
+// common/catalog.cc; tests/server/metrics_test.cc pins every ../shared case.
+struct ReasonRule {
+  absl::string_view phrase;
+  absl::string_view reason;
+};
+constexpr ReasonRule kReasonRules[] = {
+    {"shorter than the 8-byte header length prefix", "file_too_short"},
+    {"-byte limit of the safetensors format", "header_too_large"},
+    {"exceeds file size", "header_past_eof"},
+    {"git-LFS pointer", "git_lfs_pointer"},
+    {"not a safetensors file", "foreign_format"},
+    {"ill-formed UTF-8", "header_not_utf8"},
+    {"header holds a NUL byte", "header_not_json"},
+    {"byte-order mark", "header_not_json"},
+    {"header is not valid JSON", "header_not_json"},
+    {"not a JSON object", "header_not_json"},
+    {"truncated: ", "truncated"},
+    {"trailing bytes after the last tensor", "trailing_bytes"},
+    {"overlap at data bytes", "overlapping_tensors"},
+    {"belong to no tensor", "hole_between_tensors"},
+    {"data starts at offset", "offsets_not_from_zero"},
+    {"end before they begin", "bad_data_offsets"},
+    {"unknown dtype", "unknown_dtype"},
+    {"overflows 64 bits", "shape_overflow"},
+    {"not a whole number of bytes", "sub_byte_size"},
+    {"bytes but data_offsets", "size_mismatch"},
+    {"is negative", "negative_value"},
+    {"appears twice", "duplicate_key"},
+    {"is stored in both", "duplicate_tensor"},
+    {"__metadata__", "bad_metadata"},
+    {"which does not exist", "missing_shard"},
+    {"whose header does not hold it", "tensor_absent_from_shard"},
+    {"leaves the checkpoint folder", "shard_outside_checkpoint"},
+    {"outside the checkpoint folder", "shard_outside_checkpoint"},
+    {"model.safetensors.index.json", "bad_index"},
+};
+
+std::string ReasonByCode(absl::StatusCode code) {
+  switch (code) {
+    case absl::StatusCode::kInvalidArgument: return "invalid_checkpoint";
+    case absl::StatusCode::kNotFound: return "not_found";
+    case absl::StatusCode::kPermissionDenied: return "permission_denied";
+    case absl::StatusCode::kResourceExhausted: return "resource_exhausted";
+    case absl::StatusCode::kDataLoss:
+    case absl::StatusCode::kInternal:
+    case absl::StatusCode::kUnavailable:
+    case absl::StatusCode::kOutOfRange: return "io";
+    default: return "other";
+  }
+}
+
+const std::vector<double>& LoadBuckets() {
+  static const auto* b = new std::vector<double>{0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800};
+  return *b;
+}
+const std::vector<double>& RpcBuckets() {
+  static const auto* b = new std::vector<double>{0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 60, 300, 1800};
+  return *b;
+}
+const std::vector<double>& AttachBuckets() {
+  static const auto* b =
+      new std::vector<double>{0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10};
+  return *b;
+}
+
+prometheus::MetricFamily GaugeFamily(std::string name, std::string help, const std::string& label,
+                                     const auto& values) {
+  prometheus::MetricFamily family{std::move(name), std::move(help), prometheus::MetricType::Gauge, {}};
+  for (const auto& [key, value] : values) {
+    prometheus::ClientMetric metric;
+    metric.label.push_back({label, key});
+    metric.gauge.value = static_cast<double>(value);
+    family.metric.push_back(std::move(metric));
+  }
+  return family;
+}
+
+// The gauges sampled from the registry at each scrape.
+class SampledGauges final : public prometheus::Collectable {
+ public:
+  explicit SampledGauges(ModelsSampler sampler) : sampler_(std::move(sampler)) {}
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    ModelsSample s = sampler_ ? sampler_() : SampleModels({});
+    return {GaugeFamily("weightd_models", "Models held, by state.", "state", s.by_state),
+            GaugeFamily("weightd_device_bytes", "Bytes of device segments held, by GPU.", "gpu_uuid", s.device_bytes),
+            GaugeFamily("weightd_leases_active", "Leases held by clients (pending or claimed), by model.", "model",
+                        s.leases)};
+  }
+
+ private:
+  ModelsSampler sampler_;
+};
+
+}  // namespace
+
+ModelsSample SampleModels(const std::vector<std::shared_ptr<ModelGeneration>>& models) {
+  ModelsSample s;
+  s.by_state = {{"LOADING", 0}, {"READY", 0}, {"FAILED", 0}, {"DRAINING", 0}};
+  static constexpr const char* kStateNames[] = {"LOADING", "READY", "FAILED", "DRAINING"};
+  for (const auto& m : models) {
+    ++s.by_state[kStateNames[static_cast<int>(m->state.load())]];
+    s.leases[m->request.name] += m->leases.load();
+    for (const SegmentInfo& seg : m->segments) {
+      if (seg.placement == Placement::kDevice) s.device_bytes[seg.gpu_uuid] += seg.size;
+    }
+  }
+  return s;
+}
+
+std::string CheckpointErrorReason(const absl::Status& status) {
+  for (const ReasonRule& rule : kReasonRules) {
+    if (absl::StrContains(status.message(), rule.phrase)) return std::string(rule.reason);
+  }
+  return ReasonByCode(status.code());
+}
+
+absl::string_view GrpcCodeName(int code) {
+  static constexpr absl::string_view kNames[] = {
+      "OK",          "CANCELLED",         "UNKNOWN",          "INVALID_ARGUMENT",   "DEADLINE_EXCEEDED",
+      "NOT_FOUND",   "ALREADY_EXISTS",    "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
+      "ABORTED",     "OUT_OF_RANGE",      "UNIMPLEMENTED",    "INTERNAL",           "UNAVAILABLE",
+      "DATA_LOSS",   "UNAUTHENTICATED"};
+  return code >= 0 && code < 17 ? kNames[code] : "UNKNOWN";
+}
+
+// ---------------------------------------------------------------- Prometheus
+
+struct PrometheusMetrics::State {
+  std::shared_ptr<prometheus::Registry> registry = std::make_shared<prometheus::Registry>();
+  std::shared_ptr<SampledGauges> sampled;
+  std::unique_ptr<prometheus::Exposer> exposer;
+
+  prometheus::Counter* load_bytes;
+  prometheus::Histogram* load_duration;
+  prometheus::Gauge* load_throughput;
+  prometheus::Gauge* host_resident;
+  prometheus::Gauge* host_locked;
+  prometheus::Histogram* attach_duration;
+  prometheus::Family<prometheus::Counter>* checkpoint_errors;
+  prometheus::Family<prometheus::Counter>* rpc_requests;
+  prometheus::Family<prometheus::Histogram>* rpc_duration;
+
+  explicit State(const PrometheusOptions& o) : sampled(std::make_shared<SampledGauges>(o.sampler)) {
+    using prometheus::BuildCounter, prometheus::BuildGauge, prometheus::BuildHistogram;
+    auto& r = *registry;
+    load_bytes = &BuildCounter().Name("weightd_load_bytes_total")
+                      .Help("Checkpoint bytes read by finished loads.").Register(r).Add({});
+    load_duration = &BuildHistogram().Name("weightd_load_duration_seconds")
+                         .Help("Duration of finished loads, from request to READY.").Register(r)
+                         .Add({}, LoadBuckets());
+    load_throughput = &BuildGauge().Name("weightd_load_throughput_bytes_per_second")
+                           .Help("Read throughput of the last finished load.").Register(r).Add({});
+    host_resident = &BuildGauge().Name("weightd_host_resident_bytes")
+                         .Help("Bytes of host segments (sealed memfds) held, current and draining.").Register(r).Add({});
+    host_locked = &BuildGauge().Name("weightd_host_locked_bytes")
+                       .Help("Bytes of host segments locked in memory with mlock.").Register(r).Add({});
+    attach_duration = &BuildHistogram().Name("weightd_attach_duration_seconds")
+                           .Help("Server-side duration of successful Attach calls.").Register(r)
+                           .Add({}, AttachBuckets());
+    checkpoint_errors = &BuildCounter().Name("weightd_checkpoint_errors_total")
+                             .Help("Failed loads, by reason.").Register(r);
+    rpc_requests = &BuildCounter().Name("weightd_rpc_requests_total")
+                        .Help("Finished gRPC calls, by method and status code.").Register(r);
+    rpc_duration = &BuildHistogram().Name("weightd_rpc_duration_seconds")
+                        .Help("Duration of finished gRPC calls, by method.").Register(r);
+    BuildGauge().Name("weightd_build_info").Help("Always 1; the version of this weightd binary.").Register(r)
+        .Add({{"version", o.version}}).Set(1);
+  }
+};
+
+PrometheusMetrics::PrometheusMetrics(std::unique_ptr<State> state) : state_(std::move(state)) {}
+
+PrometheusMetrics::~PrometheusMetrics() { state_->exposer.reset(); }
+
+absl::StatusOr<std::unique_ptr<PrometheusMetrics>> PrometheusMetrics::Create(PrometheusOptions options) {
+  auto state = std::make_unique<State>(options);
+  if (!options.address.empty()) {
+    if (options.address.find(':') == std::string::npos) {
+      return absl::InvalidArgumentError(absl::StrCat("--metrics-address must be HOST:PORT, got '", options.address, "'"));
+    }
+    try {
+      state->exposer = std::make_unique<prometheus::Exposer>(options.address, 2);
+    } catch (const std::exception& e) {
+      return absl::UnavailableError(absl::StrCat("cannot serve metrics on ", options.address, ": ", e.what()));
+    }
+    state->exposer->RegisterCollectable(state->registry);
+    state->exposer->RegisterCollectable(state->sampled);
+  }
+  return std::unique_ptr<PrometheusMetrics>(new PrometheusMetrics(std::move(state)));
+}
+
+int PrometheusMetrics::port() const {
+  if (!state_->exposer) return 0;
+  std::vector<int> ports = state_->exposer->GetListeningPorts();
+  return ports.empty() ? 0 : ports[0];
+}
+
+std::string PrometheusMetrics::Exposition() const {
+  std::vector<prometheus::MetricFamily> families = state_->registry->Collect();
+  for (auto& f : state_->sampled->Collect()) families.push_back(std::move(f));
+  return prometheus::TextSerializer().Serialize(families);
+}
+
+void PrometheusMetrics::LoadFinished(uint64_t bytes, double seconds) {
+  state_->load_bytes->Increment(static_cast<double>(bytes));
+  state_->load_duration->Observe(seconds);
+  if (seconds > 0) state_->load_throughput->Set(static_cast<double>(bytes) / seconds);
+}
+
+void PrometheusMetrics::LoadFailed(const absl::Status& status) {
+  state_->checkpoint_errors->Add({{"reason", CheckpointErrorReason(status)}}).Increment();
+}
+
+void PrometheusMetrics::HostMemory(uint64_t resident_bytes, uint64_t locked_bytes) {
+  state_->host_resident->Set(static_cast<double>(resident_bytes));
+  state_->host_locked->Set(static_cast<double>(locked_bytes));
+}
+
+void PrometheusMetrics::AttachFinished(double seconds) { state_->attach_duration->Observe(seconds); }
+
+void PrometheusMetrics::RpcFinished(absl::string_view method, absl::string_view code, double seconds) {
+  std::string m(method);
+  state_->rpc_requests->Add({{"method", m}, {"code", std::string(code)}}).Increment();
+  state_->rpc_duration->Add({{"method", m}}, RpcBuckets()).Observe(seconds);
+}
+
+}  // namespace weightd

@@ -1,0 +1,96 @@
+// The daemon's metrics (DESIGN.md "Metrics"): the `Metrics` interface the
+// daemon reports to, and its Prometheus implementation, served over HTTP at
+// http://<metrics_address>/metrics. docs/operations.md lists every metric.
+//
+// Counters and histograms are fed by events (MetricsListener for the
+// registry, the RPC interceptor for calls); gauges that describe the models
+// held (by state, device bytes, leases) are sampled from the registry at
+// each scrape, so a scrape never shows a model that is gone.
+#ifndef WEIGHTD_SERVER_METRICS_H_
+#define WEIGHTD_SERVER_METRICS_H_
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "server/model.h"
+
+namespace weightd {
+
+// What the daemon reports. Implementations must be thread-safe and quick:
+// they are called with the registry lock held and on RPC threads.
+class Metrics {
+ public:
+  virtual ~Metrics() = default;
+  // A load finished: `bytes` read from the checkpoint in `seconds`.
+  virtual void LoadFinished(uint64_t bytes, double seconds) = 0;
+  // A load failed; counted by CheckpointErrorReason(status).
+  virtual void LoadFailed(const absl::Status& status) = 0;
+  // Bytes of host segments held (current and draining), and how many are mlock()ed.
+  virtual void HostMemory(uint64_t resident_bytes, uint64_t locked_bytes) = 0;
+  // An attach took `seconds` on the server.
+  virtual void AttachFinished(double seconds) = 0;
+  // One finished RPC: `method` is "package.Service/Method" or "unknown",
+  // `code` a gRPC code name ("OK", "NOT_FOUND").
+  virtual void RpcFinished(absl::string_view method, absl::string_view code, double seconds) = 0;
+};
+
+// The models held, as the registry lists them at one moment.
+struct ModelsSample {
+  std::map<std::string, int> by_state;             // "READY" -> 2; every state is present
+  std::map<std::string, uint64_t> device_bytes;    // GPU UUID -> bytes
+  std::map<std::string, int> leases;               // model name -> leases over all its generations
+};
+// Builds the sample from ModelRegistry::List().
+ModelsSample SampleModels(const std::vector<std::shared_ptr<ModelGeneration>>& models);
+using ModelsSampler = std::function<ModelsSample()>;
+
+// A short, stable slug for a failed load, for weightd_checkpoint_errors_total
+// {reason}: "header_too_large", "truncated", "git_lfs_pointer", ...; by
+// status code ("not_found", "permission_denied", "resource_exhausted", "io")
+// when the message names no known checkpoint rule; "other" otherwise.
+std::string CheckpointErrorReason(const absl::Status& status);
+
+// gRPC code number -> "OK", "NOT_FOUND", ...; "UNKNOWN" outside 0..16.
+absl::string_view GrpcCodeName(int code);
+
+struct PrometheusOptions {
+  std::string address;   // "HOST:PORT" to serve /metrics on (port 0: any); "" serves nothing
+  std::string version;   // weightd_build_info{version}
+  ModelsSampler sampler;  // called on each scrape from an HTTP thread; may be empty
+};
+
+// Thread-safety: every method may be called from any thread.
+class PrometheusMetrics : public Metrics {
+ public:
+  // UNAVAILABLE when the address cannot be bound, INVALID_ARGUMENT when malformed.
+  // `options.sampler` must stay callable until the object is destroyed.
+  static absl::StatusOr<std::unique_ptr<PrometheusMetrics>> Create(PrometheusOptions options);
+  ~PrometheusMetrics() override;  // stops the HTTP server first
+
+  // The port /metrics is served on; 0 when serving nothing.
+  int port() const;
+  // The exposition a scrape would return (text format 0.0.4).
+  std::string Exposition() const;
+
+  void LoadFinished(uint64_t bytes, double seconds) override;
+  void LoadFailed(const absl::Status& status) override;
+  void HostMemory(uint64_t resident_bytes, uint64_t locked_bytes) override;
+  void AttachFinished(double seconds) override;
+  void RpcFinished(absl::string_view method, absl::string_view code, double seconds) override;
+
+  struct State;
+
+ private:
+  explicit PrometheusMetrics(std::unique_ptr<State> state);
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace weightd
+
+#endif  // WEIGHTD_SERVER_METRICS_H_

@@ -1,0 +1,32 @@
+// Turns registry events into metrics: finished and failed loads, and host
+// memory. (Models by state, device bytes and leases are sampled at each
+// scrape instead; see metrics.h.)
+//
+// Thread-safety: as RegistryListener; `metrics` must outlive the listener.
+#ifndef WEIGHTD_SERVER_METRICS_LISTENER_H_
+#define WEIGHTD_SERVER_METRICS_LISTENER_H_
+
+#include "server/metrics.h"
+#include "server/registry.h"
+
+namespace weightd {
+
+class MetricsListener final : public RegistryListener {
+ public:
+  explicit MetricsListener(Metrics* metrics) : metrics_(metrics) {}
+
+  void OnLoadFinished(const ModelGeneration& model, uint64_t bytes, double seconds) override {
+    metrics_->LoadFinished(bytes, seconds);
+  }
+  void OnLoadFailed(const absl::Status& status) override { metrics_->LoadFailed(status); }
+  void OnMemoryChanged(uint64_t host_bytes, uint64_t locked_bytes) override {
+    metrics_->HostMemory(host_bytes, locked_bytes);
+  }
+
+ private:
+  Metrics* metrics_;
+};
+
+}  // namespace weightd
+
+#endif  // WEIGHTD_SERVER_METRICS_LISTENER_H_

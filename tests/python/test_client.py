@@ -1,0 +1,280 @@
+"""The weightd Python client against a real daemon (fixtures in conftest.py)."""
+import gc
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+import weightd
+from conftest import MALFORMED_FILE, REAL_CHECKPOINTS, read_safetensors, real_checkpoint_cases, require_shared
+from conftest import write_safetensors
+
+# Same-width integer types, to compare any tensor bit for bit (NaNs included).
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _inside(model, info, address, nbytes):
+    base, size = model.mappings[info.segment]
+    return base + info.offset == address and address + nbytes <= base + size
+
+
+def check_model_matches_files(model, expected):
+    """Every tensor of `model` equals the file bytes, typed where torch can, without a copy."""
+    assert sorted(model) == sorted(expected)
+    for name, (dtype, shape, data) in expected.items():
+        tensor = model[name]
+        assert (tensor.dtype, tensor.shape, tensor.nbytes) == (dtype, shape, len(data)), name
+        raw = np.from_dlpack(tensor.raw())
+        assert raw.tobytes() == data, name
+        if len(data):
+            assert _inside(model, tensor.info, raw.__array_interface__["data"][0], len(data)), name
+        try:
+            target = weightd.torch_dtype(dtype)
+        except weightd.UnsupportedDtypeError:
+            with pytest.raises(weightd.UnsupportedDtypeError, match=f"{name!r}.*dtype {dtype}"):
+                tensor.to_torch()
+            continue
+        value = tensor.to_torch()
+        assert (value.dtype, tuple(value.shape)) == (target, shape), name
+        if len(data):
+            assert _inside(model, tensor.info, value.data_ptr(), len(data)), f"{name} was copied"
+            reference = torch.frombuffer(bytearray(data), dtype=target).reshape(shape)
+            width = _BITS[value.element_size()]
+            assert torch.equal(value.view(width), reference.view(width)), name
+
+
+@pytest.mark.parametrize("name,path", real_checkpoint_cases() or [("none", None)])
+def test_real_checkpoint_tensors_equal_the_files(daemon, name, path):
+    require_shared()
+    daemon.client.load(name, path)
+    with daemon.client.attach(name) as model:
+        check_model_matches_files(model, read_safetensors(path))
+
+
+def test_real_checkpoints_cover_bf16_and_f8():
+    require_shared()
+    dtypes = {d for _, p in real_checkpoint_cases() for d, _, _ in read_safetensors(p).values()}
+    assert {"BF16", "F8_E4M3", "F8_E5M2", "BOOL", "F16"} <= dtypes
+
+
+def test_bf16_and_f8_get_their_torch_dtypes(daemon):
+    require_shared()
+    path = REAL_CHECKPOINTS / "fluxml-nonsharded" / "model.safetensors"
+    daemon.client.load("flux-dtypes", path)
+    with daemon.client.attach("flux-dtypes") as model:
+        assert model["bfloat16_35"].to_torch().dtype == torch.bfloat16
+        assert model["bfloat16_35"].to_torch().view(torch.int16).flatten()[0].item() == int.from_bytes(
+            read_safetensors(path)["bfloat16_35"][2][:2], "little", signed=True)
+        for name, dtype in (("float8_e4m3fn_35", "float8_e4m3fn"), ("float8_e5m2_35", "float8_e5m2")):
+            if hasattr(torch, dtype):
+                assert model[name].to_torch().dtype == getattr(torch, dtype)
+            else:
+                with pytest.raises(weightd.UnsupportedDtypeError, match=f"F8_E[45]M[32].*torch.{dtype} is missing"):
+                    model[name].to_torch()
+
+
+def test_demo_small_tensors_equal_the_files(daemon, demo_small):
+    with daemon.client.attach("demo-small") as model:
+        check_model_matches_files(model, read_safetensors(demo_small))
+
+
+def test_hand_made_dtypes_export_or_name_the_dtype(daemon):
+    """Dtypes no real file has: C64 and wide unsigned travel through DLPack; F4/F6/E8M0/FNUZ are refused by name."""
+    path = daemon.models / "hand-made.safetensors"
+    tensors = {
+        "c64": ("C64", (2,), np.array([1 + 2j, -3.5j], dtype=np.complex64).tobytes()),
+        "u16": ("U16", (3,), np.array([1, 65535, 7], dtype=np.uint16).tobytes()),
+        "u32": ("U32", (2,), np.array([4000000000, 5], dtype=np.uint32).tobytes()),
+        "u64": ("U64", (1,), np.array([2**64 - 1], dtype=np.uint64).tobytes()),
+        "scalar": ("F32", (), np.array(2.5, dtype=np.float32).tobytes()),
+        "empty": ("F32", (0, 4), b""),
+        "e8m0": ("F8_E8M0", (2,), b"\x7f\x80"),
+        "fnuz": ("F8_E4M3FNUZ", (2,), b"\x01\x02"),
+        "f4": ("F4", (4,), b"\x12\x34"),
+        "f6": ("F6_E2M3", (4,), b"\x01\x02\x03"),
+    }
+    write_safetensors(path, tensors)
+    daemon.client.load("hand-made", path)
+    with daemon.client.attach("hand-made") as model:
+        assert np.from_dlpack(model["c64"]).tolist() == [1 + 2j, -3.5j]
+        assert np.from_dlpack(model["u16"]).tolist() == [1, 65535, 7]
+        assert np.from_dlpack(model["u32"]).tolist() == [4000000000, 5]
+        assert np.from_dlpack(model["u64"]).tolist() == [2**64 - 1]
+        assert model["scalar"].to_torch().item() == 2.5
+        assert tuple(model["empty"].to_torch().shape) == (0, 4)
+        assert torch.equal(model["c64"].to_torch(), torch.tensor([1 + 2j, -3.5j], dtype=torch.complex64))
+        for name in ("e8m0", "fnuz", "f4", "f6"):
+            dtype = tensors[name][0]
+            with pytest.raises(ValueError, match=f"safetensors dtype {dtype} has no DLPack equivalent"):
+                model[name].__dlpack__()
+            with pytest.raises(weightd.UnsupportedDtypeError, match=f"{name!r}.*{dtype}"):
+                model[name].to_torch()
+            assert np.from_dlpack(model[name].raw()).tobytes() == tensors[name][2]
+
+
+def test_model_is_a_mapping_of_dlpack_tensors(daemon, demo_small):
+    info = {m.name: m for m in daemon.client.list()}["demo-small"]
+    with daemon.client.attach("demo-small", rank=0) as model:
+        assert (model.name, model.rank, model.fingerprint) == ("demo-small", 0, info.fingerprint)
+        assert len(model) == info.tensor_count == len(list(model.items()))
+        name, tensor = next(iter(model.items()))
+        assert name in model and "no.such.tensor" not in model
+        assert tensor.__dlpack_device__() == (1, 0)
+        assert torch.from_dlpack(tensor).data_ptr() == tensor.data_ptr()
+        with pytest.raises(BufferError):
+            tensor.__dlpack__(copy=True)
+        with pytest.raises(BufferError):
+            tensor.__dlpack__(dl_device=(2, 0))
+        with pytest.raises(KeyError):
+            model["no.such.tensor"]
+
+
+def test_weights_iterator_and_state_dict_share_the_mapping(daemon, demo_small):
+    with daemon.client.attach("demo-small") as model:
+        pairs = list(model.weights_iterator())
+        assert [n for n, _ in pairs] == list(model)
+        state = model.torch_state_dict()
+        assert state.keys() == set(model)
+        for name, value in pairs:
+            assert isinstance(value, torch.Tensor)
+            assert value.data_ptr() == state[name].data_ptr()
+            nbytes = value.numel() * value.element_size()
+            assert _inside(model, model.tensor_info(name), value.data_ptr(), nbytes), f"{name} was copied"
+
+
+def test_lease_outlives_close_while_a_tensor_is_alive(daemon, demo_small):
+    assert daemon.wait_leases("demo-small", 0) == 0
+    model = daemon.client.attach("demo-small")
+    name = next(iter(model))
+    value = model[name].to_torch()
+    expected = value.clone()
+    model.close()
+    assert model.closed
+    with pytest.raises(ValueError, match="closed"):
+        model[name]
+    del model
+    gc.collect()
+    assert daemon.leases("demo-small") == 1
+    assert {m.name: m.leases for m in daemon.client.list()}["demo-small"] == 1
+    assert torch.equal(value, expected)  # still mapped
+    del value
+    gc.collect()
+    assert daemon.wait_leases("demo-small", 0) == 0
+
+
+def test_context_manager_releases_the_lease(daemon, demo_small):
+    with daemon.client.attach("demo-small") as model:
+        assert daemon.leases("demo-small") == 1
+        assert len(model) > 0
+    del model
+    assert daemon.wait_leases("demo-small", 0) == 0
+
+
+def _run_python(code, **kwargs):
+    import resource
+
+    def no_core_dump():
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=120, preexec_fn=no_core_dump, **kwargs)
+
+
+def test_writing_a_mapped_tensor_kills_only_the_client(daemon, demo_small):
+    name = "model.embed_tokens.weight"
+    before = read_safetensors(demo_small)[name][2]
+    child = _run_python(f"""
+        import torch, weightd
+        model = weightd.connect({daemon.socket!r}).attach("demo-small")
+        value = model[{name!r}].to_torch()
+        print("writable as far as torch knows:", not value.is_inference(), flush=True)
+        value.fill_(1.0)
+        print("unreachable: the write went through", flush=True)
+    """)
+    assert child.returncode == -signal.SIGSEGV, child.stdout + child.stderr
+    assert "writable as far as torch knows" in child.stdout
+    assert "unreachable" not in child.stdout
+    # The daemon still serves, the bytes are intact, and the dead client's lease ended.
+    assert daemon.wait_leases("demo-small", 0) == 0
+    with daemon.client.attach("demo-small") as model:
+        assert np.from_dlpack(model[name].raw()).tobytes() == before
+    assert daemon.process.poll() is None
+
+
+def test_works_when_imported_after_torch_and_grpcio(daemon, demo_small):
+    child = _run_python(f"""
+        import torch, grpc, weightd
+        with weightd.connect({daemon.socket!r}).attach("demo-small") as model:
+            state = model.torch_state_dict()
+        print(len(state), sum(int(t.numel()) for t in state.values()))
+    """)
+    assert child.returncode == 0, child.stderr
+    with daemon.client.attach("demo-small") as model:
+        assert child.stdout.split() == [str(len(model)), str(sum(t.to_torch().numel() for t in model.values()))]
+
+
+def test_extension_links_no_grpc_or_protobuf():
+    import weightd._native as native
+    linked = subprocess.run(["ldd", native.__file__], capture_output=True, text=True, check=True).stdout
+    assert "grpc" not in linked and "protobuf" not in linked, linked
+
+
+def test_default_socket_comes_from_the_environment(monkeypatch, daemon):
+    monkeypatch.setenv("WEIGHTD_SOCKET", daemon.socket)
+    assert weightd.connect().target == "unix://" + daemon.socket
+    monkeypatch.delenv("WEIGHTD_SOCKET")
+    assert weightd.connect().target == "unix:///run/weightd/weightd.sock"
+
+
+def test_daemon_errors_carry_code_and_message(daemon, tmp_path):
+    with pytest.raises(weightd.WeightdError) as e:
+        daemon.client.attach("no-such-model")
+    assert e.value.code == grpc.StatusCode.NOT_FOUND and "no-such-model" in e.value.message
+    with pytest.raises(weightd.WeightdError) as e:
+        daemon.client.unload("no-such-model")
+    assert e.value.code == grpc.StatusCode.NOT_FOUND
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    with pytest.raises(weightd.WeightdError) as e:
+        daemon.client.load("outside", outside)
+    assert e.value.code == grpc.StatusCode.PERMISSION_DENIED and str(outside) in e.value.message
+    with pytest.raises(weightd.WeightdError) as e:
+        weightd.connect(str(tmp_path / "no-daemon.sock")).list()
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_malformed_checkpoint_is_invalid_argument(daemon):
+    require_shared()
+    path = REAL_CHECKPOINTS / "syoyo-safetensors-cpp" / MALFORMED_FILE
+    with pytest.raises(weightd.WeightdError) as e:
+        daemon.client.load("malformed", path)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and MALFORMED_FILE in e.value.message
+
+
+def test_unload_drains_while_attached(daemon, demo_small):
+    daemon.client.load("drain-me", demo_small)
+    model = daemon.client.attach("drain-me")
+    value = model[next(iter(model))].to_torch()
+    result = daemon.client.unload("drain-me")
+    assert (result.freed, result.model.state) == (False, "DRAINING")
+    with pytest.raises(weightd.WeightdError) as e:
+        daemon.client.attach("drain-me")
+    assert e.value.code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION)
+    model.close()
+    del model, value
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while any(m.name == "drain-me" for m in daemon.client.list()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(m.name == "drain-me" for m in daemon.client.list())
+
+
+@pytest.mark.skip(reason="device backend not built yet")
+def test_emulated_device_backend_tp_ranks():
+    """Attach each TP rank of a model loaded on the emulated device backend and compare its shards."""

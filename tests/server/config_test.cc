@@ -1,0 +1,165 @@
+// ParseDaemonArgs: flags, the --config file, precedence and errors.
+#include "server/config.h"
+
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "tests/testing/checkpoint_builder.h"
+#include "tests/testing/shared_inputs.h"
+#include "tests/testing/status_matchers.h"
+
+namespace weightd {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::Pair;
+using ::weightd::testing::TempDir;
+using ::weightd::testing::WriteFile;
+using Code = absl::StatusCode;
+
+TEST(DaemonConfig, DefaultsFollowTheDesign) {
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(ParsedArgs parsed, ParseDaemonArgs({}));
+  const DaemonConfig& c = parsed.config;
+  EXPECT_EQ(c.socket, "/run/weightd/weightd.sock");
+  EXPECT_EQ(c.fd_socket, "/run/weightd/weightd.fd.sock");
+  EXPECT_EQ(c.grpc_address, "");
+  EXPECT_TRUE(c.model_root.empty());
+  EXPECT_EQ(c.metrics_address, "127.0.0.1:9400");
+  EXPECT_EQ(c.health_address, "");
+  EXPECT_EQ(c.device_backend, "auto");
+  EXPECT_TRUE(c.preload.empty());
+  EXPECT_TRUE(c.allowed_gids.empty());
+  EXPECT_EQ(c.lease_claim_timeout_seconds, 10);
+  EXPECT_EQ(c.load_threads, 0);
+  EXPECT_TRUE(c.mlock);
+  EXPECT_FALSE(parsed.help);
+  EXPECT_FALSE(parsed.print_config);
+}
+
+TEST(DaemonConfig, FdSocketIsDerivedFromSocketUnlessGiven) {
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(ParsedArgs derived, ParseDaemonArgs({"--socket", "/tmp/w/d.sock"}));
+  EXPECT_EQ(derived.config.fd_socket, "/tmp/w/d.fd.sock");
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(ParsedArgs no_suffix, ParseDaemonArgs({"--socket=/tmp/w/grpc"}));
+  EXPECT_EQ(no_suffix.config.fd_socket, "/tmp/w/grpc.fd.sock");
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(ParsedArgs given, ParseDaemonArgs({"--socket", "/a.sock", "--fd-socket", "/b/fd"}));
+  EXPECT_EQ(given.config.fd_socket, "/b/fd");
+}
+
+TEST(DaemonConfig, RepeatedModelRootAccumulates) {
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(ParsedArgs parsed,
+                               ParseDaemonArgs({"--model-root", "/models", "--model-root=/data/ckpt", "--model-root", "/x"}));
+  EXPECT_THAT(parsed.config.model_root, ElementsAre("/models", "/data/ckpt", "/x"));
+}
+
+TEST(DaemonConfig, PreloadTakesNameEqualsPath) {
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(ParsedArgs parsed,
+                               ParseDaemonArgs({"--preload", "llama=/models/llama", "--preload", "tiny=a=b"}));
+  EXPECT_THAT(parsed.config.preload, ElementsAre(Pair("llama", "/models/llama"), Pair("tiny", "a=b")));
+  EXPECT_THAT(ParseDaemonArgs({"--preload", "no-equals"}), StatusIs(Code::kInvalidArgument, "--preload: expected NAME=PATH"));
+  EXPECT_THAT(ParseDaemonArgs({"--preload", "=/path"}), StatusIs(Code::kInvalidArgument, "'=/path'"));
+}
+
+TEST(DaemonConfig, TypedFlagsParse) {
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(
+      ParsedArgs parsed,
+      ParseDaemonArgs({"--device-backend", "emulated", "--allowed-gid", "44", "--allowed-gids", "1000",
+                       "--lease-claim-timeout-seconds", "2.5", "--load-threads", "3", "--mlock", "false",
+                       "--metrics-address", "", "--health-address", "0.0.0.0:8081", "--print-config", "--help"}));
+  const DaemonConfig& c = parsed.config;
+  EXPECT_EQ(c.device_backend, "emulated");
+  EXPECT_THAT(c.allowed_gids, ElementsAre(44u, 1000u));
+  EXPECT_EQ(c.lease_claim_timeout_seconds, 2.5);
+  EXPECT_EQ(c.load_threads, 3);
+  EXPECT_FALSE(c.mlock);
+  EXPECT_EQ(c.metrics_address, "");
+  EXPECT_EQ(c.health_address, "0.0.0.0:8081");
+  EXPECT_TRUE(parsed.print_config);
+  EXPECT_TRUE(parsed.help);
+}
+
+TEST(DaemonConfig, ConfigFileSetsTheSameKeys) {
+  TempDir dir;
+  WriteFile(dir.Join("weightd.json"), R"({"socket": "/srv/w.sock", "model_root": ["/m1", "/m2"],
+      "preload": {"tiny": "/m1/tiny"}, "device_backend": "none", "allowed_gids": [7],
+      "lease_claim_timeout_seconds": 4, "load_threads": 2, "mlock": false})");
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(ParsedArgs parsed, ParseDaemonArgs({"--config", dir.Join("weightd.json")}));
+  const DaemonConfig& c = parsed.config;
+  EXPECT_EQ(c.socket, "/srv/w.sock");
+  EXPECT_EQ(c.fd_socket, "/srv/w.fd.sock");
+  EXPECT_THAT(c.model_root, ElementsAre("/m1", "/m2"));
+  EXPECT_THAT(c.preload, ElementsAre(Pair("tiny", "/m1/tiny")));
+  EXPECT_EQ(c.device_backend, "none");
+  EXPECT_THAT(c.allowed_gids, ElementsAre(7u));
+  EXPECT_EQ(c.lease_claim_timeout_seconds, 4);
+  EXPECT_EQ(c.load_threads, 2);
+  EXPECT_FALSE(c.mlock);
+}
+
+TEST(DaemonConfig, FlagsWinOverTheFile) {
+  TempDir dir;
+  WriteFile(dir.Join("c.json"), R"({"socket": "/file.sock", "model_root": ["/file-root"], "device_backend": "none",
+      "load_threads": 8})");
+  // The flag comes before --config on purpose: precedence is not order.
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(ParsedArgs parsed, ParseDaemonArgs({"--socket", "/flag.sock", "--config", dir.Join("c.json"),
+                                                                  "--model-root", "/flag-root"}));
+  const DaemonConfig& c = parsed.config;
+  EXPECT_EQ(c.socket, "/flag.sock");
+  EXPECT_EQ(c.fd_socket, "/flag.fd.sock");
+  EXPECT_THAT(c.model_root, ElementsAre("/flag-root"));  // a list flag replaces the file's list
+  EXPECT_EQ(c.device_backend, "none");                  // from the file: no flag given
+  EXPECT_EQ(c.load_threads, 8);
+}
+
+TEST(DaemonConfig, UnknownFlagIsInvalidArgumentNamingIt) {
+  EXPECT_THAT(ParseDaemonArgs({"--model-roots", "/m"}), StatusIs(Code::kInvalidArgument, "unknown flag --model-roots"));
+  EXPECT_THAT(ParseDaemonArgs({"stray"}), StatusIs(Code::kInvalidArgument, "unexpected argument 'stray'"));
+  EXPECT_THAT(ParseDaemonArgs({"--socket"}), StatusIs(Code::kInvalidArgument, "--socket needs a value"));
+}
+
+TEST(DaemonConfig, UnknownConfigKeyIsInvalidArgumentNamingIt) {
+  TempDir dir;
+  WriteFile(dir.Join("c.json"), R"({"socket": "/s.sock", "modelroot": ["/m"]})");
+  EXPECT_THAT(ParseDaemonArgs({"--config", dir.Join("c.json")}),
+              StatusIs(Code::kInvalidArgument, dir.Join("c.json") + ": unknown key 'modelroot'"));
+}
+
+TEST(DaemonConfig, MalformedConfigFileIsInvalidArgumentNamingIt) {
+  TempDir dir;
+  WriteFile(dir.Join("bad.json"), "{\"socket\": ");
+  EXPECT_THAT(ParseDaemonArgs({"--config", dir.Join("bad.json")}), StatusIs(Code::kInvalidArgument, "bad.json: not valid JSON"));
+  WriteFile(dir.Join("type.json"), R"({"load_threads": "four"})");
+  EXPECT_THAT(ParseDaemonArgs({"--config", dir.Join("type.json")}), StatusIs(Code::kInvalidArgument, "type.json"));
+  EXPECT_THAT(ParseDaemonArgs({"--config", dir.Join("absent.json")}), StatusIs(Code::kNotFound, "absent.json"));
+}
+
+TEST(DaemonConfig, BadValuesAreInvalidArgumentNamingTheFlag) {
+  EXPECT_THAT(ParseDaemonArgs({"--device-backend", "gpu"}),
+              StatusIs(Code::kInvalidArgument, "--device-backend must be auto, cuda, cuda-legacy-ipc, emulated or none, got 'gpu'"));
+  EXPECT_THAT(ParseDaemonArgs({"--load-threads", "many"}), StatusIs(Code::kInvalidArgument, "expected an integer, got 'many'"));
+  EXPECT_THAT(ParseDaemonArgs({"--load-threads", "-1"}), StatusIs(Code::kInvalidArgument, "--load-threads must be >= 0"));
+  EXPECT_THAT(ParseDaemonArgs({"--mlock", "yes"}), StatusIs(Code::kInvalidArgument, "expected true or false, got 'yes'"));
+  EXPECT_THAT(ParseDaemonArgs({"--lease-claim-timeout-seconds", "0"}), StatusIs(Code::kInvalidArgument, "must be > 0"));
+  EXPECT_THAT(ParseDaemonArgs({"--allowed-gid", "wheel"}), StatusIs(Code::kInvalidArgument, "expected a numeric gid"));
+  EXPECT_THAT(ParseDaemonArgs({"--socket", ""}), StatusIs(Code::kInvalidArgument, "--socket must not be empty"));
+}
+
+TEST(DaemonConfig, ConfigToJsonRoundTripsThroughConfigFile) {
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(
+      ParsedArgs original,
+      ParseDaemonArgs({"--socket", "/r/w.sock", "--fd-socket", "/r/fd.sock", "--grpc-address", "127.0.0.1:0",
+                       "--model-root", "/a", "--model-root", "/b", "--metrics-address", "", "--health-address", ":8081",
+                       "--device-backend", "emulated", "--preload", "x=/a/x", "--preload", "y=/b/y", "--allowed-gid", "5",
+                       "--lease-claim-timeout-seconds", "0.25", "--load-threads", "6", "--mlock", "false"}));
+  TempDir dir;
+  const nlohmann::json json = ConfigToJson(original.config);
+  WriteFile(dir.Join("round.json"), json.dump(2));
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(ParsedArgs reread, ParseDaemonArgs({"--config", dir.Join("round.json")}));
+  EXPECT_EQ(ConfigToJson(reread.config), json);
+  EXPECT_EQ(reread.config.preload, original.config.preload);
+  EXPECT_EQ(reread.config.lease_claim_timeout_seconds, 0.25);
+  EXPECT_EQ(json.size(), 12u);  // every DaemonConfig field, so a new one cannot be forgotten silently
+}
+
+}  // namespace
+}  // namespace weightd

@@ -1,0 +1,184 @@
+// The device half of the load pipeline on the emulated backend: slices land
+// where the manifest says, and a failed load frees every arena.
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+
+#include "common/catalog.h"
+#include "common/device.h"
+#include "common/status.h"
+#include "gtest/gtest.h"
+#include "server/loader.h"
+#include "tests/testing/checkpoint_builder.h"
+#include "tests/testing/shared_inputs.h"
+#include "tests/testing/status_matchers.h"
+
+namespace weightd {
+namespace {
+
+// Wraps the emulated backend: counts live arenas, can fail the Nth Allocate.
+class CountingBackend final : public DeviceBackend {
+ public:
+  explicit CountingBackend(int fail_allocation = -1) : inner_(MakeEmulatedBackend(2)), fail_(fail_allocation) {}
+  std::string name() const override { return "emulated"; }
+  absl::StatusOr<std::vector<DeviceInfo>> Devices() override { return inner_->Devices(); }
+  absl::StatusOr<std::unique_ptr<DeviceArena>> Allocate(const DeviceInfo& d, uint64_t size) override {
+    if (allocations_++ == fail_) return absl::ResourceExhaustedError("out of device memory (injected)");
+    WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<DeviceArena> arena, inner_->Allocate(d, size));
+    return std::unique_ptr<DeviceArena>(new Counted(std::move(arena), &live_));
+  }
+  absl::StatusOr<std::unique_ptr<PinnedBuffer>> AllocatePinned(uint64_t size) override {
+    return inner_->AllocatePinned(size);
+  }
+  absl::StatusOr<std::unique_ptr<ImportedArena>> Import(ArenaExport e) override { return inner_->Import(std::move(e)); }
+  int live() const { return live_.load(); }
+  int allocations() const { return allocations_; }
+
+ private:
+  class Counted final : public DeviceArena {
+   public:
+    Counted(std::unique_ptr<DeviceArena> inner, std::atomic<int>* live) : inner_(std::move(inner)), live_(live) { ++*live_; }
+    ~Counted() override { --*live_; }
+    uint64_t size() const override { return inner_->size(); }
+    const DeviceInfo& device() const override { return inner_->device(); }
+    absl::Status CopyFromHost(uint64_t a, uint64_t b, const void* c, uint64_t d, uint64_t e, uint64_t f) override {
+      return inner_->CopyFromHost(a, b, c, d, e, f);
+    }
+    absl::StatusOr<uint64_t> RecordFence() override { return inner_->RecordFence(); }
+    absl::Status WaitFence(uint64_t f) override { return inner_->WaitFence(f); }
+    absl::Status CopyToHost(uint64_t o, void* d, uint64_t n) override { return inner_->CopyToHost(o, d, n); }
+    absl::Status Seal() override { return inner_->Seal(); }
+    int export_fd() const override { return inner_->export_fd(); }
+    std::string export_handle() const override { return inner_->export_handle(); }
+
+   private:
+    std::unique_ptr<DeviceArena> inner_;
+    std::atomic<int>* live_;
+  };
+  std::unique_ptr<DeviceBackend> inner_;
+  int fail_;
+  int allocations_ = 0;
+  std::atomic<int> live_{0};
+};
+
+std::string Iota(size_t n) {
+  std::string s(n, '\0');
+  for (size_t i = 0; i < n; ++i) s[i] = static_cast<char>(i * 7 + 1);
+  return s;
+}
+
+LoadRequest Request() {
+  LoadRequest r;
+  r.name = "m";
+  r.tp_size = 2;
+  r.devices = {"GPU-emulated-0", "GPU-emulated-1"};
+  r.tp_rules = {{"rows", 0}, {"cols", 1}};
+  r.host_resident_patterns = {"table"};
+  return r;
+}
+
+TEST(DeviceLoad, SlicesLandWhereTheManifestSays) {
+  testing::TempDir dir;
+  // cols is [3, 4, 6] U8 split on dim 1: rank r holds [3, 2, 6] = rows 2r, 2r+1 of each outer block.
+  std::string rows = Iota(8 * 5), cols = Iota(3 * 4 * 6), rep = Iota(10), table = Iota(64);
+  testing::WriteFile(dir.Join("m.safetensors"), testing::SafetensorsBuilder()
+                                                    .Add("rows", "U8", {8, 5}, rows)
+                                                    .Add("cols", "U8", {3, 4, 6}, cols)
+                                                    .Add("rep", "U8", {10}, rep)
+                                                    .Add("table", "U8", {64}, table)
+                                                    .Build());
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(Catalog catalog, BuildCatalog(dir.Join("m.safetensors")));
+  CountingBackend backend;
+  LoaderOptions options;
+  options.device_backend = &backend;
+  options.mlock = false;
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<ModelGeneration> gen, LoadGeneration(catalog, Request(), options, nullptr));
+  ASSERT_EQ(gen->ranks.size(), 2u);
+  EXPECT_EQ(backend.live(), 2);  // one arena per rank
+  for (uint32_t r = 0; r < 2; ++r) {
+    const RankManifest& rank = gen->ranks[r];
+    ASSERT_EQ(rank.segments.size(), 2u);  // host + one arena
+    DeviceArena& arena = *gen->arenas[r];
+    auto device_bytes = [&](const TensorRecord& t) {
+      std::string out(t.nbytes, '\0');
+      EXPECT_TRUE(arena.CopyToHost(t.offset, out.data(), t.nbytes).ok());
+      return out;
+    };
+    EXPECT_EQ(device_bytes(rank.tensors[0]), rows.substr(r * 20, 20));
+    std::string expected_cols;
+    for (int o = 0; o < 3; ++o) expected_cols += cols.substr(o * 24 + r * 12, 12);
+    EXPECT_EQ(device_bytes(rank.tensors[1]), expected_cols);
+    EXPECT_EQ(device_bytes(rank.tensors[2]), rep);
+    EXPECT_EQ(rank.tensors[3].placement, Placement::kHost);
+    EXPECT_EQ(std::string(gen->host_segments[0]->data() + rank.tensors[3].offset, 64), table);
+    EXPECT_EQ(gen->segments[rank.segments[1]].gpu_uuid, "GPU-emulated-" + std::to_string(r));
+  }
+  // Content hashes are of the full checkpoint tensor, identical on both ranks.
+  EXPECT_EQ(gen->ranks[0].tensors[1].content_hash, TensorContentHash(cols.data(), cols.size()));
+  EXPECT_EQ(gen->ranks[1].tensors[1].content_hash, gen->ranks[0].tensors[1].content_hash);
+  gen.reset();
+  EXPECT_EQ(backend.live(), 0);
+}
+
+TEST(DeviceLoad, SplitTensorsLargerThanABlockAreExact) {
+  testing::TempDir dir;
+  // 3 x 4096 x 2048 U8 = 24 MiB, split on dim 1: blocks of 16 MiB cut slices mid-row.
+  std::string big = Iota(3ull * 4096 * 2048);
+  testing::WriteFile(dir.Join("m.safetensors"),
+                     testing::SafetensorsBuilder().Add("cols", "U8", {3, 4096, 2048}, big).Build());
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(Catalog catalog, BuildCatalog(dir.Join("m.safetensors")));
+  CountingBackend backend;
+  LoaderOptions options;
+  options.device_backend = &backend;
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<ModelGeneration> gen, LoadGeneration(catalog, Request(), options, nullptr));
+  for (uint32_t r = 0; r < 2; ++r) {
+    const TensorRecord& t = gen->ranks[r].tensors[0];
+    std::string got(t.nbytes, '\0');
+    WEIGHTD_ASSERT_OK(gen->arenas[r]->CopyToHost(t.offset, got.data(), got.size()));
+    std::string expected;
+    for (int o = 0; o < 3; ++o) expected += big.substr(o * 4096ull * 2048 + r * 2048ull * 2048, 2048ull * 2048);
+    EXPECT_TRUE(got == expected) << "rank " << r;
+  }
+}
+
+TEST(DeviceLoad, FailedAllocationFreesEveryArena) {
+  testing::TempDir dir;
+  testing::WriteFile(dir.Join("m.safetensors"),
+                     testing::SafetensorsBuilder().Add("rows", "U8", {8, 5}, Iota(40)).Build());
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(Catalog catalog, BuildCatalog(dir.Join("m.safetensors")));
+  CountingBackend backend(/*fail_allocation=*/1);  // rank 1's arena
+  LoaderOptions options;
+  options.device_backend = &backend;
+  EXPECT_THAT(LoadGeneration(catalog, Request(), options, nullptr),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       "allocating a 20-byte arena for rank 1 on GPU-emulated-1: out of device memory (injected)"));
+  EXPECT_EQ(backend.allocations(), 2);
+  EXPECT_EQ(backend.live(), 0);
+}
+
+TEST(DeviceLoad, FailedReadFreesEveryArena) {
+  testing::TempDir dir;
+  testing::WriteFile(dir.Join("m.safetensors"),
+                     testing::SafetensorsBuilder().Add("rows", "U8", {8, 5}, Iota(40)).Add("rep", "U8", {4}, "abcd").Build());
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(Catalog catalog, BuildCatalog(dir.Join("m.safetensors")));
+  // Shrink the file after cataloging: the reader notices before reading.
+  ASSERT_EQ(truncate(dir.Join("m.safetensors").c_str(), static_cast<off_t>(catalog.files[0].size - 3)), 0);
+  CountingBackend backend;
+  LoaderOptions options;
+  options.device_backend = &backend;
+  EXPECT_THAT(LoadGeneration(catalog, Request(), options, nullptr),
+              StatusIs(absl::StatusCode::kFailedPrecondition, "m.safetensors: file changed size while loading"));
+  EXPECT_EQ(backend.live(), 0);
+}
+
+TEST(DeviceLoad, DevicesWithoutABackendAreRefused) {
+  testing::TempDir dir;
+  testing::WriteFile(dir.Join("m.safetensors"), testing::SafetensorsBuilder().Add("rows", "U8", {8, 5}, Iota(40)).Build());
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(Catalog catalog, BuildCatalog(dir.Join("m.safetensors")));
+  EXPECT_THAT(LoadGeneration(catalog, Request(), LoaderOptions{}, nullptr),
+              StatusIs(absl::StatusCode::kInvalidArgument, "this daemon has no device backend"));
+}
+
+}  // namespace
+}  // namespace weightd

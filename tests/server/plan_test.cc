@@ -1,0 +1,124 @@
+// Placement and TP plans (server/plan.h), without reading any tensor bytes.
+#include "server/plan.h"
+
+#include "gtest/gtest.h"
+#include "tests/testing/status_matchers.h"
+
+namespace weightd {
+namespace {
+
+Catalog MakeCatalog(const std::vector<std::tuple<std::string, DType, std::vector<uint64_t>>>& tensors) {
+  Catalog c;
+  c.files.push_back({"m.safetensors", "/m.safetensors", 0, 0, 0, {}});
+  uint64_t offset = 0;
+  for (const auto& [name, dtype, shape] : tensors) {
+    uint64_t bits = DTypeBits(dtype);
+    for (uint64_t d : shape) bits *= d;
+    c.tensors.push_back({name, dtype, shape, 0, offset, bits / 8});
+    offset += bits / 8;
+  }
+  c.Finish();
+  return c;
+}
+
+LoadRequest Tp2(std::vector<TpRule> rules, std::vector<std::string> host = {}) {
+  LoadRequest r;
+  r.name = "m";
+  r.tp_size = 2;
+  r.tp_rules = std::move(rules);
+  r.host_resident_patterns = std::move(host);
+  r.devices = {"0", "1"};
+  return r;
+}
+
+TEST(LoadPlan, HostOnlyPacksAt64ByteAlignment) {
+  Catalog c = MakeCatalog({{"a", DType::kU8, {3}}, {"b", DType::kF32, {2}}});
+  LoadRequest r;
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(LoadPlan plan, MakeLoadPlan(c, r, 0));
+  EXPECT_EQ(plan.host_bytes, 64u + 8u);
+  EXPECT_EQ(plan.tensors[1].host_offset, 64u);
+  ASSERT_EQ(plan.ranks.size(), 1u);
+  EXPECT_EQ(plan.ranks[0].tensors[1].offset, 64u);
+  EXPECT_EQ(plan.ranks[0].tensors[1].segment, 0u);
+  EXPECT_TRUE(plan.ranks[0].arena_bytes.empty());
+}
+
+TEST(LoadPlan, SplitsReplicatesAndKeepsHostResidentTables) {
+  Catalog c = MakeCatalog({{"embed_tokens", DType::kBF16, {8, 4}},
+                           {"q_proj", DType::kBF16, {4, 6}},
+                           {"o_proj", DType::kBF16, {6, 4}},
+                           {"norm", DType::kBF16, {4}}});
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(LoadPlan plan,
+                               MakeLoadPlan(c, Tp2({{"q_proj", 0}, {"o_proj", 1}}, {"embed_tokens"}), 2));
+  EXPECT_EQ(plan.host_bytes, 64u);
+  EXPECT_EQ(plan.tensors[0].placement, Placement::kHost);
+  for (uint32_t r = 0; r < 2; ++r) {
+    const std::vector<TensorRecord>& t = plan.ranks[r].tensors;
+    EXPECT_EQ(t[0].placement, Placement::kHost);
+    EXPECT_EQ(t[0].segment, 0u);
+    // q_proj [4, 6] split on dim 0: rank r holds rows [2r, 2r + 2).
+    EXPECT_EQ(t[1].shape, (std::vector<uint64_t>{2, 6}));
+    EXPECT_EQ(t[1].full_shape, (std::vector<uint64_t>{4, 6}));
+    EXPECT_EQ(t[1].split_dim, 0);
+    EXPECT_EQ(t[1].split_start, 2u * r);
+    EXPECT_EQ(t[1].nbytes, 24u);
+    EXPECT_EQ(t[1].segment, 1u);
+    EXPECT_EQ(t[1].offset, 0u);
+    // o_proj [6, 4] split on dim 1: [6, 2] per rank, 256-byte aligned after q_proj.
+    EXPECT_EQ(t[2].shape, (std::vector<uint64_t>{6, 2}));
+    EXPECT_EQ(t[2].split_dim, 1);
+    EXPECT_EQ(t[2].split_start, 2u * r);
+    EXPECT_EQ(t[2].offset, 256u);
+    // norm is replicated whole.
+    EXPECT_EQ(t[3].split_dim, -1);
+    EXPECT_EQ(t[3].nbytes, 8u);
+    EXPECT_EQ(t[3].offset, 512u);
+  }
+  EXPECT_EQ(plan.tensors[2].outer, 6u);
+  EXPECT_EQ(plan.tensors[2].row_bytes, 2u);
+  EXPECT_EQ(plan.ranks[0].arena_bytes, (std::vector<uint64_t>{520}));
+}
+
+TEST(LoadPlan, ArenasAreBoundedAndABigTensorGetsItsOwn) {
+  Catalog c = MakeCatalog({{"a", DType::kU8, {300}}, {"b", DType::kU8, {300}}, {"c", DType::kU8, {5000}}});
+  LoadRequest r = Tp2({});
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(LoadPlan plan, MakeLoadPlan(c, r, 2, /*max_arena_bytes=*/1024));
+  EXPECT_EQ(plan.ranks[0].arena_bytes, (std::vector<uint64_t>{812, 5000}));
+  EXPECT_EQ(plan.ranks[1].tensors[2].segment, 2u);
+}
+
+TEST(LoadPlan, RefusesRuleDimOutOfRange) {
+  Catalog c = MakeCatalog({{"w", DType::kF32, {4, 4}}});
+  EXPECT_THAT(MakeLoadPlan(c, Tp2({{"w", 2}}), 2),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "tensor 'w' of shape [4, 4], TP rule 'w:2' with tp_size 2: dim 2 is out of range for rank 2"));
+}
+
+TEST(LoadPlan, RefusesIndivisibleDim) {
+  Catalog c = MakeCatalog({{"w", DType::kF32, {5, 4}}});
+  EXPECT_THAT(MakeLoadPlan(c, Tp2({{"w", 0}}), 2),
+              StatusIs(absl::StatusCode::kInvalidArgument, "dim 0 of size 5 is not divisible by 2"));
+}
+
+TEST(LoadPlan, RefusesSubByteSliceRows) {
+  Catalog c = MakeCatalog({{"q", DType::kF4, {2, 2, 3}}});  // a row along dim 1 is 3 F4 = 12 bits
+  EXPECT_THAT(MakeLoadPlan(c, Tp2({{"q", 1}}), 2),
+              StatusIs(absl::StatusCode::kInvalidArgument, "a slice row of 3 x F4 is not a whole number of bytes"));
+}
+
+TEST(LoadPlan, RefusesDeviceCountThatDisagreesWithTpSize) {
+  Catalog c = MakeCatalog({{"w", DType::kF32, {4}}});
+  EXPECT_THAT(MakeLoadPlan(c, Tp2({}), 3),
+              StatusIs(absl::StatusCode::kInvalidArgument, "the plan has tp_size 2 but 3 device(s)"));
+  LoadRequest host_only;
+  host_only.tp_size = 2;
+  EXPECT_THAT(MakeLoadPlan(c, host_only, 0),
+              StatusIs(absl::StatusCode::kInvalidArgument, "tp_size 2 needs one device per rank"));
+  LoadRequest rules_no_devices;
+  rules_no_devices.tp_rules = {{"w", 0}};
+  EXPECT_THAT(MakeLoadPlan(c, rules_no_devices, 0),
+              StatusIs(absl::StatusCode::kInvalidArgument, "TP rules need devices"));
+}
+
+}  // namespace
+}  // namespace weightd
