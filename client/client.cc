@@ -13,6 +13,7 @@
 #include "common/device.h"
 #include "common/status.h"
 #include "common/unix_socket.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "weightd/v1/weightd.grpc.pb.h"
 
 namespace weightd {
@@ -157,6 +158,7 @@ bool MappedModel::device_read_only() const {
 
 struct Client::Impl {
   std::unique_ptr<v1::Weightd::Stub> stub;
+  std::unique_ptr<grpc::health::v1::Health::Stub> health;
 };
 
 Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -169,6 +171,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& targe
   auto channel = grpc::CreateCustomChannel(NormalizeTarget(target), grpc::InsecureChannelCredentials(), args);
   auto impl = std::make_unique<Impl>();
   impl->stub = v1::Weightd::NewStub(channel);
+  impl->health = grpc::health::v1::Health::NewStub(channel);
   return std::unique_ptr<Client>(new Client(std::move(impl)));
 }
 
@@ -316,6 +319,17 @@ absl::StatusOr<std::pair<ModelSummary, bool>> Client::Unload(const std::string& 
   grpc::ClientContext context;
   WEIGHTD_RETURN_IF_ERROR(FromGrpc(impl_->stub->UnloadModel(&context, request, &response)));
   return std::make_pair(FromProto(response.model()), response.freed());
+}
+
+absl::StatusOr<std::string> Client::Health(const std::string& service) {
+  grpc::health::v1::HealthCheckRequest request;
+  request.set_service(service);
+  grpc::health::v1::HealthCheckResponse response;
+  grpc::ClientContext context;
+  grpc::Status status = impl_->health->Check(&context, request, &response);
+  if (status.error_code() == grpc::StatusCode::NOT_FOUND) return std::string("SERVICE_UNKNOWN");
+  WEIGHTD_RETURN_IF_ERROR(FromGrpc(status));
+  return grpc::health::v1::HealthCheckResponse::ServingStatus_Name(response.status());
 }
 
 }  // namespace weightd

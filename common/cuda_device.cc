@@ -151,7 +151,7 @@ class CudaBackend final : public DeviceBackend {
 
   absl::StatusOr<std::unique_ptr<PinnedBuffer>> AllocatePinned(uint64_t size) override {
     // Portable: pinned for every context, so one staging ring feeds all GPUs.
-    WEIGHTD_ASSIGN_OR_RETURN(std::shared_ptr<CudaContext> context, Context(devices_.front().info.ordinal));
+    WEIGHTD_ASSIGN_OR_RETURN(std::shared_ptr<CudaContext> context, AnyContext());
     WEIGHTD_ASSIGN_OR_RETURN(ScopedContext scope, ScopedContext::Enter(*context));
     void* data = nullptr;
     absl::Status s = WEIGHTD_CU(context->cu(), MemHostAlloc, &data, std::max<uint64_t>(size, 1), CU_MEMHOSTALLOC_PORTABLE);
@@ -190,13 +190,22 @@ class CudaBackend final : public DeviceBackend {
 
   absl::StatusOr<std::shared_ptr<CudaContext>> Context(int ordinal) {
     std::lock_guard<std::mutex> lock(mu_);
-    std::shared_ptr<CudaContext>& slot = contexts_[ordinal];
-    if (slot == nullptr) {
-      absl::StatusOr<std::shared_ptr<CudaContext>> retained = CudaContext::Retain(driver_, ordinal);
-      if (!retained.ok()) return Annotate(retained.status(), devices_[ordinal].info.uuid);
-      slot = std::move(*retained);
+    auto it = contexts_.find(ordinal);
+    if (it != contexts_.end()) return it->second;
+    absl::StatusOr<std::shared_ptr<CudaContext>> retained = CudaContext::Retain(driver_, ordinal);
+    if (!retained.ok()) return Annotate(retained.status(), devices_[ordinal].info.uuid);
+    contexts_[ordinal] = *retained;
+    return *retained;
+  }
+
+  // A context already in use, so that pinned memory does not create one on a
+  // GPU this process otherwise leaves alone; the first GPU's when none is.
+  absl::StatusOr<std::shared_ptr<CudaContext>> AnyContext() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!contexts_.empty()) return contexts_.begin()->second;
     }
-    return slot;
+    return Context(devices_.front().info.ordinal);
   }
 
   const CudaDriver& driver_;

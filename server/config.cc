@@ -25,9 +25,9 @@ const std::map<std::string, Kind>& Keys() {
 }
 
 // Turns one flag value into the JSON the config file would hold.
-absl::Status AddFlag(json& patch, const std::string& key, Kind kind, const std::string& value) {
+absl::Status AddFlag(json& patch, const std::string& flag, const std::string& key, Kind kind, const std::string& value) {
   auto bad = [&](absl::string_view what) {
-    return absl::InvalidArgumentError(absl::StrCat("--", key, ": ", what, ", got '", value, "'"));
+    return absl::InvalidArgumentError(absl::StrCat("--", flag, ": ", what, ", got '", value, "'"));
   };
   switch (kind) {
     case Kind::kString: patch[key] = value; break;
@@ -152,7 +152,7 @@ absl::StatusOr<ParsedArgs> ParseDaemonArgs(const std::vector<std::string>& argv)
     if (key == "allowed_gid") key = "allowed_gids";
     auto kind = Keys().find(key);
     if (kind == Keys().end()) return absl::InvalidArgumentError(absl::StrCat("unknown flag --", name));
-    WEIGHTD_RETURN_IF_ERROR(AddFlag(patch, key, kind->second, value));
+    WEIGHTD_RETURN_IF_ERROR(AddFlag(patch, name, key, kind->second, value));
   }
   if (!config_file.empty()) {
     WEIGHTD_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(*Env::Default(), config_file, 1 << 20));

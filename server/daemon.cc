@@ -2,6 +2,7 @@
 
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <sys/stat.h>
 #include <systemd/sd-daemon.h>
@@ -89,13 +90,13 @@ class ListenerFanOut final : public RegistryListener {
   std::vector<RegistryListener*> listeners_;
 };
 
-// Adds gRPC server reflection to one builder only (the reflection plugin's
-// global registration would add it to the health-only server too).
-class ReflectionOption final : public grpc::ServerBuilderOption {
+// Keeps gRPC server reflection off one builder: its plugin registers itself
+// for every builder of the process, but the health-only server serves health only.
+class WithoutReflection final : public grpc::ServerBuilderOption {
  public:
   void UpdateArguments(grpc::ChannelArguments*) override {}
   void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin>>* plugins) override {
-    plugins->push_back(std::make_unique<grpc::reflection::ProtoServerReflectionPlugin>());
+    std::erase_if(*plugins, [](const auto& p) { return p->name() == "proto_server_reflection"; });
   }
 };
 
@@ -131,13 +132,13 @@ class DaemonImpl final : public Daemon {
     fd_channel_ = std::move(*channel);
     service_ = std::make_unique<WeightdService>(registry_.get(), config_.fd_socket);
     grpc::EnableDefaultHealthCheckService(true);
+    grpc::reflection::InitProtoReflectionServerBuilderPlugin();
     grpc::ServerBuilder builder;
     unlink(config_.socket.c_str());
     builder.AddListeningPort("unix:" + config_.socket, grpc::InsecureServerCredentials());
     if (!config_.grpc_address.empty()) builder.AddListeningPort(config_.grpc_address, grpc::InsecureServerCredentials());
     builder.RegisterService(service_.get());
     builder.SetMaxSendMessageSize(-1);
-    builder.SetOption(std::make_unique<ReflectionOption>());
     CountRpcs(builder, metrics_.get());
     server_ = builder.BuildAndStart();
     if (server_ == nullptr) {
@@ -191,6 +192,10 @@ class DaemonImpl final : public Daemon {
     grpc::ServerBuilder builder;
     int port = 0;
     builder.AddListeningPort(config_.health_address, grpc::InsecureServerCredentials(), &port);
+    builder.SetOption(std::make_unique<WithoutReflection>());
+    // Answers every other method UNIMPLEMENTED; gRPC refuses to build a
+    // server whose only service is the default health service.
+    builder.RegisterCallbackGenericService(&health_only_);
     CountRpcs(builder, metrics_.get());
     health_server_ = builder.BuildAndStart();
     if (health_server_ == nullptr || port == 0) {
@@ -239,6 +244,7 @@ class DaemonImpl final : public Daemon {
   std::unique_ptr<FdChannel> fd_channel_;
   std::unique_ptr<WeightdService> service_;
   std::unique_ptr<grpc::Server> server_;
+  grpc::CallbackGenericService health_only_;
   std::unique_ptr<grpc::Server> health_server_;
   std::thread preload_thread_, watchdog_thread_;
   std::mutex mu_;

@@ -182,6 +182,7 @@ class ReadJob {
     }
     lock.unlock();
     for (std::thread& w : workers) w.join();
+    report(bytes_done_.load(), files_done_.load());  // the final state, however slow the callback
     return error_;
   }
 

@@ -33,6 +33,8 @@ const std::vector<Command>& Commands() {
       {"attach", "attach NAME [--rank R] [--verify CHECKPOINT_DIR] [--hold SECONDS] [--json]",
        {{"--rank", "--verify", "--hold"}, {"--json"}}, RunAttach},
       {"unload", "unload NAME [--force]", {{}, {"--force"}}, RunUnload},
+      {"health", "health [MODEL] [--json]               gRPC health: the daemon, or one model (SERVING once READY)",
+       {{}, {"--json"}}, RunHealth},
       {"inspect", "inspect PATH [--json]                 catalog a checkpoint offline", {{}, {"--json"}}, RunInspect},
       {"make-demo", "make-demo DIR [--preset tiny|small|llama-1b]   write the synthetic demo checkpoint",
        {{"--preset"}, {}}, RunMakeDemo},

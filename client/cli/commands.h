@@ -38,6 +38,7 @@ int RunList(const Args& args, Context& ctx);
 int RunManifest(const Args& args, Context& ctx);
 int RunAttach(const Args& args, Context& ctx);
 int RunUnload(const Args& args, Context& ctx);
+int RunHealth(const Args& args, Context& ctx);
 
 }  // namespace weightd::cli
 

@@ -70,6 +70,20 @@ TEST(Safetensors, RecognisesGitLfsPointer) {
                                    "x.safetensors: git-LFS pointer, not a safetensors file"));
 }
 
+// Regression: a valid file whose header is 640 bytes starts 80 02 00 .., the
+// same two bytes as a protocol-2 pickle; it must parse, not be sniffed.
+TEST(Safetensors, HeaderOf640BytesIsNotMistakenForPickle) {
+  std::string header = "{\"a\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]}}";
+  header.append(640 - header.size(), ' ');
+  std::string image = FileImage(header, "z");
+  ASSERT_EQ(static_cast<unsigned char>(image[0]), 0x80);
+  ASSERT_EQ(image[1], 0x02);
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(SafetensorsHeader h, Parse(image));
+  EXPECT_EQ(h.header_length, 640u);
+  EXPECT_EQ(h.tensors.size(), 1u);
+  EXPECT_THAT(Parse(std::string("\x80\x02}q\x00(X", 8)), StatusIs(absl::StatusCode::kInvalidArgument, "Python pickle"));
+}
+
 TEST(Safetensors, RecognisesZipArchive) {
   EXPECT_THAT(Parse(std::string("PK\x03\x04", 4) + std::string(60, '\0')),
               StatusIs(absl::StatusCode::kInvalidArgument, "zip archive"));

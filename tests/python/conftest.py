@@ -90,19 +90,26 @@ def write_safetensors(path, tensors):
 
 # ------------------------------------------------------------ daemon
 
+class DaemonStartError(Exception):
+    pass
+
+
 class Daemon:
-    def __init__(self, root):
+    """A weightd process on a socket under `root`, serving `models` (and the shared inputs)."""
+
+    def __init__(self, root, models, *extra_args):
         self.root = root
         self.socket = str(root / "weightd.sock")
-        self.models = root / "models"
+        self.models = models
         self.weightctl = _binary("WEIGHTCTL_BINARY")
         self.log = root / "weightd.log"
         roots = ["--model-root", str(self.models)]
         if SHARED_DIR.is_dir():
             roots += ["--model-root", str(SHARED_DIR)]
+        # No metrics listener: a fixed port would collide with other tests.
+        argv = [_binary("WEIGHTD_BINARY"), "--socket", self.socket, "--metrics-address", "", *roots, *extra_args]
         with open(self.log, "wb") as log:
-            self.process = subprocess.Popen([_binary("WEIGHTD_BINARY"), "--socket", self.socket, *roots],
-                                            stdout=log, stderr=subprocess.STDOUT)
+            self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
         self.client = weightd.connect(self.socket)
         self._wait_ready()
 
@@ -110,13 +117,14 @@ class Daemon:
         deadline = time.monotonic() + 20
         while True:
             if self.process.poll() is not None:
-                pytest.fail(f"weightd exited with {self.process.returncode}: {self.log.read_text()}")
+                raise DaemonStartError(f"weightd exited with {self.process.returncode}: {self.log.read_text()}")
             try:
                 self.client.list()
                 return
             except weightd.WeightdError:
                 if time.monotonic() > deadline:
-                    pytest.fail(f"weightd did not answer on {self.socket}: {self.log.read_text()}")
+                    self.stop()
+                    raise DaemonStartError(f"weightd did not answer on {self.socket}: {self.log.read_text()}")
                 time.sleep(0.05)
 
     def weightctl_json(self, *args):
@@ -142,14 +150,25 @@ class Daemon:
         return self.process.wait(timeout=30)
 
 
+def _start(root, models, *extra_args):
+    try:
+        return Daemon(root, models, *extra_args)
+    except DaemonStartError as e:
+        pytest.fail(str(e))
+
+
+def _stop(d):
+    code = d.stop()
+    assert code == 0, f"weightd exited with {code}: {d.log.read_text()}"
+
+
 @pytest.fixture(scope="session")
 def daemon(tmp_path_factory):
     root = tmp_path_factory.mktemp("weightd")
     (root / "models").mkdir()
-    d = Daemon(root)
+    d = _start(root, root / "models")
     yield d
-    code = d.stop()
-    assert code == 0, f"weightd exited with {code}: {d.log.read_text()}"
+    _stop(d)
 
 
 @pytest.fixture(scope="session")
@@ -160,3 +179,15 @@ def demo_small(daemon):
                    capture_output=True)
     daemon.client.load("demo-small", path)
     return path
+
+
+@pytest.fixture(scope="session")
+def emulated_daemon(tmp_path_factory, daemon, demo_small):
+    """A second daemon with the emulated (memfd-backed) device backend, serving the same models."""
+    root = tmp_path_factory.mktemp("weightd-emulated")
+    try:
+        d = Daemon(root, daemon.models, "--device-backend", "emulated")
+    except DaemonStartError as e:
+        pytest.skip(f"device backend not built yet: {e}")
+    yield d
+    _stop(d)

@@ -220,11 +220,19 @@ TEST_F(LoaderTest, ProgressPhasesArriveInOrderAndReadEndsComplete) {
   ExpectOrderedAndComplete(LoadWithProgress(catalog, 4, 0), catalog);
 }
 
-// Regression: with a progress callback slower than the read (a gRPC stream
-// under flow control), ReadJob::Run can leave its loop after the last worker
-// finished without one more report, so the final READ report is partial.
-TEST_F(LoaderTest, DISABLED_SlowProgressCallbackStillSeesCompleteRead) {
-  WEIGHTD_ASSERT_OK_AND_ASSIGN(Catalog catalog, BuildCatalog(WriteManyTensors()));
+// Regression: ReadJob::Run (loader.cc) samples bytes_done, calls the
+// callback unlocked, then leaves its loop as soon as every worker has
+// finished, without a last report. With a callback slower than the read (a
+// gRPC stream under flow control) the final READ report is partial: worker A
+// reads the tiny tensor and exits, which wakes the loop while worker B is
+// still inside the one 16 MiB block; B finishes during the callback.
+// Enable once fixed.
+TEST_F(LoaderTest, SlowProgressCallbackStillSeesCompleteRead) {
+  WriteFile(dir_.Join("two.safetensors"), SafetensorsBuilder()
+                                              .Add("a.tiny", "U8", {1}, "x")
+                                              .Add("b.block", "U8", {kReadBlockBytes}, Bytes(kReadBlockBytes, 5))
+                                              .Build());
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(Catalog catalog, BuildCatalog(dir_.Join("two.safetensors")));
   ExpectOrderedAndComplete(LoadWithProgress(catalog, 2, 300), catalog);
 }
 

@@ -165,6 +165,11 @@ class Client {
   // Returns the model as it was when unloaded; `freed` is false while
   // leases keep it DRAINING.
   absl::StatusOr<std::pair<ModelSummary, bool>> Unload(const std::string& name, bool force);
+  // The standard gRPC health check (grpc.health.v1) of `service`: "" for the
+  // daemon as a whole, or a model name (SERVING once READY). Returns
+  // "SERVING", "NOT_SERVING" or "SERVICE_UNKNOWN" (a name never loaded);
+  // UNAVAILABLE when the daemon cannot be reached.
+  absl::StatusOr<std::string> Health(const std::string& service);
 
   struct Impl;
 
