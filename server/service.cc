@@ -37,8 +37,8 @@ grpc::Status WeightdService::LoadModel(grpc::ServerContext* context, const v1::L
   v1::LoadModelProgress done;
   done.set_phase(v1::LoadModelProgress::DONE);
   done.set_reused(result->reused);
-  done.set_bytes_done(result->model->host_bytes);
-  done.set_bytes_total(result->model->host_bytes);
+  done.set_bytes_done(result->model->checkpoint_bytes);
+  done.set_bytes_total(result->model->checkpoint_bytes);
   done.set_seconds(result->reused ? 0 : result->model->load_seconds);
   ToProto(*result->model, done.mutable_model());
   writer->Write(done);
