@@ -8,8 +8,11 @@
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "common/cuda_driver.h"
@@ -123,6 +126,43 @@ class ScopedContext {
  private:
   explicit ScopedContext(const CudaFunctions* cu) : cu_(cu) {}
   const CudaFunctions* cu_;  // null once moved from
+};
+
+// The stream of one daemon-side arena, with its copies and fences. Every
+// call needs the arena's context current (the destructor too, which waits for
+// the stream). Copy is called by one thread at a time; RecordFence and
+// WaitFence may be called from different threads.
+class CopyStream {
+ public:
+  static absl::StatusOr<std::unique_ptr<CopyStream>> Create(const CudaContext& context);
+  ~CopyStream();
+  CopyStream(const CopyStream&) = delete;
+  CopyStream& operator=(const CopyStream&) = delete;
+
+  // Enqueues a zero fill of `n` bytes at `dst`.
+  absl::Status Zero(CUdeviceptr dst, uint64_t n);
+  // Enqueues `rows` rows of `width` bytes (pitches as DeviceArena::CopyFromHost;
+  // the caller has checked the bounds). Contiguous rows become one copy;
+  // pitches over CU_DEVICE_ATTRIBUTE_MAX_PITCH become one copy per row.
+  absl::Status Copy(CUdeviceptr dst, uint64_t dst_pitch, const void* src, uint64_t src_pitch, uint64_t width,
+                    uint64_t rows);
+  // Fences complete in order: waiting for one retires all earlier ones.
+  // INVALID_ARGUMENT for a fence never recorded.
+  absl::StatusOr<uint64_t> RecordFence();
+  absl::Status WaitFence(uint64_t fence);
+  absl::Status Synchronize();
+
+ private:
+  CopyStream(const CudaFunctions& cu, uint64_t max_pitch) : cu_(cu), max_pitch_(max_pitch) {}
+
+  const CudaFunctions& cu_;
+  const uint64_t max_pitch_;
+  CUstream stream_ = nullptr;
+  std::mutex mu_;
+  std::vector<CUevent> events_;          // every event created; destroyed with the stream
+  std::vector<CUevent> free_;            // events not pending
+  std::map<uint64_t, CUevent> pending_;  // recorded fences not yet waited for
+  uint64_t last_ = 0, completed_ = 0;    // guarded by mu_
 };
 
 // Daemon side (common/cuda_arena.cc). A zero-filled arena of at least `size`

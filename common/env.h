@@ -25,8 +25,23 @@ class RandomAccessFile {
   // A read past the end (the file shrank) is OUT_OF_RANGE; I/O errors keep
   // errno's text. Retries EINTR and short reads.
   virtual absl::Status ReadAt(uint64_t offset, size_t n, char* dst) const = 0;
+  // One read of at most `n` bytes at `offset` (EINTR retried): the count,
+  // 0 at end of file, possibly short. A file opened by OpenForDirectRead
+  // needs `offset`, `n` and `dst` aligned to direct_alignment() (EINVAL
+  // otherwise). Used for O_DIRECT spans that may run past the end.
+  virtual absl::StatusOr<size_t> ReadSome(uint64_t offset, size_t n, char* dst) const = 0;
   // The file descriptor for zero-copy paths (sendfile, O_DIRECT), or -1.
   virtual int fd() const = 0;
+  // 0 for a buffered file; for an O_DIRECT one the alignment its reads need
+  // (offset, length and buffer): statx(STATX_DIOALIGN) or 4096.
+  virtual uint64_t direct_alignment() const = 0;
+  // The fraction [0, 1] of the file's pages now in the page cache, from
+  // mincore(2) over 64 windows of 1 MiB spread across the file; an empty
+  // file counts as cached.
+  virtual absl::StatusOr<double> CachedFraction() const = 0;
+  // posix_fadvise(2) over the whole file; `advice` is POSIX_FADV_*. Advisory:
+  // errors are returned but callers may ignore them.
+  virtual absl::Status Advise(int advice) const = 0;
   // Last modification time in nanoseconds since the epoch, at open time
   // (used to tell a rewritten checkpoint from the one already loaded).
   virtual int64_t mtime_ns() const = 0;
@@ -41,6 +56,10 @@ class Env {
   static Env* Default();
 
   virtual absl::StatusOr<std::unique_ptr<RandomAccessFile>> OpenForRead(const std::string& path) = 0;
+  // The same with O_DIRECT (reads bypass the page cache). A file system that
+  // refuses O_DIRECT (tmpfs, some overlays) is FAILED_PRECONDITION naming the
+  // path and errno's text.
+  virtual absl::StatusOr<std::unique_ptr<RandomAccessFile>> OpenForDirectRead(const std::string& path) = 0;
   // kMissing when the path does not exist; errors only for other failures.
   virtual absl::StatusOr<FileKind> Stat(const std::string& path) = 0;
   // Names (not paths) of the entries of a directory, sorted, without "." "..".

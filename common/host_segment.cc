@@ -4,15 +4,64 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <limits>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 
 namespace weightd {
 
-absl::StatusOr<std::unique_ptr<HostSegment>> HostSegment::Create(const std::string& name, uint64_t size) {
+namespace {
+
+constexpr uint64_t kHugePageBytes = 2ull << 20;
+
+// Free bytes in the default huge page pool (HugePages_Free x Hugepagesize).
+uint64_t FreeHugePoolBytes() {
+  std::ifstream meminfo("/proc/meminfo");
+  uint64_t free_pages = 0, page_kib = 0;
+  std::string key;
+  uint64_t value;
+  while (meminfo >> key >> value) {
+    if (key == "HugePages_Free:") free_pages = value;
+    if (key == "Hugepagesize:") page_kib = value;
+    meminfo.ignore(std::numeric_limits<std::streamsize>::max(), '\n');
+  }
+  return page_kib * 1024 == kHugePageBytes ? free_pages * kHugePageBytes : 0;
+}
+
+// A sealable MFD_HUGETLB memfd of `size` bytes mapped read-write, or -1
+// (and no resources held) when the pool or the kernel refuses.
+int CreateHuge(const std::string& memfd_name, uint64_t size, char** base) {
+  int fd = memfd_create(memfd_name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING | MFD_HUGETLB);
+  if (fd < 0) return -1;
+  // mmap reserves the huge pages: it fails with ENOMEM when the pool ran short.
+  void* map = ftruncate(fd, static_cast<off_t>(size)) == 0
+                  ? mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+                  : MAP_FAILED;
+  if (map == MAP_FAILED) {
+    close(fd);
+    return -1;
+  }
+  *base = static_cast<char*>(map);
+  return fd;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<HostSegment>> HostSegment::Create(const std::string& name, uint64_t size,
+                                                                 HugePages huge) {
   std::string memfd_name = absl::StrCat("weightd:", name).substr(0, 249);  // memfd names are at most 249 bytes
+  if (huge == HugePages::kWhenPoolAllows && size >= kHugeSegmentMinBytes) {
+    uint64_t rounded = (size + kHugePageBytes - 1) / kHugePageBytes * kHugePageBytes;
+    char* base = nullptr;
+    int fd = rounded <= FreeHugePoolBytes() ? CreateHuge(memfd_name, rounded, &base) : -1;
+    if (fd >= 0) return std::unique_ptr<HostSegment>(new HostSegment(fd, base, rounded, true));
+  }
   int fd = memfd_create(memfd_name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (fd < 0) return ErrnoToStatus("memfd_create", errno);
   if (ftruncate(fd, static_cast<off_t>(size)) != 0) {
@@ -30,10 +79,30 @@ absl::StatusOr<std::unique_ptr<HostSegment>> HostSegment::Create(const std::stri
     }
     // Large segments: ask for transparent huge pages (shmem THP is honoured
     // when /sys/kernel/mm/transparent_hugepage/shmem_enabled allows advise).
-    if (size >= (64u << 20)) madvise(map, size, MADV_HUGEPAGE);
+    if (size >= kHugeSegmentMinBytes) madvise(map, size, MADV_HUGEPAGE);
     base = static_cast<char*>(map);
   }
-  return std::unique_ptr<HostSegment>(new HostSegment(fd, base, size));
+  return std::unique_ptr<HostSegment>(new HostSegment(fd, base, size, false));
+}
+
+absl::Status HostSegment::Write(uint64_t offset, const char* src, uint64_t n) {
+  if (sealed_) return absl::FailedPreconditionError("segment already sealed");
+  if (offset > size_ || n > size_ - offset) {
+    return absl::OutOfRangeError(absl::StrCat("write of ", n, " bytes at ", offset, " past a ", size_, "-byte segment"));
+  }
+  if (huge_) {
+    std::memcpy(base_ + offset, src, n);
+    return absl::OkStatus();
+  }
+  while (n > 0) {
+    ssize_t put = pwrite(fd_, src, n, static_cast<off_t>(offset));
+    if (put < 0 && errno == EINTR) continue;
+    if (put <= 0) return ErrnoToStatus(absl::StrCat("pwrite to memfd at byte ", offset), put < 0 ? errno : ENOSPC);
+    src += put;
+    offset += static_cast<uint64_t>(put);
+    n -= static_cast<uint64_t>(put);
+  }
+  return absl::OkStatus();
 }
 
 HostSegment::~HostSegment() {

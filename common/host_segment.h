@@ -8,8 +8,16 @@
 // F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL, maps the memory read-only, and
 // mlock()s it when asked and RLIMIT_MEMLOCK allows.
 //
-// Thread-safety: writable() may be written by many threads at disjoint
-// offsets; Create/Seal/destruction are not concurrent with anything else.
+// Filling: Write() copies with pwrite(2) into the memfd, so the kernel
+// allocates each page inside the write instead of through a page fault on
+// the mapping (measured ~1.5x faster on small VMs, docs/performance.md).
+// A segment of MFD_HUGETLB pages (hugetlbfs has no write(2)) is filled by
+// memcpy into writable(); reading straight into writable() is the faster
+// path there.
+//
+// Thread-safety: writable() and Write() may be used by many threads at
+// disjoint offsets; Create/Seal/destruction are not concurrent with anything
+// else.
 #ifndef WEIGHTD_COMMON_HOST_SEGMENT_H_
 #define WEIGHTD_COMMON_HOST_SEGMENT_H_
 
@@ -21,23 +29,36 @@
 
 namespace weightd {
 
+// kWhenPoolAllows: a segment of at least kHugeSegmentMinBytes uses
+// MFD_HUGETLB (2 MiB pages, size rounded up to a whole page) when
+// /proc/meminfo shows enough free huge pages (an operator sets
+// vm.nr_hugepages); any refusal falls back to ordinary pages.
+enum class HugePages { kNever, kWhenPoolAllows };
+inline constexpr uint64_t kHugeSegmentMinBytes = 64ull << 20;
+
 class HostSegment {
  public:
   // A memfd of `size` bytes named "weightd:<name>" (visible in /proc/PID/fd),
   // mapped read-write. Errors: RESOURCE_EXHAUSTED when memory or fds are short.
-  static absl::StatusOr<std::unique_ptr<HostSegment>> Create(const std::string& name, uint64_t size);
+  static absl::StatusOr<std::unique_ptr<HostSegment>> Create(const std::string& name, uint64_t size,
+                                                             HugePages huge = HugePages::kNever);
   ~HostSegment();
   HostSegment(const HostSegment&) = delete;
   HostSegment& operator=(const HostSegment&) = delete;
 
   // Before Seal(): the writable mapping (nullptr when size() == 0).
   char* writable() { return sealed_ ? nullptr : base_; }
+  // Before Seal(): copies `n` bytes from `src` to byte `offset`.
+  // OUT_OF_RANGE past size(); a failed pwrite keeps errno (ENOSPC, ENOMEM
+  // are RESOURCE_EXHAUSTED).
+  absl::Status Write(uint64_t offset, const char* src, uint64_t n);
   // Seals and remaps read-only; then, if `lock`, tries mlock(). A refused
   // mlock is not an error: locked() says whether it took.
   absl::Status Seal(bool lock);
 
   const char* data() const { return base_; }
-  uint64_t size() const { return size_; }
+  uint64_t size() const { return size_; }  // with huge pages: rounded up to 2 MiB
+  bool huge_pages() const { return huge_; }
   int fd() const { return fd_; }
   bool sealed() const { return sealed_; }
   bool locked() const { return locked_; }
@@ -45,11 +66,12 @@ class HostSegment {
   int lock_errno() const { return lock_errno_; }
 
  private:
-  HostSegment(int fd, char* base, uint64_t size) : fd_(fd), base_(base), size_(size) {}
+  HostSegment(int fd, char* base, uint64_t size, bool huge) : fd_(fd), base_(base), size_(size), huge_(huge) {}
 
   int fd_;
   char* base_;
   uint64_t size_;
+  bool huge_;
   bool sealed_ = false;
   bool locked_ = false;
   int lock_errno_ = 0;

@@ -12,6 +12,11 @@ packages=(
   python3-dev pybind11-dev python3-pybind11 python3-grpcio python3-grpc-tools
   python3-pytest python3-numpy python3-torch
 )
+# Tests only: promtool checks the /metrics exposition and tests/e2e starts a
+# Prometheus server against a test daemon (weightd itself does not need it).
+# On a machine running systemd the package also enables its own prometheus
+# service on :9090; `systemctl disable --now prometheus` if unwanted.
+packages+=(prometheus)
 packages+=("$@")
 
 missing=()

@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/env.h"
 #include "common/status.h"
+#include "server/reader.h"
 
 namespace weightd {
 namespace {
@@ -20,6 +21,7 @@ const std::map<std::string, Kind>& Keys() {
       {"device_backend", Kind::kString}, {"preload", Kind::kMap},
       {"allowed_gids", Kind::kGidList},  {"lease_claim_timeout_seconds", Kind::kNumber},
       {"load_threads", Kind::kInt},      {"mlock", Kind::kBool},
+      {"direct_io", Kind::kString},
   };
   return *keys;
 }
@@ -84,6 +86,7 @@ absl::Status Apply(const json& doc, absl::string_view where, DaemonConfig& c) {
     get("allowed_gids", c.allowed_gids);
     get("lease_claim_timeout_seconds", c.lease_claim_timeout_seconds);
     get("load_threads", c.load_threads);
+    get("direct_io", c.direct_io);
     get("mlock", c.mlock);
   } catch (const json::exception& e) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": ", e.what()));
@@ -99,6 +102,9 @@ absl::Status Validate(DaemonConfig& c) {
   }
   if (c.lease_claim_timeout_seconds <= 0) return absl::InvalidArgumentError("--lease-claim-timeout-seconds must be > 0");
   if (c.load_threads < 0) return absl::InvalidArgumentError("--load-threads must be >= 0");
+  if (!ParseDirectIo(c.direct_io).ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--direct-io must be auto, on or off, got '", c.direct_io, "'"));
+  }
   if (c.socket.empty()) return absl::InvalidArgumentError("--socket must not be empty");
   if (c.fd_socket.empty()) {
     std::string stem = absl::EndsWith(c.socket, ".sock") ? c.socket.substr(0, c.socket.size() - 5) : c.socket;
@@ -114,7 +120,7 @@ std::string DaemonUsage() {
          "               [--health-address HOST:PORT] [--device-backend auto|cuda|cuda-legacy-ipc|emulated|none]\n"
          "               [--config FILE.json] [--preload NAME=PATH ...] [--fd-socket PATH] [--grpc-address HOST:PORT]\n"
          "               [--allowed-gids GID ...] [--lease-claim-timeout-seconds S] [--load-threads N]\n"
-         "               [--mlock true|false] [--print-config]\n";
+         "               [--direct-io auto|on|off] [--mlock true|false] [--print-config]\n";
 }
 
 absl::StatusOr<ParsedArgs> ParseDaemonArgs(const std::vector<std::string>& argv) {
@@ -182,6 +188,7 @@ json ConfigToJson(const DaemonConfig& c) {
           {"allowed_gids", c.allowed_gids},
           {"lease_claim_timeout_seconds", c.lease_claim_timeout_seconds},
           {"load_threads", c.load_threads},
+          {"direct_io", c.direct_io},
           {"mlock", c.mlock}};
 }
 

@@ -28,6 +28,7 @@ struct DaemonConfig {
   std::vector<gid_t> allowed_gids;                   // fd socket peers besides our uid and root
   double lease_claim_timeout_seconds = 10;
   int load_threads = 0;                              // 0: one per core
+  std::string direct_io = "auto";                    // auto|on|off: O_DIRECT reads (server/reader.h)
   bool mlock = true;
 };
 

@@ -2,7 +2,6 @@
 
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
-#include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <sys/stat.h>
 #include <systemd/sd-daemon.h>
@@ -19,6 +18,7 @@
 #include "common/log.h"
 #include "common/status.h"
 #include "server/fd_channel.h"
+#include "server/health_port.h"
 #include "server/metrics_listener.h"
 #include "server/registry.h"
 #include "server/rpc_metrics.h"
@@ -79,6 +79,9 @@ class ListenerFanOut final : public RegistryListener {
   void OnLoadFailed(const absl::Status& status) override {
     for (auto* l : listeners_) l->OnLoadFailed(status);
   }
+  void OnLeaseClaimed(const std::string& name, double seconds) override {
+    for (auto* l : listeners_) l->OnLeaseClaimed(name, seconds);
+  }
   void OnLeasesChanged(const std::string& name, int active) override {
     for (auto* l : listeners_) l->OnLeasesChanged(name, active);
   }
@@ -90,21 +93,9 @@ class ListenerFanOut final : public RegistryListener {
   std::vector<RegistryListener*> listeners_;
 };
 
-// Keeps gRPC server reflection off one builder: its plugin registers itself
-// for every builder of the process, but the health-only server serves health only.
-class WithoutReflection final : public grpc::ServerBuilderOption {
- public:
-  void UpdateArguments(grpc::ChannelArguments*) override {}
-  void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin>>* plugins) override {
-    std::erase_if(*plugins, [](const auto& p) { return p->name() == "proto_server_reflection"; });
-  }
-};
-
-// A builder whose every call is counted and timed in `metrics`.
-void CountRpcs(grpc::ServerBuilder& builder, Metrics* metrics) {
-  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> factories;
-  factories.push_back(std::make_unique<RpcMetricsFactory>(metrics));
-  builder.experimental().SetInterceptorCreators(std::move(factories));
+// "0.0.0.0:0" with the port bound -> "0.0.0.0:41234", for the log.
+std::string BoundAddress(const std::string& address, int port) {
+  return absl::StrCat(address.substr(0, address.rfind(':')), ":", port);
 }
 
 class DaemonImpl final : public Daemon {
@@ -123,6 +114,7 @@ class DaemonImpl final : public Daemon {
     options.model_roots = config_.model_root;
     options.loader.threads = config_.load_threads;
     options.loader.mlock = config_.mlock;
+    options.loader.direct_io = ParseDirectIo(config_.direct_io).value_or(DirectIo::kAuto);  // validated by config
     options.claim_timeout = std::chrono::milliseconds(static_cast<int64_t>(config_.lease_claim_timeout_seconds * 1000));
     registry_ = std::make_unique<ModelRegistry>(options, &listeners_);
     WEIGHTD_RETURN_IF_ERROR(StartMetrics());
@@ -132,7 +124,7 @@ class DaemonImpl final : public Daemon {
     fd_channel_ = std::move(*channel);
     service_ = std::make_unique<WeightdService>(registry_.get(), config_.fd_socket);
     grpc::EnableDefaultHealthCheckService(true);
-    grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+    grpc::reflection::InitProtoReflectionServerBuilderPlugin();  // every builder from here on; the health port opts out
     grpc::ServerBuilder builder;
     unlink(config_.socket.c_str());
     builder.AddListeningPort("unix:" + config_.socket, grpc::InsecureServerCredentials());
@@ -147,7 +139,7 @@ class DaemonImpl final : public Daemon {
     }
     chmod(config_.socket.c_str(), 0660);
     listener_.AddServer(server_.get());
-    WEIGHTD_RETURN_IF_ERROR(StartHealthServer());
+    WEIGHTD_RETURN_IF_ERROR(StartHealthPort());
     LogInfo(absl::StrCat("listening on unix:", config_.socket, " (fd socket ", config_.fd_socket, ")",
                          config_.grpc_address.empty() ? "" : ", " + config_.grpc_address));
     sd_notify(0, "READY=1\nSTATUS=listening");
@@ -165,7 +157,7 @@ class DaemonImpl final : public Daemon {
       cv_.notify_all();
     }
     if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(10));
-    if (health_server_) health_server_->Shutdown(std::chrono::system_clock::now());
+    if (health_port_) health_port_->Shutdown();
     if (preload_thread_.joinable()) preload_thread_.join();
     if (watchdog_thread_.joinable()) watchdog_thread_.join();
     fd_channel_.reset();
@@ -180,30 +172,16 @@ class DaemonImpl final : public Daemon {
     metrics_listener_ = std::make_unique<MetricsListener>(metrics_.get());
     listeners_.Add(metrics_listener_.get());
     if (metrics_->port() != 0) {
-      std::string host = config_.metrics_address.substr(0, config_.metrics_address.rfind(':'));
-      LogInfo(absl::StrCat("metrics on http://", host, ":", metrics_->port(), "/metrics"));
+      LogInfo(absl::StrCat("metrics on http://", BoundAddress(config_.metrics_address, metrics_->port()), "/metrics"));
     }
     return absl::OkStatus();
   }
 
-  // The TCP listener for Kubernetes gRPC probes: the health service only.
-  absl::Status StartHealthServer() {
+  absl::Status StartHealthPort() {
     if (config_.health_address.empty()) return absl::OkStatus();
-    grpc::ServerBuilder builder;
-    int port = 0;
-    builder.AddListeningPort(config_.health_address, grpc::InsecureServerCredentials(), &port);
-    builder.SetOption(std::make_unique<WithoutReflection>());
-    // Answers every other method UNIMPLEMENTED; gRPC refuses to build a
-    // server whose only service is the default health service.
-    builder.RegisterCallbackGenericService(&health_only_);
-    CountRpcs(builder, metrics_.get());
-    health_server_ = builder.BuildAndStart();
-    if (health_server_ == nullptr || port == 0) {
-      return absl::UnavailableError(absl::StrCat("cannot listen on --health-address ", config_.health_address));
-    }
-    listener_.AddServer(health_server_.get());
-    std::string host = config_.health_address.substr(0, config_.health_address.rfind(':'));
-    LogInfo(absl::StrCat("health service on ", host, ":", port));
+    WEIGHTD_ASSIGN_OR_RETURN(health_port_, HealthPort::Start(config_.health_address, metrics_.get()));
+    listener_.AddServer(health_port_->server());
+    LogInfo(absl::StrCat("health service on ", BoundAddress(config_.health_address, health_port_->port())));
     return absl::OkStatus();
   }
 
@@ -244,8 +222,7 @@ class DaemonImpl final : public Daemon {
   std::unique_ptr<FdChannel> fd_channel_;
   std::unique_ptr<WeightdService> service_;
   std::unique_ptr<grpc::Server> server_;
-  grpc::CallbackGenericService health_only_;
-  std::unique_ptr<grpc::Server> health_server_;
+  std::unique_ptr<HealthPort> health_port_;
   std::thread preload_thread_, watchdog_thread_;
   std::mutex mu_;
   std::condition_variable cv_;

@@ -96,12 +96,12 @@ bool FdChannel::PeerAllowed(int sock, std::string* why) const {
     *why = std::string(peer.status().message());
     return false;
   }
-  if (peer->uid == getuid() || peer->uid == 0) return true;
+  if (peer->uid == getuid() || peer->uid == 0 || peer->gid == getgid()) return true;
   if (std::find(options_.allowed_gids.begin(), options_.allowed_gids.end(), peer->gid) != options_.allowed_gids.end()) {
     return true;
   }
   *why = absl::StrCat("peer uid ", peer->uid, " gid ", peer->gid, " (pid ", peer->pid,
-                      ") is neither the daemon's uid nor in the allowed gids");
+                      ") is neither the daemon's uid or gid nor in the allowed gids");
   return false;
 }
 

@@ -12,8 +12,9 @@
 // The client then keeps the connection open and sends nothing. When it closes
 // (exit, crash, SIGKILL: the kernel closes it), the daemon sees EOF and ends
 // the lease. A connection that does not send CLAIM within the claim timeout
-// is closed. The peer is checked with SO_PEERCRED: same uid as the daemon,
-// root, or a gid in the allowed list.
+// is closed. The peer is checked with SO_PEERCRED: same uid or primary gid as
+// the daemon, root, or a primary gid in the allowed list (SO_PEERCRED carries
+// no supplementary groups).
 //
 // Thread-safety: Start/Stop from one thread; the channel runs its own thread.
 #ifndef WEIGHTD_SERVER_FD_CHANNEL_H_

@@ -17,6 +17,10 @@
 namespace weightd {
 namespace {
 
+// Host blocks go from the bounce buffer to the segment in slices this size,
+// small enough to stay in L2 between the read, the hash and the pwrite.
+constexpr uint64_t kCopySliceBytes = 1ull << 20;
+
 double SecondsSince(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
@@ -82,9 +86,9 @@ std::vector<ReadTask> MakeTasks(const Catalog& catalog) {
 }
 
 absl::StatusOr<Allocation> Allocate(const std::string& name, const LoadPlan& plan,
-                                    const std::vector<DeviceInfo>& devices, DeviceBackend* backend) {
+                                    const std::vector<DeviceInfo>& devices, DeviceBackend* backend, HugePages huge) {
   Allocation a;
-  WEIGHTD_ASSIGN_OR_RETURN(a.host, HostSegment::Create(absl::StrCat(name, ":host"), plan.host_bytes));
+  WEIGHTD_ASSIGN_OR_RETURN(a.host, HostSegment::Create(absl::StrCat(name, ":host"), plan.host_bytes, huge));
   a.arenas.resize(devices.empty() ? 0 : plan.ranks.size());
   for (size_t r = 0; r < a.arenas.size(); ++r) {
     for (uint64_t bytes : plan.ranks[r].arena_bytes) {
@@ -190,11 +194,21 @@ class ReadJob {
   absl::Status Work(DeviceBackend* backend) {
     Staging staging[2];
     int turn = 0;
+    ReadBuffer scratch;  // this worker's O_DIRECT and pwrite bounce buffer
+    std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> hasher(XXH3_createState(), &XXH3_freeState);
     for (size_t i; (i = next_.fetch_add(1)) < tasks_.size();) {
       if (failed_.load()) break;
       const ReadTask& task = tasks_[i];
       const CatalogTensor& t = catalog_.tensors[task.tensor];
       const TensorPlan& tp = plan_.tensors[task.tensor];
+      auto where = [&] { return absl::StrCat(catalog_.files[t.file].name, ": tensor '", t.name, "'"); };
+      if (tp.placement == Placement::kHost && !alloc_.host->huge_pages()) {
+        absl::StatusOr<uint64_t> hash = WriteHost(task, t, tp.host_offset + task.start, scratch, *hasher);
+        if (!hash.ok()) return Fail(Annotate(hash.status(), where()));
+        block_hashes_[task.tensor][task.block] = *hash;
+        Done(task, t);
+        continue;
+      }
       char* dst;
       Staging* stage = nullptr;
       if (tp.placement == Placement::kHost) {
@@ -209,17 +223,42 @@ class ReadJob {
         }
         dst = stage->buffer->data();
       }
-      absl::Status read = reader_.Read(t.file, t.offset + task.start, task.n, dst);
-      if (!read.ok()) return Fail(Annotate(read, absl::StrCat(catalog_.files[t.file].name, ": tensor '", t.name, "'")));
+      absl::Status read = reader_.Read(t.file, t.offset + task.start, task.n, dst, scratch);
+      if (!read.ok()) return Fail(Annotate(read, where()));
       block_hashes_[task.tensor][task.block] = XXH3_64bits(dst, task.n);
       if (stage != nullptr) {
         WEIGHTD_RETURN_IF_ERROR(Fail(CopyBlockToRanks(tp, task.start, task.start + task.n, dst, alloc_, *stage)));
       }
-      bytes_done_.fetch_add(task.n);
-      if (file_remaining_[t.file].fetch_sub(task.n) == task.n) files_done_.fetch_add(1);
+      Done(task, t);
     }
     for (Staging& s : staging) WEIGHTD_RETURN_IF_ERROR(WaitStaging(s));
     return absl::OkStatus();
+  }
+
+  // Reads one block of a host tensor into `scratch` and writes it into the
+  // segment at `offset` slice by slice, hashing each slice while it is in
+  // cache: returns the block's hash (streaming XXH3 equals one-shot XXH3).
+  // O_DIRECT files are read in whole blocks (the disk wants large requests),
+  // buffered ones a slice at a time (the bounce buffer stays in L2).
+  absl::StatusOr<uint64_t> WriteHost(const ReadTask& task, const CatalogTensor& t, uint64_t offset,
+                                     ReadBuffer& scratch, XXH3_state_t& hasher) {
+    XXH3_64bits_reset(&hasher);
+    uint64_t piece = reader_.direct(t.file) ? kReadBlockBytes : kCopySliceBytes;
+    for (uint64_t done = 0; done < task.n; done += piece) {
+      uint64_t n = std::min(piece, task.n - done);
+      WEIGHTD_ASSIGN_OR_RETURN(const char* src, reader_.ReadInto(t.file, t.offset + task.start + done, n, scratch));
+      for (uint64_t s = 0; s < n; s += kCopySliceBytes) {
+        uint64_t m = std::min(kCopySliceBytes, n - s);
+        XXH3_64bits_update(&hasher, src + s, m);
+        WEIGHTD_RETURN_IF_ERROR(alloc_.host->Write(offset + done + s, src + s, m));
+      }
+    }
+    return XXH3_64bits_digest(&hasher);
+  }
+
+  void Done(const ReadTask& task, const CatalogTensor& t) {
+    bytes_done_.fetch_add(task.n);
+    if (file_remaining_[t.file].fetch_sub(task.n) == task.n) files_done_.fetch_add(1);
   }
 
   absl::Status Fail(absl::Status status) {
@@ -327,8 +366,10 @@ absl::StatusOr<std::unique_ptr<ModelGeneration>> LoadGeneration(const Catalog& c
   WEIGHTD_ASSIGN_OR_RETURN(LoadPlan plan, MakeLoadPlan(catalog, request, devices.size(), options.max_arena_bytes));
 
   report(LoadProgress::Phase::kAllocate);
-  WEIGHTD_ASSIGN_OR_RETURN(Allocation alloc, Allocate(request.name, plan, devices, options.device_backend));
-  WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader, CheckpointReader::Open(catalog));
+  HugePages huge = options.huge_pages ? HugePages::kWhenPoolAllows : HugePages::kNever;
+  WEIGHTD_ASSIGN_OR_RETURN(Allocation alloc, Allocate(request.name, plan, devices, options.device_backend, huge));
+  WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader,
+                           CheckpointReader::Open(catalog, {options.direct_io, nullptr}));
 
   report(LoadProgress::Phase::kRead);
   std::vector<ReadTask> tasks = MakeTasks(catalog);

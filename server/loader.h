@@ -1,13 +1,19 @@
 // The load pipeline: catalog -> plan -> allocate -> parallel read + hash ->
 // seal and export. Work is cut into blocks of at most kReadBlockBytes that a
-// pool of threads takes in file order. Host tensors are read with pread(2)
-// straight into their sealed-to-be memfd (no intermediate copy). Device
-// tensors are read into a bounded ring of pinned staging buffers (two per
-// thread) and copied asynchronously to every rank that needs them: whole for
+// pool of threads takes in file order (CheckpointReader: buffered or
+// O_DIRECT per --direct-io). Host tensors are read into a per-thread bounce
+// buffer and written into their sealed-to-be memfd with pwrite(2) in 1 MiB
+// slices, each hashed between the read and the write while it is in cache:
+// writing through the file lets the kernel allocate the memfd's pages
+// without a page fault each, which is what bounds a load from the page
+// cache (docs/performance.md). A MFD_HUGETLB segment (huge page pool
+// configured) is read straight into its mapping instead. Device tensors are
+// read into a bounded ring of pinned staging buffers (two per thread) and
+// copied asynchronously to every rank that needs them: whole for
 // replicated tensors, one contiguous range per rank for a split on dim 0, 2D
 // strided copies for other split dims; a buffer is reused only after its
-// copies' fences complete. Each block is hashed while it is in cache. Peak
-// host memory: host-resident bytes + 2 * threads * kReadBlockBytes.
+// copies' fences complete. Peak host memory: host-resident bytes +
+// threads * (2 * kReadBlockBytes staging + one block of bounce buffer).
 //
 // Content hash of a tensor (xxHash's XXH3-64, seed 0): the tensor's bytes are
 // cut into kHashBlockBytes blocks; a tensor of one block (or empty) hashes to
@@ -24,6 +30,7 @@
 #include "common/catalog.h"
 #include "server/model.h"
 #include "server/plan.h"
+#include "server/reader.h"
 
 namespace weightd {
 
@@ -44,6 +51,8 @@ using ProgressFn = std::function<void(const LoadProgress&)>;
 struct LoaderOptions {
   int threads = 0;     // 0: one per core
   bool mlock = true;   // lock host segments when RLIMIT_MEMLOCK allows
+  DirectIo direct_io = DirectIo::kAuto;  // see server/reader.h
+  bool huge_pages = true;  // MFD_HUGETLB host segments when the huge page pool has room
   DeviceBackend* device_backend = nullptr;  // null: host only; not owned
   uint64_t max_arena_bytes = kDefaultMaxArenaBytes;
 };

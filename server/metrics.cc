@@ -84,6 +84,17 @@ const std::vector<double>& AttachBuckets() {
   return *b;
 }
 
+// The API's spelling (weightd.v1.ModelState).
+const char* StateName(ModelState state) {
+  switch (state) {
+    case ModelState::kLoading: return "LOADING";
+    case ModelState::kReady: return "READY";
+    case ModelState::kFailed: return "FAILED";
+    case ModelState::kDraining: return "DRAINING";
+  }
+  return "UNSPECIFIED";
+}
+
 prometheus::MetricFamily GaugeFamily(std::string name, std::string help, const std::string& label,
                                      const auto& values) {
   prometheus::MetricFamily family{std::move(name), std::move(help), prometheus::MetricType::Gauge, {}};
@@ -102,7 +113,7 @@ class SampledGauges final : public prometheus::Collectable {
   explicit SampledGauges(ModelsSampler sampler) : sampler_(std::move(sampler)) {}
   std::vector<prometheus::MetricFamily> Collect() const override {
     ModelsSample s = sampler_ ? sampler_() : SampleModels({});
-    return {GaugeFamily("weightd_models", "Models held, by state.", "state", s.by_state),
+    return {GaugeFamily("weightd_models", "Model generations held, by state.", "state", s.by_state),
             GaugeFamily("weightd_device_bytes", "Bytes of device segments held, by GPU.", "gpu_uuid", s.device_bytes),
             GaugeFamily("weightd_leases_active", "Leases held by clients (pending or claimed), by model.", "model",
                         s.leases)};
@@ -116,10 +127,11 @@ class SampledGauges final : public prometheus::Collectable {
 
 ModelsSample SampleModels(const std::vector<std::shared_ptr<ModelGeneration>>& models) {
   ModelsSample s;
-  s.by_state = {{"LOADING", 0}, {"READY", 0}, {"FAILED", 0}, {"DRAINING", 0}};
-  static constexpr const char* kStateNames[] = {"LOADING", "READY", "FAILED", "DRAINING"};
+  for (ModelState state : {ModelState::kLoading, ModelState::kReady, ModelState::kFailed, ModelState::kDraining}) {
+    s.by_state[StateName(state)] = 0;
+  }
   for (const auto& m : models) {
-    ++s.by_state[kStateNames[static_cast<int>(m->state.load())]];
+    ++s.by_state[StateName(m->state.load())];
     s.leases[m->request.name] += m->leases.load();
     for (const SegmentInfo& seg : m->segments) {
       if (seg.placement == Placement::kDevice) s.device_bytes[seg.gpu_uuid] += seg.size;
@@ -133,15 +145,6 @@ std::string CheckpointErrorReason(const absl::Status& status) {
     if (absl::StrContains(status.message(), rule.phrase)) return std::string(rule.reason);
   }
   return ReasonByCode(status.code());
-}
-
-absl::string_view GrpcCodeName(int code) {
-  static constexpr absl::string_view kNames[] = {
-      "OK",          "CANCELLED",         "UNKNOWN",          "INVALID_ARGUMENT",   "DEADLINE_EXCEEDED",
-      "NOT_FOUND",   "ALREADY_EXISTS",    "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
-      "ABORTED",     "OUT_OF_RANGE",      "UNIMPLEMENTED",    "INTERNAL",           "UNAVAILABLE",
-      "DATA_LOSS",   "UNAUTHENTICATED"};
-  return code >= 0 && code < 17 ? kNames[code] : "UNKNOWN";
 }
 
 // ---------------------------------------------------------------- Prometheus
@@ -202,7 +205,8 @@ absl::StatusOr<std::unique_ptr<PrometheusMetrics>> PrometheusMetrics::Create(Pro
     try {
       state->exposer = std::make_unique<prometheus::Exposer>(options.address, 2);
     } catch (const std::exception& e) {
-      return absl::UnavailableError(absl::StrCat("cannot serve metrics on ", options.address, ": ", e.what()));
+      return absl::UnavailableError(
+          absl::StrCat("cannot serve metrics on --metrics-address ", options.address, ": ", e.what()));
     }
     state->exposer->RegisterCollectable(state->registry);
     state->exposer->RegisterCollectable(state->sampled);

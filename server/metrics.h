@@ -56,9 +56,6 @@ using ModelsSampler = std::function<ModelsSample()>;
 // when the message names no known checkpoint rule; "other" otherwise.
 std::string CheckpointErrorReason(const absl::Status& status);
 
-// gRPC code number -> "OK", "NOT_FOUND", ...; "UNKNOWN" outside 0..16.
-absl::string_view GrpcCodeName(int code);
-
 struct PrometheusOptions {
   std::string address;   // "HOST:PORT" to serve /metrics on (port 0: any); "" serves nothing
   std::string version;   // weightd_build_info{version}

@@ -1,4 +1,5 @@
-// Turns registry events into metrics: finished and failed loads, and host
+// Turns registry events into metrics: finished and failed loads, attach
+// durations (Attach RPC to the lease's claim on the fd socket), and host
 // memory. (Models by state, device bytes and leases are sampled at each
 // scrape instead; see metrics.h.)
 //
@@ -19,6 +20,7 @@ class MetricsListener final : public RegistryListener {
     metrics_->LoadFinished(bytes, seconds);
   }
   void OnLoadFailed(const absl::Status& status) override { metrics_->LoadFailed(status); }
+  void OnLeaseClaimed(const std::string& name, double seconds) override { metrics_->AttachFinished(seconds); }
   void OnMemoryChanged(uint64_t host_bytes, uint64_t locked_bytes) override {
     metrics_->HostMemory(host_bytes, locked_bytes);
   }

@@ -193,7 +193,8 @@ absl::StatusOr<ModelRegistry::Grant> ModelRegistry::Attach(const std::string& na
   }
   std::lock_guard<std::mutex> lock(mu_);
   std::string id = NewLeaseId();
-  leases_[id] = Lease{model, rank, false, std::chrono::steady_clock::now() + options_.claim_timeout};
+  auto now = std::chrono::steady_clock::now();
+  leases_[id] = Lease{model, rank, false, now, now + options_.claim_timeout};
   int count = ++model->leases;
   if (listener_) listener_->OnLeasesChanged(name, count);
   return Grant{id, model, rank};
@@ -205,6 +206,10 @@ absl::StatusOr<ModelRegistry::Grant> ModelRegistry::Claim(const std::string& lea
   if (it == leases_.end()) return absl::NotFoundError("unknown or expired lease id");
   if (it->second.claimed) return absl::FailedPreconditionError("lease already claimed on another connection");
   it->second.claimed = true;
+  if (listener_) {
+    double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - it->second.attached).count();
+    listener_->OnLeaseClaimed(it->second.model->request.name, seconds);
+  }
   return Grant{lease_id, it->second.model, it->second.rank};
 }
 

@@ -34,6 +34,8 @@ class RegistryListener {
   virtual void OnLoadFinished(const ModelGeneration& model, uint64_t bytes, double seconds) {}
   virtual void OnLoadFailed(const absl::Status& status) {}
   virtual void OnLeasesChanged(const std::string& name, int active) {}
+  // A lease was claimed on the fd socket `seconds` after its Attach.
+  virtual void OnLeaseClaimed(const std::string& name, double seconds) {}
   virtual void OnMemoryChanged(uint64_t host_bytes, uint64_t locked_bytes) {}
 };
 
@@ -94,6 +96,7 @@ class ModelRegistry {
     std::shared_ptr<ModelGeneration> model;
     uint32_t rank;
     bool claimed;
+    std::chrono::steady_clock::time_point attached;
     std::chrono::steady_clock::time_point deadline;
   };
 

@@ -4,16 +4,18 @@
 
 #include <chrono>
 
-#include "absl/strings/str_cat.h"
-#include "grpc/health/v1/health.pb.h"
+#include "absl/status/status.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "grpc/health/v1/health.pb.h"
+#include "weightd/v1/weightd.pb.h"
 
 namespace weightd {
 namespace {
 
-constexpr char kAttachMethod[] = "weightd.v1.Weightd/Attach";
 
 using grpc::experimental::InterceptionHookPoints;
+using grpc::health::v1::HealthCheckRequest;
 
 // Lives from the start of one call to its end (gRPC deletes it).
 class RpcMetricsInterceptor final : public grpc::experimental::Interceptor {
@@ -37,8 +39,8 @@ class RpcMetricsInterceptor final : public grpc::experimental::Interceptor {
   void Report(grpc::StatusCode code) {
     reported_ = true;
     double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
-    metrics_->RpcFinished(method_, GrpcCodeName(code), seconds);
-    if (code == grpc::StatusCode::OK && method_ == kAttachMethod) metrics_->AttachFinished(seconds);
+    std::string name = absl::StatusCodeToString(static_cast<absl::StatusCode>(code));  // gRPC's numbering
+    metrics_->RpcFinished(method_, name.empty() ? "UNKNOWN" : name, seconds);
   }
 
   Metrics* metrics_;
@@ -47,25 +49,34 @@ class RpcMetricsInterceptor final : public grpc::experimental::Interceptor {
   bool reported_ = false;
 };
 
+// The generated pool holds a .proto's services once its generated code is
+// linked in, which these references make sure of (the daemon's default
+// health service, for one, does not use the generated health code).
+const google::protobuf::DescriptorPool& KnownMethods() {
+  static const bool linked = (v1::AttachRequest::descriptor(), HealthCheckRequest::descriptor(), true);
+  (void)linked;
+  return *google::protobuf::DescriptorPool::generated_pool();
+}
+
 }  // namespace
 
 std::string RpcMethodLabel(const char* method) {
   absl::string_view m = method != nullptr ? method : "";
-  size_t slash = m.rfind('/');
-  if (!absl::ConsumePrefix(&m, "/") || slash == 0 || m.find('/') != slash - 1) return "unknown";
-  std::string full_name = absl::StrCat(m.substr(0, slash - 1), ".", m.substr(slash));
-  if (google::protobuf::DescriptorPool::generated_pool()->FindMethodByName(full_name) == nullptr) return "unknown";
+  if (!absl::ConsumePrefix(&m, "/")) return "unknown";
+  std::pair<std::string, std::string> parts = absl::StrSplit(m, absl::MaxSplits('/', 1));
+  const google::protobuf::ServiceDescriptor* service = KnownMethods().FindServiceByName(parts.first);
+  if (service == nullptr || service->FindMethodByName(parts.second) == nullptr) return "unknown";
   return std::string(m);
-}
-
-RpcMetricsFactory::RpcMetricsFactory(Metrics* metrics) : metrics_(metrics) {
-  // Links the grpc.health.v1 descriptors into the pool RpcMethodLabel looks
-  // methods up in: the server's own health service does not use them.
-  (void)grpc::health::v1::HealthCheckRequest::descriptor();
 }
 
 grpc::experimental::Interceptor* RpcMetricsFactory::CreateServerInterceptor(grpc::experimental::ServerRpcInfo* info) {
   return new RpcMetricsInterceptor(metrics_, RpcMethodLabel(info->method()));
+}
+
+void CountRpcs(grpc::ServerBuilder& builder, Metrics* metrics) {
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> factories;
+  factories.push_back(std::make_unique<RpcMetricsFactory>(metrics));
+  builder.experimental().SetInterceptorCreators(std::move(factories));
 }
 
 }  // namespace weightd

@@ -7,6 +7,7 @@
 #ifndef WEIGHTD_SERVER_RPC_METRICS_H_
 #define WEIGHTD_SERVER_RPC_METRICS_H_
 
+#include <grpcpp/server_builder.h>
 #include <grpcpp/support/server_interceptor.h>
 
 #include <memory>
@@ -23,12 +24,15 @@ std::string RpcMethodLabel(const char* method);
 
 class RpcMetricsFactory final : public grpc::experimental::ServerInterceptorFactoryInterface {
  public:
-  explicit RpcMetricsFactory(Metrics* metrics);
+  explicit RpcMetricsFactory(Metrics* metrics) : metrics_(metrics) {}
   grpc::experimental::Interceptor* CreateServerInterceptor(grpc::experimental::ServerRpcInfo* info) override;
 
  private:
   Metrics* metrics_;
 };
+
+// Installs RpcMetricsFactory on `builder` (its only interceptor).
+void CountRpcs(grpc::ServerBuilder& builder, Metrics* metrics);
 
 }  // namespace weightd
 

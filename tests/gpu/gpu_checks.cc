@@ -339,7 +339,8 @@ double ReportWeightdLoad(const Options& options, Table& table) {
   const std::string check = "weightd load, page cache -> GPU (--device-backend cuda)";
   std::ifstream in(options.load_json);
   nlohmann::json doc = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-  if (doc.is_discarded() || !doc.contains("bytes") || !doc.contains("seconds")) {
+  if (doc.is_discarded() || !doc.is_object() || !doc.value("bytes", nlohmann::json()).is_number() ||
+      !doc.value("seconds", nlohmann::json()).is_number()) {
     std::ifstream err(options.load_error);
     std::string line;
     std::getline(err, line);
@@ -361,7 +362,8 @@ void ReportAttach(const Options& options, Table& table) {
   const std::string check = "weightctl attach --verify (client imports the daemon's arenas)";
   std::ifstream in(options.attach_json);
   nlohmann::json doc = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-  if (doc.is_discarded() || !doc.contains("verified")) {
+  if (doc.is_discarded() || !doc.is_object() || !doc.contains("verified") ||
+      !doc.value("bytes", nlohmann::json()).is_number() || !doc.value("attach_seconds", nlohmann::json()).is_number()) {
     std::ifstream err(options.attach_error);
     std::string line;
     std::getline(err, line);

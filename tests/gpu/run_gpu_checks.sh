@@ -92,11 +92,12 @@ fi
 # --- weightd's load, page cache -> GPU 0 --------------------------------------
 checkpoint="$work/models/$preset"
 say "writing a make-demo --preset $preset checkpoint to $checkpoint"
+mkdir -p "$work/models"
 "$weightctl" make-demo "$checkpoint" --preset "$preset" >&2
 cat "$checkpoint"/* >/dev/null  # into the page cache: the load and the baseline both read from it
 socket="$work/weightd.sock"
 say "starting weightd --device-backend cuda"
-"$weightd" --socket "$socket" --model-root "$work/models" --device-backend cuda >"$work/weightd.log" 2>&1 &
+"$weightd" --socket "$socket" --model-root "$work/models" --device-backend cuda --metrics-address "" >"$work/weightd.log" 2>&1 &
 daemon_pid=$!
 for _ in $(seq 1 300); do
   if "$weightctl" --socket "$socket" ls --json >/dev/null 2>&1; then break; fi

@@ -144,13 +144,22 @@ TEST(DaemonConfig, BadValuesAreInvalidArgumentNamingTheFlag) {
   EXPECT_THAT(ParseDaemonArgs({"--socket", ""}), StatusIs(Code::kInvalidArgument, "--socket must not be empty"));
 }
 
+TEST(DaemonConfig, DirectIoDefaultsToAutoAndRefusesOtherWords) {
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(ParsedArgs defaults, ParseDaemonArgs({}));
+  EXPECT_EQ(defaults.config.direct_io, "auto");
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(ParsedArgs off, ParseDaemonArgs({"--direct-io=off"}));
+  EXPECT_EQ(off.config.direct_io, "off");
+  EXPECT_THAT(ParseDaemonArgs({"--direct-io", "yes"}),
+              StatusIs(Code::kInvalidArgument, "--direct-io must be auto, on or off, got 'yes'"));
+}
+
 TEST(DaemonConfig, ConfigToJsonRoundTripsThroughConfigFile) {
   WEIGHTD_ASSERT_OK_AND_ASSIGN(
       ParsedArgs original,
       ParseDaemonArgs({"--socket", "/r/w.sock", "--fd-socket", "/r/fd.sock", "--grpc-address", "127.0.0.1:0",
                        "--model-root", "/a", "--model-root", "/b", "--metrics-address", "", "--health-address", ":8081",
                        "--device-backend", "emulated", "--preload", "x=/a/x", "--preload", "y=/b/y", "--allowed-gid", "5",
-                       "--lease-claim-timeout-seconds", "0.25", "--load-threads", "6", "--mlock", "false"}));
+                       "--lease-claim-timeout-seconds", "0.25", "--load-threads", "6", "--direct-io", "on", "--mlock", "false"}));
   TempDir dir;
   const nlohmann::json json = ConfigToJson(original.config);
   WriteFile(dir.Join("round.json"), json.dump(2));
@@ -158,7 +167,8 @@ TEST(DaemonConfig, ConfigToJsonRoundTripsThroughConfigFile) {
   EXPECT_EQ(ConfigToJson(reread.config), json);
   EXPECT_EQ(reread.config.preload, original.config.preload);
   EXPECT_EQ(reread.config.lease_claim_timeout_seconds, 0.25);
-  EXPECT_EQ(json.size(), 12u);  // every DaemonConfig field, so a new one cannot be forgotten silently
+  EXPECT_EQ(reread.config.direct_io, "on");
+  EXPECT_EQ(json.size(), 13u);  // every DaemonConfig field, so a new one cannot be forgotten silently
 }
 
 }  // namespace

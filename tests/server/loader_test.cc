@@ -123,6 +123,21 @@ TEST_F(LoaderTest, HostSegmentHoldsFileBytesAndHashesMatch) {
   EXPECT_EQ(gen->files[0].size, file.size());
 }
 
+// O_DIRECT reads (where the file system of the temp dir allows them; the
+// reader falls back to buffered otherwise) place the same bytes and hashes.
+TEST_F(LoaderTest, DirectIoOnAndOffLoadTheSameBytesAndFingerprint) {
+  const std::string path = WriteManyTensors();
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(Catalog catalog, BuildCatalog(path));
+  LoaderOptions direct = Options(2), buffered = Options(2);
+  direct.direct_io = DirectIo::kOn;
+  buffered.direct_io = DirectIo::kOff;
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto a, LoadGeneration(catalog, Request(), direct, nullptr));
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto b, LoadGeneration(catalog, Request(), buffered, nullptr));
+  EXPECT_EQ(a->fingerprint, b->fingerprint);
+  ASSERT_EQ(a->host_bytes, b->host_bytes);
+  EXPECT_EQ(std::string(a->host_segments[0]->data(), a->host_bytes), std::string(b->host_segments[0]->data(), b->host_bytes));
+}
+
 TEST(TensorContentHash, FollowsDocumentedBlockScheme) {
   const std::string data = Bytes(kBigBytes, 3);
   EXPECT_EQ(TensorContentHash(nullptr, 0), XXH3_64bits(nullptr, 0));

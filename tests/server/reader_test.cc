@@ -1,0 +1,274 @@
+// CheckpointReader and the O_DIRECT head/tail logic: against a fake file
+// that refuses unaligned reads exactly as O_DIRECT does (so every case runs
+// on any file system), and against real O_DIRECT files on a disk path
+// (skipped where the file system refuses O_DIRECT).
+#include "server/reader.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <map>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+#include "gtest/gtest.h"
+#include "tests/testing/checkpoint_builder.h"
+#include "tests/testing/status_matchers.h"
+
+namespace weightd {
+namespace {
+
+using ::weightd::testing::WriteFile;
+
+std::string Bytes(uint64_t n, uint32_t seed) {
+  std::string s(n, '\0');
+  uint32_t x = seed * 2654435761u + 1;
+  for (uint64_t i = 0; i < n; ++i) {
+    x = x * 1664525u + 1013904223u;
+    s[i] = static_cast<char>(x >> 24);
+  }
+  return s;
+}
+
+// A file in memory. With `align` > 0 it behaves like O_DIRECT: ReadSome
+// refuses (EINVAL) an offset, length or buffer off the alignment and
+// returns a short count at the end of the file.
+class FakeFile final : public RandomAccessFile {
+ public:
+  FakeFile(std::string path, std::string data, uint64_t align, double cached = 1.0)
+      : path_(std::move(path)), data_(std::move(data)), align_(align), cached_(cached) {}
+  const std::string& path() const override { return path_; }
+  uint64_t size() const override { return data_.size(); }
+  int fd() const override { return -1; }
+  int64_t mtime_ns() const override { return 7; }
+  uint64_t direct_alignment() const override { return align_; }
+  absl::StatusOr<double> CachedFraction() const override { return cached_; }
+  absl::Status Advise(int) const override { return absl::OkStatus(); }
+
+  absl::StatusOr<size_t> ReadSome(uint64_t offset, size_t n, char* dst) const override {
+    ++reads_;
+    if (align_ > 0 && (offset % align_ != 0 || n % align_ != 0 || reinterpret_cast<uintptr_t>(dst) % align_ != 0)) {
+      return ErrnoToStatus(absl::StrCat(path_, ": unaligned read at ", offset), EINVAL);
+    }
+    if (offset >= data_.size()) return size_t{0};
+    size_t got = std::min<size_t>(n, data_.size() - offset);
+    std::memcpy(dst, data_.data() + offset, got);
+    return got;
+  }
+
+  absl::Status ReadAt(uint64_t offset, size_t n, char* dst) const override {
+    if (offset + n > data_.size()) return absl::OutOfRangeError("past the end");
+    std::memcpy(dst, data_.data() + offset, n);
+    return absl::OkStatus();
+  }
+
+  int reads() const { return reads_; }
+
+ private:
+  std::string path_, data_;
+  uint64_t align_;
+  double cached_;
+  mutable int reads_ = 0;
+};
+
+// Serves FakeFiles by path; OpenForDirectRead is refused when `direct_ok`
+// is false, as tmpfs or an overlay refuses O_DIRECT.
+class FakeEnv final : public Env {
+ public:
+  std::map<std::string, std::string> files;
+  double cached = 1.0;
+  bool direct_ok = true;
+  int direct_opens = 0;
+
+  absl::StatusOr<std::unique_ptr<RandomAccessFile>> OpenForRead(const std::string& path) override {
+    return std::make_unique<FakeFile>(path, files.at(path), 0, cached);
+  }
+  absl::StatusOr<std::unique_ptr<RandomAccessFile>> OpenForDirectRead(const std::string& path) override {
+    ++direct_opens;
+    if (!direct_ok) return absl::FailedPreconditionError(absl::StrCat(path, ": the file system refuses O_DIRECT (EINVAL)"));
+    return std::make_unique<FakeFile>(path, files.at(path), 512, cached);
+  }
+  absl::StatusOr<FileKind> Stat(const std::string&) override { return FileKind::kRegular; }
+  absl::StatusOr<std::vector<std::string>> ListDir(const std::string&) override { return std::vector<std::string>{}; }
+  absl::StatusOr<std::string> RealPath(const std::string& path) override { return path; }
+};
+
+Catalog CatalogOf(const FakeEnv& env) {
+  Catalog catalog;
+  for (const auto& [path, data] : env.files) catalog.files.push_back({path, path, data.size(), 0, 0, {}});
+  return catalog;
+}
+
+// Offsets and lengths around the block edges of a 512-aligned file of
+// 4 * 512 + 100 bytes (its size is not a block multiple).
+struct Range {
+  uint64_t offset, n;
+};
+std::vector<Range> EdgeRanges(uint64_t size) {
+  std::vector<Range> ranges;
+  for (uint64_t offset : {0, 1, 7, 511, 512, 513, 1000, 1024, 2047, 2048}) {
+    for (uint64_t n : {1, 2, 100, 511, 512, 513, 1024, 1500}) {
+      if (offset + n <= size) ranges.push_back({offset, n});
+    }
+    ranges.push_back({offset, size - offset});  // through the unaligned end
+  }
+  ranges.push_back({size - 1, 1});
+  return ranges;
+}
+
+TEST(ReadDirect, EveryUnalignedRangeEqualsTheFileBytes) {
+  const std::string data = Bytes(4 * 512 + 100, 1);
+  FakeFile file("f", data, 512);
+  ReadBuffer scratch;
+  // Destinations both congruent with the offset (aligned middle read in
+  // place) and not (everything bounced).
+  ReadBuffer dst_memory;
+  char* base = dst_memory.Get(8192, 4096);
+  for (const Range& r : EdgeRanges(data.size())) {
+    for (uint64_t shift : {r.offset % 512, (r.offset + 3) % 512}) {
+      char* dst = base + shift;
+      std::memset(dst, 0x5a, r.n);
+      WEIGHTD_ASSERT_OK(ReadDirect(file, r.offset, r.n, dst, scratch));
+      ASSERT_EQ(std::string(dst, r.n), data.substr(r.offset, r.n)) << "offset " << r.offset << " n " << r.n << " shift " << shift;
+    }
+    WEIGHTD_ASSERT_OK_AND_ASSIGN(const char* got, ReadDirectInto(file, r.offset, r.n, scratch));
+    ASSERT_EQ(std::string(got, r.n), data.substr(r.offset, r.n)) << "offset " << r.offset << " n " << r.n;
+  }
+}
+
+TEST(ReadDirect, CongruentDestinationReadsTheAlignedMiddleInPlace) {
+  const std::string data = Bytes(8 * 512, 2);
+  FakeFile file("f", data, 512);
+  ReadBuffer scratch, dst_memory;
+  char* dst = dst_memory.Get(8 * 512, 4096) + 100;
+  // Head [100, 512), middle [512, 3584) straight into dst, tail [3584, 3600).
+  WEIGHTD_ASSERT_OK(ReadDirect(file, 100, 3500, dst, scratch));
+  EXPECT_EQ(std::string(dst, 3500), data.substr(100, 3500));
+  EXPECT_EQ(file.reads(), 3);
+  EXPECT_LE(scratch.capacity(), 4096u);  // only a block for the head and the tail
+}
+
+TEST(ReadDirect, AlignedRangeIntoAlignedMemoryIsOneRead) {
+  const std::string data = Bytes(4 * 512, 3);
+  FakeFile file("f", data, 512);
+  ReadBuffer scratch, dst_memory;
+  char* dst = dst_memory.Get(4096, 4096);
+  WEIGHTD_ASSERT_OK(ReadDirect(file, 512, 1024, dst, scratch));
+  EXPECT_EQ(std::string(dst, 1024), data.substr(512, 1024));
+  EXPECT_EQ(file.reads(), 1);
+  EXPECT_EQ(scratch.capacity(), 0u);
+}
+
+TEST(ReadDirect, AFileThatShrankIsOutOfRangeNamingTheByte) {
+  FakeFile file("ckpt.safetensors", Bytes(1000, 4), 512);
+  ReadBuffer scratch;
+  EXPECT_THAT(ReadDirectInto(file, 900, 200, scratch),
+              StatusIs(absl::StatusCode::kOutOfRange, "ckpt.safetensors: file ended at byte 1000 while 100 more"));
+}
+
+TEST(DirectIoMode, ParsesTheThreeWords) {
+  EXPECT_EQ(*ParseDirectIo("auto"), DirectIo::kAuto);
+  EXPECT_EQ(*ParseDirectIo("on"), DirectIo::kOn);
+  EXPECT_EQ(*ParseDirectIo("off"), DirectIo::kOff);
+  EXPECT_THAT(ParseDirectIo("yes"), StatusIs(absl::StatusCode::kInvalidArgument, "got 'yes'"));
+}
+
+class CheckpointReaderModes : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    env_.files["/m/a.safetensors"] = Bytes(3 * 512 + 17, 5);
+    env_.files["/m/b.safetensors"] = Bytes(700, 6);
+  }
+  std::unique_ptr<CheckpointReader> Open(DirectIo mode) {
+    absl::StatusOr<std::unique_ptr<CheckpointReader>> reader = CheckpointReader::Open(CatalogOf(env_), {mode, &env_});
+    EXPECT_TRUE(reader.ok()) << reader.status();
+    return reader.ok() ? std::move(*reader) : nullptr;
+  }
+  void ExpectReadsEqualTheFiles(const CheckpointReader& reader) {
+    ReadBuffer scratch;
+    uint32_t index = 0;
+    for (const auto& [path, data] : env_.files) {
+      std::string got(data.size() - 3, '\0');
+      WEIGHTD_ASSERT_OK(reader.Read(index, 3, got.size(), got.data(), scratch));
+      EXPECT_EQ(got, data.substr(3)) << path;
+      WEIGHTD_ASSERT_OK_AND_ASSIGN(const char* into, reader.ReadInto(index, 1, data.size() - 1, scratch));
+      EXPECT_EQ(std::string(into, data.size() - 1), data.substr(1)) << path;
+      ++index;
+    }
+  }
+  FakeEnv env_;
+};
+
+TEST_F(CheckpointReaderModes, OffNeverOpensDirect) {
+  env_.cached = 0.0;
+  std::unique_ptr<CheckpointReader> reader = Open(DirectIo::kOff);
+  EXPECT_FALSE(reader->direct(0));
+  EXPECT_EQ(env_.direct_opens, 0);
+  ExpectReadsEqualTheFiles(*reader);
+}
+
+TEST_F(CheckpointReaderModes, OnReadsEveryFileDirect) {
+  std::unique_ptr<CheckpointReader> reader = Open(DirectIo::kOn);
+  EXPECT_TRUE(reader->direct(0));
+  EXPECT_TRUE(reader->direct(1));
+  ExpectReadsEqualTheFiles(*reader);
+}
+
+TEST_F(CheckpointReaderModes, AutoReadsColdFilesDirectAndCachedOnesBuffered) {
+  env_.cached = 0.1;
+  EXPECT_TRUE(Open(DirectIo::kAuto)->direct(0));
+  env_.cached = 0.9;
+  EXPECT_FALSE(Open(DirectIo::kAuto)->direct(0));
+}
+
+TEST_F(CheckpointReaderModes, AFileSystemRefusingDirectFallsBackToBuffered) {
+  env_.direct_ok = false;
+  std::unique_ptr<CheckpointReader> reader = Open(DirectIo::kOn);
+  EXPECT_FALSE(reader->direct(0));
+  EXPECT_FALSE(reader->direct(1));
+  ExpectReadsEqualTheFiles(*reader);
+}
+
+// Real O_DIRECT: a file on the build directory's disk (/tmp may be tmpfs).
+class RealDirectFile : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string pattern = std::string(WEIGHTD_DISK_DIR) + "/reader-test-XXXXXX";
+    ASSERT_NE(mkdtemp(pattern.data()), nullptr);
+    dir_ = pattern;
+    path_ = dir_ + "/odd.bin";
+    data_ = Bytes(3 * 4096 + 4096 / 2 + 13, 7);  // not a block multiple
+    WriteFile(path_, data_);
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+  std::string dir_, path_, data_;
+};
+
+TEST_F(RealDirectFile, DirectReadsEqualPread) {
+  absl::StatusOr<std::unique_ptr<RandomAccessFile>> direct = Env::Default()->OpenForDirectRead(path_);
+  if (absl::IsFailedPrecondition(direct.status())) GTEST_SKIP() << direct.status();
+  WEIGHTD_ASSERT_OK(direct.status());
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<RandomAccessFile> buffered, Env::Default()->OpenForRead(path_));
+  uint64_t align = (*direct)->direct_alignment();
+  ASSERT_GT(align, 0u);
+  ASSERT_EQ(4096 % align, 0u);
+  ReadBuffer scratch, dst_memory;
+  char* base = dst_memory.Get(data_.size() + 8192, 4096);
+  for (const Range& r : std::vector<Range>{{0, data_.size()}, {1, 4096}, {4095, 2}, {4096, 8192}, {5000, 3000},
+                                           {align - 1, data_.size() - align}, {data_.size() - 13, 13},
+                                           {data_.size() - 1, 1}, {12288, data_.size() - 12288}}) {
+    std::string expected(r.n, '\0');
+    WEIGHTD_ASSERT_OK(buffered->ReadAt(r.offset, r.n, expected.data()));
+    for (uint64_t shift : {r.offset % 4096, (r.offset + 1) % 4096}) {
+      WEIGHTD_ASSERT_OK(ReadDirect(**direct, r.offset, r.n, base + shift, scratch));
+      EXPECT_EQ(std::string(base + shift, r.n), expected) << "offset " << r.offset << " n " << r.n;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace weightd
