@@ -260,7 +260,8 @@ absl::StatusOr<MappedModel> Client::Attach(const std::string& name, uint32_t ran
 
   const char* fd_socket_override = std::getenv("WEIGHTD_FD_SOCKET");
   std::string fd_socket = fd_socket_override != nullptr ? fd_socket_override : response.fd_socket();
-  int timeout_ms = static_cast<int>(response.claim_timeout_seconds() * 1000);
+  double claim_seconds = response.claim_timeout_seconds();
+  int timeout_ms = claim_seconds > 0 && claim_seconds <= 86400 ? static_cast<int>(claim_seconds * 1000) : 10000;
   WEIGHTD_RETURN_IF_ERROR(ClaimLease(fd_socket, response.lease_id(), timeout_ms, &state->lease, &state->segment_fds));
   // One fd per segment in order, except segments exported by handle bytes.
   std::vector<ScopedFd> by_segment(m.segments.size());

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <set>
+#include <stdexcept>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -63,12 +64,26 @@ absl::Status CheckShardPath(Env& env, const std::string& dir_real, const std::st
     return absl::InvalidArgumentError(
         absl::StrCat(kIndexFileName, ": names shard file '", shard, "', which does not exist"));
   }
+  if (kind != FileKind::kRegular) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(kIndexFileName, ": names shard file '", shard, "', which is not a regular file"));
+  }
   WEIGHTD_ASSIGN_OR_RETURN(std::string real, env.RealPath(Join(dir_real, shard)));
   if (!absl::StartsWith(real, dir_real + "/")) {
     return absl::InvalidArgumentError(
         absl::StrCat(kIndexFileName, ": shard path '", shard, "' resolves to ", real, ", outside the checkpoint folder"));
   }
   return absl::OkStatus();
+}
+
+// Parses JSON refusing nesting deeper than kMaxJsonDepth: serialising or
+// walking a deeper document recursively could overflow the stack.
+constexpr int kMaxJsonDepth = 64;
+json ParseJsonBounded(const std::string& text) {
+  return json::parse(text, [](int depth, json::parse_event_t, json&) {
+    if (depth > kMaxJsonDepth) throw std::runtime_error(absl::StrCat("nests deeper than ", kMaxJsonDepth, " levels"));
+    return true;
+  });
 }
 
 struct Index {
@@ -80,8 +95,8 @@ struct Index {
 absl::StatusOr<Index> ParseIndex(const std::string& text) {
   json doc;
   try {
-    doc = json::parse(text);
-  } catch (const json::exception& e) {
+    doc = ParseJsonBounded(text);
+  } catch (const std::exception& e) {
     return absl::InvalidArgumentError(absl::StrCat(kIndexFileName, ": not valid JSON: ", e.what()));
   }
   if (!doc.is_object() || !doc.contains("weight_map") || !doc["weight_map"].is_object()) {
@@ -143,7 +158,13 @@ absl::Status CatalogFolder(Env& env, Catalog& catalog, const std::string& dir) {
   for (const std::string& name : names) {
     if (!absl::EndsWith(name, ".safetensors")) continue;
     WEIGHTD_ASSIGN_OR_RETURN(FileKind kind, env.Stat(Join(dir, name)));
-    if (kind == FileKind::kRegular) WEIGHTD_RETURN_IF_ERROR(AddFile(env, catalog, Join(dir, name), name));
+    // A dangling link or a FIFO among the weights would silently load a partial model.
+    if (kind != FileKind::kRegular) {
+      return absl::InvalidArgumentError(absl::StrCat(name, ": ",
+                                                     kind == FileKind::kMissing ? "dangling symbolic link" : "not a regular file",
+                                                     " among the checkpoint's .safetensors files"));
+    }
+    WEIGHTD_RETURN_IF_ERROR(AddFile(env, catalog, Join(dir, name), name));
   }
   if (catalog.files.empty()) return absl::NotFoundError(absl::StrCat(dir, ": folder holds no .safetensors files"));
   WEIGHTD_RETURN_IF_ERROR(CheckUniqueNames(catalog));

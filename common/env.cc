@@ -144,7 +144,9 @@ class PosixEnv final : public Env {
 
  private:
   static absl::StatusOr<std::unique_ptr<RandomAccessFile>> Open(const std::string& path, bool direct) {
-    int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | (direct ? O_DIRECT : 0));
+    // O_NONBLOCK: opening a FIFO or a device named like a checkpoint must not
+    // block; anything but a regular file is refused below.
+    int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | (direct ? O_DIRECT : 0));
     if (fd < 0 && direct && errno == EINVAL) {
       return absl::FailedPreconditionError(absl::StrCat(path, ": the file system refuses O_DIRECT (EINVAL)"));
     }
@@ -159,6 +161,7 @@ class PosixEnv final : public Env {
       close(fd);
       return absl::InvalidArgumentError(absl::StrCat(path, ": not a regular file"));
     }
+    fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
     return std::make_unique<PosixFile>(path, fd, static_cast<uint64_t>(st.st_size),
                                        int64_t{st.st_mtim.tv_sec} * 1'000'000'000 + st.st_mtim.tv_nsec,
                                        direct ? DirectAlignment(fd) : 0);

@@ -51,6 +51,17 @@ int CreateHuge(const std::string& memfd_name, uint64_t size, char** base) {
   return fd;
 }
 
+// A read-only mapping of `fd` through a new O_RDONLY descriptor (its
+// VMA lacks VM_MAYWRITE, so it does not block F_SEAL_WRITE); null when
+// /proc is unavailable.
+char* MapReadOnlyCopy(int fd, uint64_t size) {
+  int ro = open(absl::StrCat("/proc/self/fd/", fd).c_str(), O_RDONLY | O_CLOEXEC);
+  if (ro < 0) return nullptr;
+  void* map = mmap(nullptr, size, PROT_READ, MAP_SHARED, ro, 0);
+  close(ro);  // the mapping keeps the file
+  return map == MAP_FAILED ? nullptr : static_cast<char*>(map);
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<HostSegment>> HostSegment::Create(const std::string& name, uint64_t size,
@@ -105,9 +116,32 @@ absl::Status HostSegment::Write(uint64_t offset, const char* src, uint64_t n) {
   return absl::OkStatus();
 }
 
+HostSegment::HostSegment(int fd, char* base, uint64_t size, bool huge)
+    : fd_(fd), base_(base), size_(size), huge_(huge) {
+  if (size_ == 0) return;
+  read_only_ = MapReadOnlyCopy(fd_, size_);
+  page_bytes_ = huge_ ? kHugePageBytes : static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  pages_ = (size_ + page_bytes_ - 1) / page_bytes_;
+  lock_bits_ = std::make_unique<std::atomic<uint64_t>[]>((pages_ + 63) / 64);
+}
+
 HostSegment::~HostSegment() {
   if (base_ != nullptr) munmap(base_, size_);
+  if (read_only_ != nullptr && read_only_ != base_) munmap(read_only_, size_);
   close(fd_);
+}
+
+void HostSegment::Lock(uint64_t offset, uint64_t n) {
+  if (sealed_ || read_only_ == nullptr || n == 0 || offset >= size_ || fill_lock_errno_.load() != 0) return;
+  uint64_t first = offset / page_bytes_, end = std::min((offset + n + page_bytes_ - 1) / page_bytes_, pages_);
+  if (mlock(read_only_ + first * page_bytes_, std::min(end * page_bytes_, size_) - first * page_bytes_) != 0) {
+    fill_lock_errno_ = errno;
+    return;
+  }
+  for (uint64_t p = first; p < end; ++p) {
+    uint64_t bit = uint64_t{1} << (p % 64);
+    if ((lock_bits_[p / 64].fetch_or(bit) & bit) == 0) pages_locked_.fetch_add(1);
+  }
 }
 
 absl::Status HostSegment::Seal(bool lock) {
@@ -119,15 +153,21 @@ absl::Status HostSegment::Seal(bool lock) {
   }
   sealed_ = true;
   if (size_ == 0) return absl::OkStatus();
-  void* map = mmap(nullptr, size_, PROT_READ, MAP_SHARED, fd_, 0);
-  if (map == MAP_FAILED) return ErrnoToStatus("mmap sealed segment read-only", errno);
-  base_ = static_cast<char*>(map);
-  if (lock) {
-    if (mlock(base_, size_) == 0) {
-      locked_ = true;
-    } else {
-      lock_errno_ = errno;
-    }
+  if (read_only_ == nullptr) {
+    void* map = mmap(nullptr, size_, PROT_READ, MAP_SHARED, fd_, 0);
+    if (map == MAP_FAILED) return ErrnoToStatus("mmap sealed segment read-only", errno);
+    read_only_ = static_cast<char*>(map);
+  }
+  base_ = read_only_;
+  if (!lock) return absl::OkStatus();
+  if (pages_locked_.load() == pages_) {
+    locked_ = true;
+  } else if (fill_lock_errno_.load() != 0) {
+    lock_errno_ = fill_lock_errno_.load();
+  } else if (mlock(base_, size_) == 0) {
+    locked_ = true;
+  } else {
+    lock_errno_ = errno;
   }
   return absl::OkStatus();
 }

@@ -7,6 +7,7 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/status.h"
 #include "nlohmann/json.hpp"
@@ -161,6 +162,14 @@ class HeaderHandler {
       seen_metadata_ = true;
       where_ = Where::kMetadata;
       return true;
+    }
+    for (size_t i = 0; i < pending_key_.size(); ++i) {
+      unsigned char c = static_cast<unsigned char>(pending_key_[i]);
+      if (c < 0x20 || c == 0x7F) {
+        // Stricter than the reference: such names break one-line errors,
+        // logs and tables, and the fingerprint's line format.
+        return Fail(absl::StrFormat("tensor name holds control character 0x%02X at byte %d", c, i));
+      }
     }
     if (!names_.insert(pending_key_).second) return Fail(absl::StrCat("tensor name '", pending_key_, "' appears twice"));
     draft_ = TensorHeader{};

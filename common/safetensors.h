@@ -21,7 +21,8 @@
 //     contiguous: no hole, no overlap;
 //   - the data section ends exactly at the last tensor's end: a truncated file
 //     and trailing bytes are both errors;
-//   - a tensor name appears once.
+//   - a tensor name appears once, and holds no control character (< 0x20,
+//     0x7F; stricter than the reference, which accepts them).
 // Zero-sized and rank-0 tensors are valid; the data need not be aligned.
 #ifndef WEIGHTD_COMMON_SAFETENSORS_H_
 #define WEIGHTD_COMMON_SAFETENSORS_H_

@@ -28,6 +28,8 @@ absl::StatusCode CodeForErrno(int err) {
       return absl::StatusCode::kUnavailable;
     case EINVAL:
     case EISDIR:
+    case ELOOP:
+    case ENAMETOOLONG:
       return absl::StatusCode::kInvalidArgument;
     default:
       return absl::StatusCode::kInternal;

@@ -33,7 +33,7 @@ namespace weightd {
 
 // "what: strerror(err)" with a code chosen by what the caller can do about it:
 // ENOENT -> NOT_FOUND, EACCES/EPERM -> PERMISSION_DENIED, ENOMEM/ENOSPC/EMFILE
-// -> RESOURCE_EXHAUSTED, EINTR/EAGAIN -> UNAVAILABLE, EINVAL -> INVALID_ARGUMENT,
+// -> RESOURCE_EXHAUSTED, EINTR/EAGAIN -> UNAVAILABLE, EINVAL/EISDIR/ELOOP/ENAMETOOLONG -> INVALID_ARGUMENT,
 // anything else -> INTERNAL. Thread-safe (uses strerror_r).
 absl::Status ErrnoToStatus(absl::string_view what, int err);
 

@@ -71,8 +71,10 @@ absl::Status Apply(const json& doc, absl::string_view where, DaemonConfig& c) {
   for (auto& [key, value] : doc.items()) {
     if (Keys().count(key) == 0) return absl::InvalidArgumentError(absl::StrCat(where, ": unknown key '", key, "'"));
   }
+  const char* current = "";
   try {
     auto get = [&](const char* key, auto& field) {
+      current = key;
       if (doc.contains(key)) doc.at(key).get_to(field);
     };
     get("socket", c.socket);
@@ -89,7 +91,7 @@ absl::Status Apply(const json& doc, absl::string_view where, DaemonConfig& c) {
     get("direct_io", c.direct_io);
     get("mlock", c.mlock);
   } catch (const json::exception& e) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": ", e.what()));
+    return absl::InvalidArgumentError(absl::StrCat(where, ": key '", current, "': ", e.what()));
   }
   return absl::OkStatus();
 }
@@ -100,8 +102,13 @@ absl::Status Validate(DaemonConfig& c) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--device-backend must be auto, cuda, cuda-legacy-ipc, emulated or none, got '", c.device_backend, "'"));
   }
-  if (c.lease_claim_timeout_seconds <= 0) return absl::InvalidArgumentError("--lease-claim-timeout-seconds must be > 0");
-  if (c.load_threads < 0) return absl::InvalidArgumentError("--load-threads must be >= 0");
+  if (!(c.lease_claim_timeout_seconds > 0 && c.lease_claim_timeout_seconds <= 86400)) {
+    return absl::InvalidArgumentError(absl::StrCat("--lease-claim-timeout-seconds must be in (0, 86400], got ",
+                                                   c.lease_claim_timeout_seconds));
+  }
+  if (c.load_threads < 0 || c.load_threads > 256) {
+    return absl::InvalidArgumentError(absl::StrCat("--load-threads must be in [0, 256], got ", c.load_threads));
+  }
   if (!ParseDirectIo(c.direct_io).ok()) {
     return absl::InvalidArgumentError(absl::StrCat("--direct-io must be auto, on or off, got '", c.direct_io, "'"));
   }

@@ -3,6 +3,8 @@
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <systemd/sd-daemon.h>
 #include <unistd.h>
@@ -17,6 +19,7 @@
 #include "common/device.h"
 #include "common/log.h"
 #include "common/status.h"
+#include "common/unix_socket.h"
 #include "server/fd_channel.h"
 #include "server/health_port.h"
 #include "server/metrics_listener.h"
@@ -50,7 +53,9 @@ class DaemonListener final : public RegistryListener {
     LogInfo(line);
     sd_notify(0, ("STATUS=" + line).c_str());
   }
-  void OnLoadFailed(const absl::Status& status) override { LogWarning(absl::StrCat("load failed: ", status.message())); }
+  void OnLoadFailed(const LoadRequest& request, const absl::Status& status) override {
+    LogWarning(absl::StrCat("load of '", request.name, "' from ", request.checkpoint_path, " failed: ", status.message()));
+  }
   void OnMemoryChanged(uint64_t host, uint64_t locked) override {
     if (locked < host && !warned_memlock_.exchange(true)) {
       LogWarning(absl::StrFormat("only %d of %d host bytes are mlock()ed: raise RLIMIT_MEMLOCK (LimitMEMLOCK=infinity)",
@@ -76,8 +81,8 @@ class ListenerFanOut final : public RegistryListener {
   void OnLoadFinished(const ModelGeneration& m, uint64_t bytes, double seconds) override {
     for (auto* l : listeners_) l->OnLoadFinished(m, bytes, seconds);
   }
-  void OnLoadFailed(const absl::Status& status) override {
-    for (auto* l : listeners_) l->OnLoadFailed(status);
+  void OnLoadFailed(const LoadRequest& request, const absl::Status& status) override {
+    for (auto* l : listeners_) l->OnLoadFailed(request, status);
   }
   void OnLeaseClaimed(const std::string& name, double seconds) override {
     for (auto* l : listeners_) l->OnLeaseClaimed(name, seconds);
@@ -104,6 +109,16 @@ class DaemonImpl final : public Daemon {
   ~DaemonImpl() override { Shutdown(); }
 
   absl::Status Init() {
+    // One daemon per socket path: a second one must not unlink and take over
+    // the first one's sockets. The lock lives as long as the process.
+    std::string lock_path = config_.socket + ".lock";
+    lock_fd_ = ScopedFd(open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600));
+    if (!lock_fd_.valid()) return ErrnoToStatus(absl::StrCat("open ", lock_path), errno);
+    if (flock(lock_fd_.get(), LOCK_EX | LOCK_NB) != 0) {
+      return absl::FailedPreconditionError(absl::StrCat("another weightd is serving ", config_.socket, " (it holds ",
+                                                        lock_path, "); stop it first or use another --socket"));
+    }
+    owns_socket_ = true;
     std::string chosen;
     absl::StatusOr<std::unique_ptr<DeviceBackend>> backend = MakeDeviceBackend(config_.device_backend, &chosen);
     if (!backend.ok()) return Annotate(backend.status(), absl::StrCat("--device-backend ", config_.device_backend));
@@ -156,12 +171,13 @@ class DaemonImpl final : public Daemon {
       stopping_ = true;
       cv_.notify_all();
     }
+    if (registry_) registry_->CancelLoads();  // a load in flight ends now with UNAVAILABLE
     if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(10));
     if (health_port_) health_port_->Shutdown();
     if (preload_thread_.joinable()) preload_thread_.join();
     if (watchdog_thread_.joinable()) watchdog_thread_.join();
     fd_channel_.reset();
-    unlink(config_.socket.c_str());
+    if (owns_socket_) unlink(config_.socket.c_str());
     LogInfo("stopped");
   }
 
@@ -213,6 +229,8 @@ class DaemonImpl final : public Daemon {
   }
 
   const DaemonConfig config_;
+  ScopedFd lock_fd_;  // flock on <socket>.lock
+  bool owns_socket_ = false;  // the lock is ours: the socket paths may be unlinked
   DaemonListener listener_;
   ListenerFanOut listeners_;
   std::unique_ptr<DeviceBackend> device_backend_;  // outlives the registry's generations

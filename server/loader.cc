@@ -157,10 +157,11 @@ absl::Status WaitStaging(Staging& staging) {
 // Shared state of one parallel read; workers take tasks by atomic index.
 class ReadJob {
  public:
+  // `lock`: mlock each host block as soon as it is written (see HostSegment::Lock).
   ReadJob(const Catalog& catalog, const LoadPlan& plan, const std::vector<ReadTask>& tasks,
-          const CheckpointReader& reader, Allocation& alloc, std::vector<std::vector<uint64_t>>& block_hashes)
+          const CheckpointReader& reader, Allocation& alloc, std::vector<std::vector<uint64_t>>& block_hashes, bool lock)
       : catalog_(catalog), plan_(plan), tasks_(tasks), reader_(reader), alloc_(alloc), block_hashes_(block_hashes),
-        file_remaining_(catalog.files.size()) {
+        lock_(lock), file_remaining_(catalog.files.size()) {
     for (const ReadTask& t : tasks) file_remaining_[catalog.tensors[t.tensor].file] += t.n;
     for (const auto& r : file_remaining_) files_done_ += r.load() == 0;
   }
@@ -190,14 +191,24 @@ class ReadJob {
     return error_;
   }
 
+  void set_cancel(const std::atomic<bool>* cancel) { cancel_ = cancel; }
+
  private:
   absl::Status Work(DeviceBackend* backend) {
     Staging staging[2];
+    // On every exit, wait for copies still reading a staging buffer before it is freed.
+    struct Drain {
+      Staging* s;
+      ~Drain() {
+        for (int i = 0; i < 2; ++i) (void)WaitStaging(s[i]);
+      }
+    } drain{staging};
     int turn = 0;
     ReadBuffer scratch;  // this worker's O_DIRECT and pwrite bounce buffer
     std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> hasher(XXH3_createState(), &XXH3_freeState);
     for (size_t i; (i = next_.fetch_add(1)) < tasks_.size();) {
       if (failed_.load()) break;
+      if (cancel_ != nullptr && cancel_->load()) return Fail(absl::UnavailableError("load cancelled: weightd is shutting down"));
       const ReadTask& task = tasks_[i];
       const CatalogTensor& t = catalog_.tensors[task.tensor];
       const TensorPlan& tp = plan_.tensors[task.tensor];
@@ -206,6 +217,7 @@ class ReadJob {
         absl::StatusOr<uint64_t> hash = WriteHost(task, t, tp.host_offset + task.start, scratch, *hasher);
         if (!hash.ok()) return Fail(Annotate(hash.status(), where()));
         block_hashes_[task.tensor][task.block] = *hash;
+        if (lock_) alloc_.host->Lock(tp.host_offset + task.start, task.n);
         Done(task, t);
         continue;
       }
@@ -228,6 +240,8 @@ class ReadJob {
       block_hashes_[task.tensor][task.block] = XXH3_64bits(dst, task.n);
       if (stage != nullptr) {
         WEIGHTD_RETURN_IF_ERROR(Fail(CopyBlockToRanks(tp, task.start, task.start + task.n, dst, alloc_, *stage)));
+      } else if (lock_) {
+        alloc_.host->Lock(tp.host_offset + task.start, task.n);
       }
       Done(task, t);
     }
@@ -272,10 +286,12 @@ class ReadJob {
   const CheckpointReader& reader_;
   Allocation& alloc_;
   std::vector<std::vector<uint64_t>>& block_hashes_;
+  const bool lock_;
   std::vector<std::atomic<uint64_t>> file_remaining_;
   std::atomic<size_t> next_{0};
   std::atomic<uint64_t> bytes_done_{0};
   std::atomic<uint32_t> files_done_{0};
+  const std::atomic<bool>* cancel_ = nullptr;
   std::atomic<bool> failed_{false};
   std::mutex mu_;
   std::condition_variable cv_;
@@ -377,7 +393,8 @@ absl::StatusOr<std::unique_ptr<ModelGeneration>> LoadGeneration(const Catalog& c
   for (const ReadTask& t : tasks) block_hashes[t.tensor].resize(t.block + 1);
   int threads = options.threads > 0 ? options.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   threads = static_cast<int>(std::min<size_t>(threads, std::max<size_t>(tasks.size(), 1)));
-  ReadJob job(catalog, plan, tasks, *reader, alloc, block_hashes);
+  ReadJob job(catalog, plan, tasks, *reader, alloc, block_hashes, options.mlock);
+  job.set_cancel(options.cancel);
   WEIGHTD_RETURN_IF_ERROR(job.Run(threads, options.device_backend, [&](uint64_t bytes, uint32_t files_done) {
     p.bytes_done = bytes;
     p.files_done = files_done;

@@ -23,6 +23,7 @@
 #ifndef WEIGHTD_SERVER_LOADER_H_
 #define WEIGHTD_SERVER_LOADER_H_
 
+#include <atomic>
 #include <functional>
 #include <memory>
 
@@ -55,6 +56,9 @@ struct LoaderOptions {
   bool huge_pages = true;  // MFD_HUGETLB host segments when the huge page pool has room
   DeviceBackend* device_backend = nullptr;  // null: host only; not owned
   uint64_t max_arena_bytes = kDefaultMaxArenaBytes;
+  // When set and true, the load stops at the next block with UNAVAILABLE
+  // (daemon shutdown). Not owned.
+  const std::atomic<bool>* cancel = nullptr;
 };
 
 // Loads `catalog` (already validated) into a new generation placed per

@@ -19,7 +19,7 @@ class MetricsListener final : public RegistryListener {
   void OnLoadFinished(const ModelGeneration& model, uint64_t bytes, double seconds) override {
     metrics_->LoadFinished(bytes, seconds);
   }
-  void OnLoadFailed(const absl::Status& status) override { metrics_->LoadFailed(status); }
+  void OnLoadFailed(const LoadRequest&, const absl::Status& status) override { metrics_->LoadFailed(status); }
   void OnLeaseClaimed(const std::string& name, double seconds) override { metrics_->AttachFinished(seconds); }
   void OnMemoryChanged(uint64_t host_bytes, uint64_t locked_bytes) override {
     metrics_->HostMemory(host_bytes, locked_bytes);

@@ -46,7 +46,9 @@ absl::Status ValidateModelName(const std::string& name) {
 }
 
 ModelRegistry::ModelRegistry(RegistryOptions options, RegistryListener* listener)
-    : options_(std::move(options)), listener_(listener) {}
+    : options_(std::move(options)), listener_(listener) {
+  options_.loader.cancel = &cancel_loads_;
+}
 
 absl::StatusOr<std::string> ModelRegistry::ResolvePath(const std::string& path) const {
   if (path.empty()) return absl::InvalidArgumentError("checkpoint path is empty");
@@ -60,14 +62,19 @@ absl::StatusOr<std::string> ModelRegistry::ResolvePath(const std::string& path) 
     for (const std::string& root : options_.model_roots) candidates.push_back(root + "/" + path);
   }
   std::string resolved;
+  absl::Status last = absl::NotFoundError("");
   for (const std::string& candidate : candidates) {
     absl::StatusOr<std::string> real = Env::Default()->RealPath(candidate);
     if (real.ok()) {
       resolved = *real;
       break;
     }
+    if (real.status().code() != absl::StatusCode::kNotFound) last = real.status();  // e.g. ELOOP, EACCES
   }
-  if (resolved.empty()) return absl::NotFoundError(absl::StrCat(path, ": no such checkpoint file or folder"));
+  if (resolved.empty()) {
+    if (last.code() != absl::StatusCode::kNotFound) return last;
+    return absl::NotFoundError(absl::StrCat(path, ": no such checkpoint file or folder"));
+  }
   for (const std::string& root : options_.model_roots) {
     absl::StatusOr<std::string> real_root = Env::Default()->RealPath(root);
     if (!real_root.ok()) continue;
@@ -107,7 +114,7 @@ absl::StatusOr<ModelRegistry::LoadResult> ModelRegistry::Load(LoadRequest reques
   absl::StatusOr<Catalog> catalog = BuildCatalog(request.checkpoint_path);
   if (!catalog.ok()) {
     done_loading();
-    if (listener_) listener_->OnLoadFailed(catalog.status());
+    if (listener_) listener_->OnLoadFailed(request, catalog.status());
     return catalog.status();
   }
   {
@@ -122,7 +129,7 @@ absl::StatusOr<ModelRegistry::LoadResult> ModelRegistry::Load(LoadRequest reques
   std::lock_guard<std::mutex> lock(mu_);
   loading_.erase(request.name);
   if (!loaded.ok()) {
-    if (listener_) listener_->OnLoadFailed(loaded.status());
+    if (listener_) listener_->OnLoadFailed(request, loaded.status());
     return loaded.status();
   }
   std::shared_ptr<ModelGeneration> model = std::move(*loaded);
@@ -150,7 +157,7 @@ void ModelRegistry::Retire(std::shared_ptr<ModelGeneration> model) {
 absl::StatusOr<ModelRegistry::UnloadResult> ModelRegistry::Unload(const std::string& name, bool force) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = current_.find(name);
-  if (it == current_.end()) return absl::NotFoundError(absl::StrCat("no model named '", name, "'"));
+  if (it == current_.end()) return UnloadDraining(name, force);
   std::shared_ptr<ModelGeneration> model = std::move(it->second);
   current_.erase(it);
   if (listener_) listener_->OnModelServing(name, false);
@@ -167,6 +174,21 @@ absl::StatusOr<ModelRegistry::UnloadResult> ModelRegistry::Unload(const std::str
   return UnloadResult{model, freed};
 }
 
+absl::StatusOr<ModelRegistry::UnloadResult> ModelRegistry::UnloadDraining(const std::string& name, bool force) {
+  auto draining = std::find_if(draining_.begin(), draining_.end(), [&](auto& m) { return m->request.name == name; });
+  if (draining == draining_.end()) return absl::NotFoundError(absl::StrCat("no model named '", name, "'"));
+  std::shared_ptr<ModelGeneration> model = *draining;  // the oldest draining generation of the name
+  if (force) {
+    for (auto l = leases_.begin(); l != leases_.end();) {
+      auto next = std::next(l);
+      if (l->second.model->request.name == name) DropLease(l);
+      l = next;
+    }
+    NotifyMemory();
+  }
+  return UnloadResult{model, model->leases.load() == 0};
+}
+
 std::vector<std::shared_ptr<ModelGeneration>> ModelRegistry::List() const {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<std::shared_ptr<ModelGeneration>> out;
@@ -177,6 +199,10 @@ std::vector<std::shared_ptr<ModelGeneration>> ModelRegistry::List() const {
 
 absl::StatusOr<std::shared_ptr<ModelGeneration>> ModelRegistry::Get(const std::string& name) const {
   std::lock_guard<std::mutex> lock(mu_);
+  return GetLocked(name);
+}
+
+absl::StatusOr<std::shared_ptr<ModelGeneration>> ModelRegistry::GetLocked(const std::string& name) const {
   auto it = current_.find(name);
   if (it == current_.end()) {
     if (loading_.count(name)) return absl::FailedPreconditionError(absl::StrCat("model '", name, "' is still loading"));
@@ -186,12 +212,12 @@ absl::StatusOr<std::shared_ptr<ModelGeneration>> ModelRegistry::Get(const std::s
 }
 
 absl::StatusOr<ModelRegistry::Grant> ModelRegistry::Attach(const std::string& name, uint32_t rank) {
-  WEIGHTD_ASSIGN_OR_RETURN(std::shared_ptr<ModelGeneration> model, Get(name));
+  std::lock_guard<std::mutex> lock(mu_);  // one critical section: an Unload cannot slip in before the lease
+  WEIGHTD_ASSIGN_OR_RETURN(std::shared_ptr<ModelGeneration> model, GetLocked(name));
   if (rank >= model->ranks.size()) {
     return absl::InvalidArgumentError(
         absl::StrCat("rank ", rank, " is out of range: model '", name, "' has ", model->ranks.size(), " rank(s)"));
   }
-  std::lock_guard<std::mutex> lock(mu_);
   std::string id = NewLeaseId();
   auto now = std::chrono::steady_clock::now();
   leases_[id] = Lease{model, rank, false, now, now + options_.claim_timeout};

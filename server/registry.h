@@ -10,6 +10,7 @@
 #ifndef WEIGHTD_SERVER_REGISTRY_H_
 #define WEIGHTD_SERVER_REGISTRY_H_
 
+#include <atomic>
 #include <chrono>
 #include <map>
 #include <memory>
@@ -32,7 +33,7 @@ class RegistryListener {
   virtual ~RegistryListener() = default;
   virtual void OnModelServing(const std::string& name, bool serving) {}
   virtual void OnLoadFinished(const ModelGeneration& model, uint64_t bytes, double seconds) {}
-  virtual void OnLoadFailed(const absl::Status& status) {}
+  virtual void OnLoadFailed(const LoadRequest& request, const absl::Status& status) {}
   virtual void OnLeasesChanged(const std::string& name, int active) {}
   // A lease was claimed on the fd socket `seconds` after its Attach.
   virtual void OnLeaseClaimed(const std::string& name, double seconds) {}
@@ -64,7 +65,9 @@ class ModelRegistry {
     bool freed = false;
   };
   // Stops new leases; frees at once when unleased, else DRAINING until the
-  // last lease ends. `force` revokes every lease of the name first.
+  // last lease ends. `force` revokes every lease of the name first. A name
+  // with only DRAINING generations: `force` ends their leases; without it the
+  // call reports the draining generation unchanged.
   absl::StatusOr<UnloadResult> Unload(const std::string& name, bool force);
 
   // Current generations by name, then draining ones.
@@ -90,6 +93,9 @@ class ModelRegistry {
   int ExpirePending();
 
   std::chrono::milliseconds claim_timeout() const { return options_.claim_timeout; }
+  // Makes loads in progress (and later ones) fail with UNAVAILABLE at their
+  // next block; for shutdown.
+  void CancelLoads() { cancel_loads_ = true; }
 
  private:
   struct Lease {
@@ -101,12 +107,15 @@ class ModelRegistry {
   };
 
   absl::StatusOr<std::string> ResolvePath(const std::string& path) const;
+  absl::StatusOr<std::shared_ptr<ModelGeneration>> GetLocked(const std::string& name) const;  // requires mu_
+  absl::StatusOr<UnloadResult> UnloadDraining(const std::string& name, bool force);         // requires mu_
   std::shared_ptr<ModelGeneration> Reusable(const LoadRequest& request, const Catalog& catalog) const;
   void Retire(std::shared_ptr<ModelGeneration> model);  // requires mu_
   void DropLease(std::map<std::string, Lease>::iterator it);  // requires mu_
   void NotifyMemory();  // requires mu_
 
-  const RegistryOptions options_;
+  std::atomic<bool> cancel_loads_{false};
+  RegistryOptions options_;  // options_.loader.cancel points at cancel_loads_
   RegistryListener* listener_;
   mutable std::mutex mu_;
   std::map<std::string, std::shared_ptr<ModelGeneration>> current_;

@@ -12,6 +12,7 @@ MODE: safetensors-load_file | safetensors-safe_open | runai | fastsafetensors
 """
 import glob
 import importlib
+import resource
 import json
 import os
 import sys
@@ -72,6 +73,7 @@ def main():
     torch = importlib.import_module("torch")
     importlib.import_module(MODULES[mode])
     import numpy as np
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     start = time.perf_counter()
     result = fn(files)
     loaded = time.perf_counter()
@@ -84,7 +86,8 @@ def main():
         nbytes += raw.size
     seconds = time.perf_counter() - start
     print(json.dumps({"mode": mode, "load_seconds": loaded - start, "seconds": seconds, "bytes": nbytes,
-                      "tensors": len(tensors), "checksum": checksum % (1 << 64)}))
+                      "tensors": len(tensors), "checksum": checksum % (1 << 64),
+                      "minor_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults}))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@
 // taken inside the process, from the subcommand's start.
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -88,7 +89,9 @@ int RestartCommand(const Flags& flags) {
   if (mode == "pread-malloc") sum = PreadMalloc(flags.Get("path"));
   double seconds = Now() - start;
   if (!sum.ok()) return Fail(sum.status().ToString());
-  Emit({{"mode", mode}, {"seconds", seconds}, {"checksum", *sum}});
+  struct rusage usage;
+  getrusage(RUSAGE_SELF, &usage);
+  Emit({{"mode", mode}, {"seconds", seconds}, {"checksum", *sum}, {"minor_faults", usage.ru_minflt}});
   return 0;
 }
 

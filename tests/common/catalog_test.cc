@@ -262,6 +262,37 @@ TEST_F(GeneratedFolder, RefusesMalformedIndex) {
   EXPECT_THAT(BuildCatalog(dir_.path()), StatusIs(absl::StatusCode::kInvalidArgument, "weight_map entry 'x' must be a file name"));
 }
 
+// Regression: a FIFO named as a shard once hung the load (open blocked).
+TEST_F(GeneratedFolder, RefusesFifoShardWithoutBlocking) {
+  Shard("a.safetensors", {"x"});
+  ASSERT_EQ(mkfifo(dir_.Join("b.safetensors").c_str(), 0644), 0);
+  Index(R"({"weight_map":{"x":"a.safetensors","y":"b.safetensors"}})");
+  EXPECT_THAT(BuildCatalog(dir_.path()),
+              StatusIs(absl::StatusCode::kInvalidArgument, "names shard file 'b.safetensors', which is not a regular file"));
+  EXPECT_THAT(BuildCatalog(dir_.Join("b.safetensors")), StatusIs(absl::StatusCode::kInvalidArgument, "not a file or folder"));
+}
+
+// Regression: deeply nested index metadata once overflowed the stack.
+TEST_F(GeneratedFolder, RefusesDeeplyNestedIndex) {
+  Shard("a.safetensors", {"x"});
+  std::string deep = std::string(200000, '[') + std::string(200000, ']');
+  Index(R"({"metadata":{"deep":)" + deep + R"(},"weight_map":{"x":"a.safetensors"}})");
+  EXPECT_THAT(BuildCatalog(dir_.path()),
+              StatusIs(absl::StatusCode::kInvalidArgument, "model.safetensors.index.json: not valid JSON: nests deeper than 64 levels"));
+}
+
+TEST_F(GeneratedFolder, FolderWithoutIndexRefusesDanglingLinksAndFifos) {
+  Shard("a.safetensors", {"x"});
+  ASSERT_EQ(symlink(dir_.Join("gone").c_str(), dir_.Join("b.safetensors").c_str()), 0);
+  EXPECT_THAT(BuildCatalog(dir_.path()),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "b.safetensors: dangling symbolic link among the checkpoint's .safetensors files"));
+  ASSERT_EQ(unlink(dir_.Join("b.safetensors").c_str()), 0);
+  ASSERT_EQ(mkfifo(dir_.Join("c.safetensors").c_str(), 0644), 0);
+  EXPECT_THAT(BuildCatalog(dir_.path()),
+              StatusIs(absl::StatusCode::kInvalidArgument, "c.safetensors: not a regular file among"));
+}
+
 TEST_F(GeneratedFolder, FolderWithoutIndexReadsEveryFileSorted) {
   Shard("b.safetensors", {"y"});
   Shard("a.safetensors", {"x"});

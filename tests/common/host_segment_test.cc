@@ -5,6 +5,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <memory>
@@ -154,6 +155,55 @@ TEST(HostSegment, NoLockRequestedLeavesSegmentUnlocked) {
   ASSERT_NE(segment, nullptr);
   EXPECT_FALSE(segment->locked());
   EXPECT_EQ(segment->lock_errno(), 0);
+}
+
+TEST(HostSegment, WriteFillsThroughTheFileAndSealKeepsTheBytes) {
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<HostSegment> segment, HostSegment::Create("write", kSize));
+  std::string pattern(kSize, '\0');
+  for (uint64_t i = 0; i < kSize; ++i) pattern[i] = Pattern(i);
+  // Two writes meeting in the middle of a page.
+  WEIGHTD_ASSERT_OK(segment->Write(0, pattern.data(), 5000));
+  WEIGHTD_ASSERT_OK(segment->Write(5000, pattern.data() + 5000, kSize - 5000));
+  WEIGHTD_ASSERT_OK(segment->Seal(/*lock=*/false));
+  EXPECT_EQ(std::string(segment->data(), kSize), pattern);
+  EXPECT_EQ(fcntl(segment->fd(), F_GET_SEALS), F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL);
+}
+
+TEST(HostSegment, WritePastTheEndOrAfterSealIsRefused) {
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<HostSegment> segment, HostSegment::Create("bounds", kSize));
+  EXPECT_THAT(segment->Write(kSize - 1, "ab", 2),
+              StatusIs(absl::StatusCode::kOutOfRange, "write of 2 bytes at 12304 past a 12305-byte segment"));
+  WEIGHTD_ASSERT_OK(segment->Seal(/*lock=*/false));
+  EXPECT_THAT(segment->Write(0, "a", 1), StatusIs(absl::StatusCode::kFailedPrecondition, "already sealed"));
+}
+
+// Locking ranges while filling keeps a read-only mapping alive across the
+// seal; F_SEAL_WRITE must still take, and the lock must cover everything.
+TEST(HostSegment, LockWhileFillingThenSealLocksOrReportsWhyNot) {
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<HostSegment> segment, HostSegment::Create("lock-fill", kSize));
+  std::string pattern(kSize, '\0');
+  for (uint64_t i = 0; i < kSize; ++i) pattern[i] = Pattern(i);
+  for (uint64_t at = 0; at < kSize; at += 3000) {
+    uint64_t n = std::min<uint64_t>(3000, kSize - at);
+    WEIGHTD_ASSERT_OK(segment->Write(at, pattern.data() + at, n));
+    segment->Lock(at, n);
+  }
+  WEIGHTD_ASSERT_OK(segment->Seal(/*lock=*/true));
+  EXPECT_EQ(fcntl(segment->fd(), F_GET_SEALS), F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL);
+  EXPECT_EQ(std::string(segment->data(), kSize), pattern);
+  EXPECT_NE(segment->locked(), segment->lock_errno() != 0);
+}
+
+// Without a huge page pool (or with one) the segment works the same; with
+// huge pages its size is rounded up to whole 2 MiB pages.
+TEST(HostSegment, HugePagesWhenPoolAllowsFallsBackCleanly) {
+  const uint64_t size = kHugeSegmentMinBytes + 4096 + 3;
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<HostSegment> segment,
+                               HostSegment::Create("huge", size, HugePages::kWhenPoolAllows));
+  EXPECT_EQ(segment->size(), segment->huge_pages() ? (size + (2u << 20) - 1) / (2u << 20) * (2u << 20) : size);
+  WEIGHTD_ASSERT_OK(segment->Write(size - 3, "xyz", 3));
+  WEIGHTD_ASSERT_OK(segment->Seal(/*lock=*/false));
+  EXPECT_EQ(std::string(segment->data() + size - 3, 3), "xyz");
 }
 
 }  // namespace

@@ -258,6 +258,14 @@ TEST(Safetensors, RefusesDuplicateTensorName) {
               StatusIs(absl::StatusCode::kInvalidArgument, "x.safetensors: tensor name 'a' appears twice"));
 }
 
+TEST(Safetensors, RefusesControlCharactersInTensorNames) {
+  std::string header = "{\"a\\nb\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]}}";
+  EXPECT_THAT(Parse(FileImage(header, "z")), StatusIs(absl::StatusCode::kInvalidArgument,
+                                                      "x.safetensors: tensor name holds control character 0x0A at byte 1"));
+  std::string nul = "{\"p\\u0000q\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]}}";
+  EXPECT_THAT(Parse(FileImage(nul, "z")), StatusIs(absl::StatusCode::kInvalidArgument, "control character 0x00 at byte 1"));
+}
+
 TEST(Safetensors, RefusesDuplicateFieldAndMetadataKey) {
   EXPECT_THAT(Parse(FileImage("{\"a\":{\"dtype\":\"U8\",\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]}}", "a")),
               StatusIs(absl::StatusCode::kInvalidArgument, "field 'dtype' appears twice"));

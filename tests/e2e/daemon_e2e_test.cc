@@ -293,6 +293,28 @@ TEST(DaemonE2E, MalformedRequestsGetClearErrors) {
   EXPECT_EQ(r.err, "weightctl: no model named 'nope'\n");
 }
 
+// Regression: a second daemon on the same socket once unlinked the first
+// one's sockets and orphaned it.
+TEST(DaemonE2E, SecondDaemonOnTheSameSocketIsRefused) {
+  DaemonProcess first;
+  MakeDemo(first, "tiny", "tiny");
+  ASSERT_EQ(first.Ctl({"load", "tiny", "tiny"}).code, 0);
+  CommandResult second = testing::RunCommand({testing::WeightdBinary(), "--socket", first.socket(), "--model-root",
+                                              first.models_dir(), "--metrics-address", ""});
+  EXPECT_EQ(second.code, 1);
+  EXPECT_TRUE(absl::StrContains(second.err, "another weightd is serving " + first.socket())) << second.err;
+  EXPECT_NE(FindModel(Ls(first), "tiny", "READY"), nullptr);  // the first daemon still serves
+}
+
+TEST(DaemonE2E, SymlinkLoopIsNamedAsSuch) {
+  DaemonProcess d;
+  ASSERT_EQ(symlink("loop2", (d.models_dir() + "/loop1").c_str()), 0);
+  ASSERT_EQ(symlink("loop1", (d.models_dir() + "/loop2").c_str()), 0);
+  CommandResult r = d.Ctl({"load", "x", "loop1"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_TRUE(absl::StrContains(r.err, "Too many levels of symbolic links")) << r.err;
+}
+
 TEST(DaemonE2E, UnreachableDaemonIsAClearError) {
   testing::TempDir dir;
   CommandResult r = testing::RunCommand({testing::WeightctlBinary(), "--socket", dir.Join("none.sock"), "ls"});

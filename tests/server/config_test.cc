@@ -137,9 +137,17 @@ TEST(DaemonConfig, BadValuesAreInvalidArgumentNamingTheFlag) {
   EXPECT_THAT(ParseDaemonArgs({"--device-backend", "gpu"}),
               StatusIs(Code::kInvalidArgument, "--device-backend must be auto, cuda, cuda-legacy-ipc, emulated or none, got 'gpu'"));
   EXPECT_THAT(ParseDaemonArgs({"--load-threads", "many"}), StatusIs(Code::kInvalidArgument, "expected an integer, got 'many'"));
-  EXPECT_THAT(ParseDaemonArgs({"--load-threads", "-1"}), StatusIs(Code::kInvalidArgument, "--load-threads must be >= 0"));
+  EXPECT_THAT(ParseDaemonArgs({"--load-threads", "-1"}), StatusIs(Code::kInvalidArgument, "--load-threads must be in [0, 256], got -1"));
   EXPECT_THAT(ParseDaemonArgs({"--mlock", "yes"}), StatusIs(Code::kInvalidArgument, "expected true or false, got 'yes'"));
-  EXPECT_THAT(ParseDaemonArgs({"--lease-claim-timeout-seconds", "0"}), StatusIs(Code::kInvalidArgument, "must be > 0"));
+  EXPECT_THAT(ParseDaemonArgs({"--lease-claim-timeout-seconds", "0"}),
+              StatusIs(Code::kInvalidArgument, "--lease-claim-timeout-seconds must be in (0, 86400], got 0"));
+  // Regressions: NaN and huge values once passed and overflowed the claim deadline.
+  EXPECT_THAT(ParseDaemonArgs({"--lease-claim-timeout-seconds", "nan"}),
+              StatusIs(Code::kInvalidArgument, "--lease-claim-timeout-seconds must be in (0, 86400], got nan"));
+  EXPECT_THAT(ParseDaemonArgs({"--lease-claim-timeout-seconds", "1e30"}),
+              StatusIs(Code::kInvalidArgument, "--lease-claim-timeout-seconds must be in (0, 86400], got 1e+30"));
+  EXPECT_THAT(ParseDaemonArgs({"--load-threads", "1000000"}),
+              StatusIs(Code::kInvalidArgument, "--load-threads must be in [0, 256], got 1000000"));
   EXPECT_THAT(ParseDaemonArgs({"--allowed-gid", "wheel"}), StatusIs(Code::kInvalidArgument, "expected a numeric gid"));
   EXPECT_THAT(ParseDaemonArgs({"--socket", ""}), StatusIs(Code::kInvalidArgument, "--socket must not be empty"));
 }

@@ -61,6 +61,27 @@ TEST_F(RegistryTest, UnloadWithoutLeasesFreesAtOnce) {
   EXPECT_TRUE(registry_.List().empty());
 }
 
+// Regression: a DRAINING generation could not be force-unloaded (NOT_FOUND).
+TEST_F(RegistryTest, ForceUnloadEndsLeasesOfADrainingGeneration) {
+  WEIGHTD_ASSERT_OK(Load("m", Checkpoint("ck", 1)));
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto lease, registry_.Attach("m", 0));
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto first, registry_.Unload("m", false));
+  EXPECT_FALSE(first.freed);
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto again, registry_.Unload("m", false));  // unchanged, still draining
+  EXPECT_FALSE(again.freed);
+  EXPECT_EQ(again.model->state.load(), ModelState::kDraining);
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto forced, registry_.Unload("m", true));
+  EXPECT_TRUE(forced.freed);
+  EXPECT_FALSE(registry_.IsLeaseLive(lease.lease_id));
+  EXPECT_TRUE(registry_.List().empty());
+}
+
+TEST_F(RegistryTest, CancelledLoadsFailUnavailableAndLeaveNothing) {
+  registry_.CancelLoads();
+  EXPECT_THAT(Load("m", Checkpoint("ck", 1)), StatusIs(Code::kUnavailable, "load cancelled: weightd is shutting down"));
+  EXPECT_TRUE(registry_.List().empty());
+}
+
 TEST_F(RegistryTest, ForceUnloadRevokesLeases) {
   WEIGHTD_ASSERT_OK(Load("m", Checkpoint("ck", 1)));
   WEIGHTD_ASSERT_OK_AND_ASSIGN(auto pending, registry_.Attach("m", 0));

@@ -18,7 +18,7 @@ class RecordingRegistryListener : public RegistryListener {
     std::lock_guard<std::mutex> lock(mu_);
     serving_.emplace_back(name, serving);
   }
-  void OnLoadFailed(const absl::Status& status) override {
+  void OnLoadFailed(const LoadRequest&, const absl::Status& status) override {
     std::lock_guard<std::mutex> lock(mu_);
     failures_.push_back(status);
   }

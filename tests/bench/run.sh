@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Runs every weightd benchmark and prints one Markdown table.
+#
+#   tests/bench/run.sh [--quick|--full] [--hugepages]
+#
+# --quick (default) takes under 3 minutes on 2 cores once the build, the
+# demo checkpoint and the peers' venv exist; --full repeats each measurement
+# more. --hugepages (root) also loads into a huge page pool it reserves and
+# then releases. Builds into $WEIGHTD_BENCH_BUILD (default build-bench/),
+# writes checkpoints under it, and installs the peers (safetensors,
+# runai-model-streamer, fastsafetensors, with torch) into a venv there from
+# PyPI on the first run; WEIGHTD_BENCH_NO_PEERS=1 skips that. Raw numbers:
+# $WEIGHTD_BENCH_BUILD/bench-results.json.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+build=${WEIGHTD_BENCH_BUILD:-$root/build-bench}
+args=()
+for arg in "$@"; do
+  case "$arg" in
+    --quick) ;;
+    --full|--hugepages) args+=("$arg") ;;
+    *) echo "usage: $0 [--quick|--full] [--hugepages]" >&2; exit 2 ;;
+  esac
+done
+
+say() { echo "[run.sh] $*" >&2; }
+
+if [ ! -f "$build/build.ninja" ]; then
+  say "configuring $build"
+  cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release >&2
+fi
+say "building"
+ninja -C "$build" weightd weightctl weightd_bench >&2
+
+# The peers: one venv under the build dir; a peer that does not install or
+# import gets its reason printed in its row.
+venv=$build/bench-venv
+status='{}'
+if [ "${WEIGHTD_BENCH_NO_PEERS:-0}" = 1 ]; then
+  status='{"venv": "skipped (WEIGHTD_BENCH_NO_PEERS=1)"}'
+else
+  if [ ! -x "$venv/bin/python" ]; then
+    say "creating $venv"
+    python3 -m venv "$venv" >&2 || true
+  fi
+  if [ ! -x "$venv/bin/python" ]; then
+    status='{"venv": "python3 -m venv failed"}'
+  else
+    declare -A module=([safetensors]=safetensors [runai-model-streamer]=runai_model_streamer
+                       [fastsafetensors]=fastsafetensors)
+    declare -A mode=([safetensors]="safetensors-load_file safetensors-safe_open" [runai-model-streamer]=runai
+                     [fastsafetensors]=fastsafetensors)
+    entries=()
+    for pkg in safetensors runai-model-streamer fastsafetensors; do
+      if ! "$venv/bin/python" -c "import torch, numpy, ${module[$pkg]}" 2>/dev/null; then
+        say "pip install $pkg (with torch and numpy; the first time downloads a few GB)"
+        if ! log=$("$venv/bin/pip" install -q torch numpy "$pkg" 2>&1); then
+          reason="pip install $pkg failed: $(echo "$log" | tail -1 | tr -d '"\\' | cut -c1-120)"
+          for m in ${mode[$pkg]}; do entries+=("\"$m\": \"$reason\""); done
+          continue
+        fi
+      fi
+      if ! err=$("$venv/bin/python" -c "import torch, numpy, ${module[$pkg]}" 2>&1); then
+        reason="import ${module[$pkg]} failed: $(echo "$err" | tail -1 | tr -d '"\\' | cut -c1-120)"
+        for m in ${mode[$pkg]}; do entries+=("\"$m\": \"$reason\""); done
+      fi
+    done
+    status="{$(IFS=,; echo "${entries[*]:-}")}"
+  fi
+fi
+
+exec python3 "$root/tests/bench/bench.py" --build "$build" --peers-status "$status" "${args[@]}"
