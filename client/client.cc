@@ -49,6 +49,7 @@ ModelSummary FromProto(const v1::ModelInfo& m) {
   s.tensor_count = m.tensor_count();
   s.tp_size = m.tp_size();
   s.load_seconds = m.load_seconds();
+  s.warnings.assign(m.warnings().begin(), m.warnings().end());
   return s;
 }
 

@@ -4,6 +4,7 @@
 # verifying every byte against the files), show what happened, stop weightd.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+echo "== 0. installing dependencies and building (several minutes on a fresh machine, seconds after)"
 ./scripts/build.sh
 
 preset="${WEIGHTD_DEMO_PRESET:-small}"
@@ -26,14 +27,14 @@ build/client/weightctl make-demo "$work/models/demo" --preset "$preset"
 
 echo "== 2. starting weightd on $work/weightd.sock"
 "$weightd" --socket "$work/weightd.sock" --model-root "$work/models" --metrics-address "" \
-  2> >(sed 's/^/   weightd: /' >&2) &
+  2> >(sed -u 's/^/   weightd: /' >&2) &
 daemon_pid=$!
 for _ in $(seq 100); do $weightctl ls >/dev/null 2>&1 && break; sleep 0.05; done
 
 echo "== 3. loading it once"
 $weightctl load demo demo
 
-echo "== 4. two client processes attach at once and verify every byte"
+echo "== 4. two client processes attach at once and verify every byte against the files"
 t=$(now)
 $weightctl attach demo --verify "$work/models/demo" > "$work/a.out" &
 a=$!

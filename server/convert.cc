@@ -39,6 +39,7 @@ void ToProto(const ModelGeneration& m, v1::ModelInfo* out) {
   out->set_host_bytes(m.host_bytes);
   out->set_locked_bytes(m.locked_bytes);
   out->set_checkpoint_bytes(m.checkpoint_bytes);
+  for (const std::string& w : m.warnings) out->add_warnings(w);
   for (const SegmentInfo& s : m.segments) {
     if (s.placement != Placement::kDevice) continue;
     v1::DeviceBytes* d = nullptr;

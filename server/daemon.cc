@@ -51,6 +51,7 @@ class DaemonListener final : public RegistryListener {
                                        m.request.name, m.generation, m.tensor_count, bytes, seconds,
                                        seconds > 0 ? static_cast<double>(bytes) / seconds / 1e9 : 0.0, m.fingerprint);
     LogInfo(line);
+    for (const std::string& w : m.warnings) LogWarning(absl::StrCat("'", m.request.name, "': ", w));
     sd_notify(0, ("STATUS=" + line).c_str());
   }
   void OnLoadFailed(const LoadRequest& request, const absl::Status& status) override {

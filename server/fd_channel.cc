@@ -8,9 +8,11 @@
 #include <algorithm>
 #include <chrono>
 #include <cerrno>
+#include <cstring>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/log.h"
 #include "common/status.h"
 
 namespace weightd {
@@ -83,9 +85,29 @@ void FdChannel::Loop() {
 
 void FdChannel::Accept() {
   int fd = accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC);
-  if (fd < 0) return;
+  if (fd < 0) {
+    if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+      // The listener stays readable: back off instead of spinning until fds free up.
+      if (!warned_fd_limit_) LogWarning(absl::StrCat("fd socket: accept: ", strerror(errno), "; backing off"));
+      warned_fd_limit_ = true;
+      usleep(50 * 1000);
+    }
+    return;
+  }
+  ScopedFd sock(fd);
+  // Refuse early: a peer that may not claim, or one too many, holds no slot.
+  std::string why;
+  if (!PeerAllowed(sock.get(), &why)) {
+    (void)SendMessage(sock.get(), absl::StrCat("ERR ", static_cast<int>(absl::StatusCode::kPermissionDenied), " ", why), {});
+    return;
+  }
+  if (connections_.size() >= kMaxConnections) {
+    (void)SendMessage(sock.get(), absl::StrCat("ERR ", static_cast<int>(absl::StatusCode::kResourceExhausted),
+                                               " too many fd-socket connections (", kMaxConnections, ")"), {});
+    return;
+  }
   auto c = std::make_unique<Connection>();
-  c->sock = ScopedFd(fd);
+  c->sock = std::move(sock);
   c->deadline = std::chrono::steady_clock::now() + registry_->claim_timeout();
   connections_.push_back(std::move(c));
 }
@@ -113,8 +135,6 @@ bool FdChannel::Serve(Connection& c) {
     (void)SendMessage(c.sock.get(), absl::StrCat("ERR ", static_cast<int>(code), " ", why), {});
     return false;
   };
-  std::string why;
-  if (!PeerAllowed(c.sock.get(), &why)) return refuse(absl::StatusCode::kPermissionDenied, why);
   if (!absl::StartsWith(*message, "CLAIM ")) return refuse(absl::StatusCode::kInvalidArgument, "expected 'CLAIM <lease_id>'");
   absl::StatusOr<ModelRegistry::Grant> grant = registry_->Claim(message->substr(6));
   if (!grant.ok()) return refuse(grant.status().code(), grant.status().message());

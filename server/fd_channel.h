@@ -12,7 +12,7 @@
 // The client then keeps the connection open and sends nothing. When it closes
 // (exit, crash, SIGKILL: the kernel closes it), the daemon sees EOF and ends
 // the lease. A connection that does not send CLAIM within the claim timeout
-// is closed. The peer is checked with SO_PEERCRED: same uid or primary gid as
+// is closed. The peer is checked with SO_PEERCRED when it connects: same uid or primary gid as
 // the daemon, root, or a primary gid in the allowed list (SO_PEERCRED carries
 // no supplementary groups).
 //
@@ -41,6 +41,10 @@ struct FdChannelOptions {
 
 class FdChannel {
  public:
+  // Connections held at once (claimed leases plus pending claims); more are
+  // refused with ERR 8 (RESOURCE_EXHAUSTED).
+  static constexpr size_t kMaxConnections = 4096;
+
   // Listens on options.path and starts serving. `registry` must outlive this.
   static absl::StatusOr<std::unique_ptr<FdChannel>> Start(FdChannelOptions options, ModelRegistry* registry);
   // Stops the thread and closes every connection, ending their leases.
@@ -61,6 +65,7 @@ class FdChannel {
   ScopedFd listener_;
   ScopedFd wake_read_, wake_write_;
   std::vector<std::unique_ptr<Connection>> connections_;
+  bool warned_fd_limit_ = false;
   std::thread thread_;
 };
 

@@ -77,6 +77,7 @@ class ModelGeneration {
   LoadRequest request;             // checkpoint_path resolved with realpath
   uint64_t generation = 0;
   std::vector<FileStamp> files;    // what was read, to detect a rewritten checkpoint
+  std::vector<std::string> warnings;  // the catalog's advisory findings
   std::vector<std::unique_ptr<HostSegment>> host_segments;
   std::vector<std::unique_ptr<DeviceArena>> arenas;  // declared after host_segments: freed first
   std::vector<SegmentInfo> segments;

@@ -133,6 +133,7 @@ absl::StatusOr<ModelRegistry::LoadResult> ModelRegistry::Load(LoadRequest reques
     return loaded.status();
   }
   std::shared_ptr<ModelGeneration> model = std::move(*loaded);
+  model->warnings = catalog->warnings;
   model->generation = next_generation_++;
   model->state = ModelState::kReady;
   auto it = current_.find(request.name);

@@ -79,12 +79,15 @@ int RunLoad(const Args& args, Context& ctx) {
   if (!result.ok()) return ReportError(result.status(), ctx.err);
   const ModelSummary& m = result->model;
   uint64_t bytes = m.checkpoint_bytes;
+  if (!as_json) {
+    for (const std::string& w : m.warnings) ctx.err << "weightctl: warning: " << w << "\n";
+  }
   double seconds = result->reused ? 0 : m.load_seconds;
   if (as_json) {
     json doc = {{"model", m.name},       {"generation", m.generation}, {"state", m.state},
                 {"bytes", bytes},        {"seconds", seconds},         {"fingerprint", m.fingerprint},
                 {"reused", result->reused}, {"tensors", m.tensor_count}, {"host_bytes", m.host_bytes},
-                {"device_bytes", m.device_bytes}, {"locked_bytes", m.locked_bytes}};
+                {"device_bytes", m.device_bytes}, {"locked_bytes", m.locked_bytes}, {"warnings", m.warnings}};
     ctx.out << doc.dump(2) << "\n";
   } else if (result->reused) {
     ctx.out << absl::StrFormat("'%s' generation %d is already loaded from the same files: reused (fingerprint %s)\n",

@@ -264,6 +264,21 @@ TEST(DaemonE2E, SharedBadCasesAreRefusedAndLeaveNothingBehind) {
   EXPECT_EQ(d.Ctl({"attach", "keep", "--verify", d.models_dir() + "/tiny"}).code, 0);
 }
 
+TEST(DaemonE2E, CatalogWarningsReachTheUser) {
+  DaemonProcess d;
+  auto shared = testing::SharedDir();
+  if (!shared) GTEST_SKIP() << "../shared is absent";
+  std::string path = *shared + "/cases/sharded_total_size_wrong";
+  CommandResult json_load = d.Ctl({"load", "w", path, "--json"});
+  ASSERT_EQ(json_load.code, 0) << json_load.err;
+  EXPECT_EQ(json::parse(json_load.out)["warnings"],
+            json({"model.safetensors.index.json: metadata.total_size is 1 but the tensors hold 1024 bytes"}));
+  CommandResult text_load = d.Ctl({"load", "w", path});
+  ASSERT_EQ(text_load.code, 0);
+  EXPECT_EQ(text_load.err,
+            "weightctl: warning: model.safetensors.index.json: metadata.total_size is 1 but the tensors hold 1024 bytes\n");
+}
+
 TEST(DaemonE2E, MalformedRequestsGetClearErrors) {
   DaemonProcess d;
   MakeDemo(d, "tiny", "tiny");

@@ -87,6 +87,7 @@ struct ModelSummary {
   uint32_t tensor_count = 0;
   uint32_t tp_size = 1;
   double load_seconds = 0;
+  std::vector<std::string> warnings;  // advisory catalog findings
 };
 
 struct LoadOptions {
