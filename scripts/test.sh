@@ -7,6 +7,7 @@ cd "$(dirname "$0")/.."
 ./scripts/build.sh
 (cd build && ctest --output-on-failure --timeout 600 -j "$(nproc)")
 if command -v clang++ >/dev/null; then
+  ./scripts/install-deps.sh libclang-rt-14-dev  # clang's libFuzzer runtime
   ./scripts/fuzz.sh
 else
   echo "test: fuzz runs skipped: clang++ not installed" >&2
