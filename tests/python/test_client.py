@@ -232,6 +232,15 @@ def test_extension_links_no_grpc_or_protobuf():
     assert "grpc" not in linked and "protobuf" not in linked, linked
 
 
+def test_cuda_arena_import_without_a_driver_names_the_reason():
+    from weightd._native import Segment
+    with pytest.raises(RuntimeError) as info:
+        Segment.import_device("cuda-vmm", "GPU-00000000-0000-0000-0000-000000000000", 2 << 20, b"", -1)
+    message = str(info.value)
+    assert message.startswith("importing cuda-vmm arena on GPU-00000000-0000-0000-0000-000000000000: ")
+    assert "libcuda.so.1 not found" in message or "no CUDA device" in message or "without the CUDA toolkit" in message
+
+
 def test_default_socket_comes_from_the_environment(monkeypatch, daemon):
     monkeypatch.setenv("WEIGHTD_SOCKET", daemon.socket)
     assert weightd.connect().target == "unix://" + daemon.socket

@@ -16,12 +16,16 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <memory>
 #include <vector>
+
+#include "common/device.h"
 
 namespace py = pybind11;
 
@@ -105,15 +109,52 @@ class Segment {
       throw py::error_already_set();
     }
     base_ = static_cast<char*>(addr);
+    mapped_ = true;
+  }
+  // Imports a device arena with the backend that exported it (common/device.h:
+  // CUDA VMM, legacy IPC, or emulated). `fd` is duplicated, not taken; -1 for
+  // handle-exported arenas. Raises RuntimeError with the backend's message.
+  static std::unique_ptr<Segment> ImportDevice(const std::string& backend, const std::string& gpu_uuid, uint64_t size,
+                                               const py::bytes& handle, int fd) {
+    const std::string what = "importing " + backend + " arena on " + gpu_uuid + ": ";
+    absl::StatusOr<weightd::DeviceBackend*> importer = weightd::ClientBackendFor(backend);
+    if (!importer.ok()) throw std::runtime_error(what + std::string(importer.status().message()));
+    weightd::ArenaExport exported{backend, gpu_uuid, size, std::string(handle), weightd::ScopedFd(fd >= 0 ? dup(fd) : -1)};
+    absl::StatusOr<std::unique_ptr<weightd::ImportedArena>> arena = (*importer)->Import(std::move(exported));
+    if (!arena.ok()) {
+      throw std::runtime_error(what + std::string(arena.status().message()));
+    }
+    auto segment = std::unique_ptr<Segment>(new Segment());
+    segment->size_ = size;
+    segment->base_ = static_cast<char*>(const_cast<void*>((*arena)->device_pointer()));
+    // Emulated device memory is host memory; real device memory is kDLCUDA.
+    segment->device_ = backend == "emulated" ? DLDevice{kDLCPU, 0} : DLDevice{kDLCUDA, (*arena)->device_ordinal()};
+    segment->arena_ = std::move(*arena);
+    return segment;
   }
   Segment(const Segment&) = delete;
   Segment& operator=(const Segment&) = delete;
   ~Segment() {
-    if (base_ != nullptr) munmap(base_, size_);
+    if (mapped_) munmap(base_, size_);
   }
 
   uintptr_t address() const { return reinterpret_cast<uintptr_t>(base_); }
   uint64_t size() const { return size_; }
+  py::tuple device() const { return py::make_tuple(static_cast<int>(device_.device_type), device_.device_id); }
+  bool read_only() const { return arena_ == nullptr || arena_->read_only(); }
+  // Copies bytes to host memory: memcpy for host mappings, the backend's
+  // device-to-host copy for device arenas.
+  py::bytes CopyToHost(uint64_t offset, uint64_t n) const {
+    if (offset > size_ || n > size_ - offset) throw py::value_error("byte range lies outside the segment");
+    std::string out(n, '\0');
+    if (arena_ == nullptr) {
+      if (n > 0) std::memcpy(out.data(), base_ + offset, n);
+    } else {
+      absl::Status copied = arena_->CopyToHost(offset, out.data(), n);
+      if (!copied.ok()) throw std::runtime_error(std::string(copied.message()));
+    }
+    return py::bytes(out);
+  }
 
   // A "dltensor" capsule viewing [offset, offset + nbytes) as `dtype` with
   // `shape` (C-contiguous). `owner` stays referenced until the consumer
@@ -143,7 +184,7 @@ class Segment {
     // A zero-byte tensor of an empty segment still needs a non-null pointer.
     static char empty_target = 0;
     t.data = base_ != nullptr ? base_ + offset : &empty_target;
-    t.device = {kDLCPU, 0};
+    t.device = device_;
     t.ndim = static_cast<int>(shape.size());
     t.dtype = {info.code, info.bits, 1};
     t.shape = e->shape.empty() ? nullptr : e->shape.data();
@@ -160,8 +201,13 @@ class Segment {
   }
 
  private:
+  Segment() = default;
+
   char* base_ = nullptr;
   uint64_t size_ = 0;
+  bool mapped_ = false;  // base_ is our mmap
+  DLDevice device_{kDLCPU, 0};
+  std::unique_ptr<weightd::ImportedArena> arena_;  // device arenas
 };
 
 }  // namespace
@@ -173,6 +219,12 @@ PYBIND11_MODULE(_native, m) {
            "Maps `size` bytes of segment `fd` read-only (PROT_READ, MAP_SHARED).")
       .def_property_readonly("address", &Segment::address, "base address of the mapping (0 for an empty segment)")
       .def_property_readonly("size", &Segment::size)
+      .def_property_readonly("device", &Segment::device, "the DLPack (device_type, device_id) of the memory")
+      .def_property_readonly("read_only", &Segment::read_only, "whether the mapping is read-only")
+      .def("copy_to_host", &Segment::CopyToHost, py::arg("offset"), py::arg("nbytes"), "bytes of the segment, copied")
+      .def_static("import_device", &Segment::ImportDevice, py::arg("backend"), py::arg("gpu_uuid"), py::arg("size"),
+                  py::arg("handle"), py::arg("fd"),
+                  "Imports an exported device arena (cuda-vmm, cuda-legacy-ipc, emulated); `fd` is duplicated.")
       .def("export", &Segment::Export, py::arg("offset"), py::arg("nbytes"), py::arg("dtype"), py::arg("shape"),
            py::arg("owner"), "A DLPack capsule of a byte range; `owner` stays alive until the tensor is dropped.");
   m.def(

@@ -15,7 +15,7 @@ from .v1 import weightd_pb2_grpc as pb_grpc
 DEFAULT_SOCKET = "/run/weightd/weightd.sock"
 # Backends whose segments are memfds this process can map (the emulated
 # device arena is memfd-backed too).
-_MAPPABLE_BACKENDS = ("memfd", "emulated", "")
+_MAPPABLE_BACKENDS = ("memfd", "")  # host segments; device arenas are imported
 
 
 def connect(socket_path=None):
@@ -101,8 +101,8 @@ class Client:
         """Takes a lease on `model` and maps rank `rank` read-only, lazily; returns a Model.
 
         Raises WeightdError with the daemon's code: NOT_FOUND, FAILED_PRECONDITION
-        (draining), UNIMPLEMENTED (CUDA device segments, not supported by the
-        Python client yet), ...
+        (draining), ...; UNAVAILABLE when a device arena cannot be imported here
+        (e.g. no CUDA driver in this process's view).
         """
         start = time.monotonic()
         response = self._call(self._stub.Attach, pb.AttachRequest(name=model, rank=rank))
@@ -136,16 +136,25 @@ class Client:
 
 
 def _map_segments(response, fds):
-    """Maps each segment read-only; `fds` come in segment order."""
-    for i, descriptor in enumerate(response.segments):
-        if descriptor.backend not in _MAPPABLE_BACKENDS:
-            raise WeightdError(grpc.StatusCode.UNIMPLEMENTED,
-                               f"segment {i} of model {response.model!r} is a {descriptor.backend} device arena "
-                               f"on {descriptor.gpu_uuid}; the Python client maps host and emulated segments only")
-    if len(fds) != len(response.segments):
+    """Maps each segment: host segments read-only with mmap, device arenas
+    imported with the backend that exported them. `fds` come in segment
+    order, skipping handle-exported (cuda-legacy-ipc) arenas."""
+    with_fd = [d for d in response.segments if d.backend != "cuda-legacy-ipc"]
+    if len(fds) != len(with_fd):
         raise WeightdError(grpc.StatusCode.INTERNAL,
-                           f"received {len(fds)} segment fds for {len(response.segments)} segments")
-    segments = [Segment(fd, descriptor.size) for descriptor, fd in zip(response.segments, fds)]
+                           f"received {len(fds)} segment fds for {len(with_fd)} fd-exported segments")
+    segments, next_fd = [], iter(fds)
+    for i, d in enumerate(response.segments):
+        try:
+            if d.backend in _MAPPABLE_BACKENDS:
+                segments.append(Segment(next(next_fd), d.size))
+            elif d.backend == "cuda-legacy-ipc":
+                segments.append(Segment.import_device(d.backend, d.gpu_uuid, d.size, d.ipc_handle, -1))
+            else:
+                segments.append(Segment.import_device(d.backend, d.gpu_uuid, d.size, b"", next(next_fd)))
+        except RuntimeError as e:
+            raise WeightdError(grpc.StatusCode.UNAVAILABLE,
+                               f"segment {i} of model {response.model!r} ({d.backend} on {d.gpu_uuid}): {e}") from None
     for t in response.tensors:
         if t.segment >= len(segments) or t.offset + t.nbytes > segments[t.segment].size:
             raise WeightdError(grpc.StatusCode.INTERNAL, f"tensor {t.name!r} lies outside its segment")

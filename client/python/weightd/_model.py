@@ -29,7 +29,8 @@ class _Lease:
 
 
 class _Exporter:
-    """Exports one byte range of a segment through DLPack (CPU, read-only memory)."""
+    """Exports one byte range of a segment through DLPack: host memory (kDLCPU,
+    mapped read-only) or a device arena (kDLCUDA on this process's ordinal)."""
 
     __slots__ = ("_lease", "_segment", "_offset", "_nbytes", "_export_dtype", "_export_shape")
 
@@ -44,17 +45,20 @@ class _Exporter:
     def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
         # Always a legacy "dltensor" capsule (allowed whatever max_version
         # asks); DLPack 0.6 has no read-only flag, see docs/integration.md.
-        if stream not in (None, -1):
-            raise BufferError("weightd tensors live in host memory: stream must be None")
-        if dl_device is not None and tuple(dl_device) != (_CPU, 0):
-            raise BufferError(f"weightd tensors live in host memory, not on device {tuple(dl_device)}")
+        # The bytes were complete before the lease was granted, so no stream
+        # needs to wait: any `stream` is accepted.
+        device = self._segment.device
+        if device[0] == _CPU and stream not in (None, -1):
+            raise BufferError("this tensor lives in host memory: stream must be None")
+        if dl_device is not None and tuple(dl_device) != tuple(device):
+            raise BufferError(f"this tensor lives on DLPack device {tuple(device)}, not {tuple(dl_device)}")
         if copy:
             raise BufferError("weightd exports zero-copy views only; copy after importing")
         return self._segment.export(self._offset, self._nbytes, self._export_dtype,
                                     list(self._export_shape), self._lease)
 
     def __dlpack_device__(self):
-        return (_CPU, 0)
+        return tuple(self._segment.device)
 
     @property
     def nbytes(self):
