@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -88,6 +89,11 @@ class ModelGeneration {
   uint64_t host_bytes = 0;
   uint64_t locked_bytes = 0;
   uint64_t tensor_count = 0;
+
+  // The RPC layer's wire encoding of each rank's segments and tensors,
+  // built once on first Attach (server/service.cc) and reused by every lease.
+  std::once_flag encode_once;
+  std::vector<std::string> encoded_manifests;
 
   std::atomic<ModelState> state{ModelState::kLoading};
   std::atomic<int> leases{0};

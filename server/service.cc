@@ -1,5 +1,8 @@
 #include "server/service.h"
 
+#include <grpcpp/support/byte_buffer.h>
+#include <grpcpp/support/proto_buffer_reader.h>
+
 #include "absl/strings/str_cat.h"
 #include "server/convert.h"
 
@@ -90,22 +93,43 @@ grpc::Status WeightdService::GetManifest(grpc::ServerContext*, const v1::GetMani
   return grpc::Status::OK;
 }
 
-grpc::Status WeightdService::Attach(grpc::ServerContext*, const v1::AttachRequest* request,
-                                    v1::AttachResponse* response) {
-  absl::StatusOr<ModelRegistry::Grant> grant = registry_->Attach(request->name(), request->rank());
+grpc::ServerUnaryReactor* WeightdService::Attach(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                                                 grpc::ByteBuffer* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(AttachEncoded(*request, response));
+  return reactor;
+}
+
+grpc::Status WeightdService::AttachEncoded(const grpc::ByteBuffer& raw, grpc::ByteBuffer* out) {
+  v1::AttachRequest request;
+  grpc::ByteBuffer copy(raw);  // Deserialize consumes its buffer; copies share the slices
+  grpc::Status parsed = grpc::SerializationTraits<v1::AttachRequest>::Deserialize(&copy, &request);
+  if (!parsed.ok()) return parsed;
+  absl::StatusOr<ModelRegistry::Grant> grant = registry_->Attach(request.name(), request.rank());
   if (!grant.ok()) return ToGrpcStatus(grant.status());
-  const ModelGeneration& m = *grant->model;
-  const RankManifest& rank = m.ranks[grant->rank];
-  response->set_lease_id(grant->lease_id);
-  response->set_fd_socket(fd_socket_path_);
-  response->set_claim_timeout_seconds(
-      std::chrono::duration<double>(registry_->claim_timeout()).count());
-  response->set_model(m.request.name);
-  response->set_generation(m.generation);
-  response->set_rank(grant->rank);
-  response->set_fingerprint(m.fingerprint);
-  for (uint32_t s = 0; s < rank.segments.size(); ++s) ToProto(m.segments[rank.segments[s]], s, response->add_segments());
-  for (const TensorRecord& t : rank.tensors) ToProto(t, response->add_tensors());
+  ModelGeneration& m = *grant->model;
+  std::call_once(m.encode_once, [&m] {
+    for (const RankManifest& rank : m.ranks) {
+      v1::AttachResponse manifest;
+      for (uint32_t s = 0; s < rank.segments.size(); ++s) ToProto(m.segments[rank.segments[s]], s, manifest.add_segments());
+      for (const TensorRecord& t : rank.tensors) ToProto(t, manifest.add_tensors());
+      m.encoded_manifests.push_back(manifest.SerializeAsString());
+    }
+  });
+  v1::AttachResponse head;
+  head.set_lease_id(grant->lease_id);
+  head.set_fd_socket(fd_socket_path_);
+  head.set_claim_timeout_seconds(std::chrono::duration<double>(registry_->claim_timeout()).count());
+  head.set_model(m.request.name);
+  head.set_generation(m.generation);
+  head.set_rank(grant->rank);
+  head.set_fingerprint(m.fingerprint);
+  // Protobuf messages concatenate: header fields, then the cached repeated
+  // segments and tensors, parse as one AttachResponse.
+  std::string bytes = head.SerializeAsString();
+  bytes += m.encoded_manifests[grant->rank];
+  grpc::Slice slice(bytes);
+  *out = grpc::ByteBuffer(&slice, 1);
   return grpc::Status::OK;
 }
 

@@ -4,6 +4,9 @@
 //
 // It uses gRPC's synchronous API: LoadModel blocks for the whole load and
 // streams progress from the handler thread, which the sync thread pool suits.
+// Attach, the hot path, is a raw callback method: its reply is a small
+// per-lease header followed by the rank's manifest encoded once per
+// generation, so an attach of 100,000 tensors builds no 100,000 messages.
 #ifndef WEIGHTD_SERVER_SERVICE_H_
 #define WEIGHTD_SERVER_SERVICE_H_
 
@@ -14,7 +17,7 @@
 
 namespace weightd {
 
-class WeightdService final : public v1::Weightd::Service {
+class WeightdService final : public v1::Weightd::WithRawCallbackMethod_Attach<v1::Weightd::Service> {
  public:
   // `registry` must outlive the service.
   WeightdService(ModelRegistry* registry, std::string fd_socket_path);
@@ -27,12 +30,14 @@ class WeightdService final : public v1::Weightd::Service {
                           v1::ListModelsResponse* response) override;
   grpc::Status GetManifest(grpc::ServerContext* context, const v1::GetManifestRequest* request,
                            grpc::ServerWriter<v1::ManifestPage>* writer) override;
-  grpc::Status Attach(grpc::ServerContext* context, const v1::AttachRequest* request,
-                      v1::AttachResponse* response) override;
+  grpc::ServerUnaryReactor* Attach(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                                   grpc::ByteBuffer* response) override;
   grpc::Status Detach(grpc::ServerContext* context, const v1::DetachRequest* request,
                       v1::DetachResponse* response) override;
 
  private:
+  grpc::Status AttachEncoded(const grpc::ByteBuffer& request, grpc::ByteBuffer* response);
+
   ModelRegistry* registry_;
   std::string fd_socket_path_;
 };

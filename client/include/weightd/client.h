@@ -118,8 +118,8 @@ class MappedModel {
   ~MappedModel();
 
   const Manifest& manifest() const;
-  const std::vector<TensorView>& tensors() const;
-  // nullptr when the rank holds no tensor called `name`. O(log n).
+  const std::vector<TensorView>& tensors() const;  // in manifest (checkpoint) order
+  // nullptr when the rank holds no tensor called `name`. O(1).
   const TensorView* Find(absl::string_view name) const;
   const std::string& fingerprint() const { return manifest().fingerprint; }
   double attach_seconds() const;  // Attach RPC to all views ready
