@@ -18,6 +18,8 @@
 namespace weightd {
 namespace {
 
+using ::weightd::testing::Bytes;
+
 using ::weightd::testing::SafetensorsBuilder;
 using ::weightd::testing::TempDir;
 using ::weightd::testing::WriteFile;
@@ -25,16 +27,6 @@ using Phase = LoadProgress::Phase;
 
 constexpr uint64_t kHostAlignment = 64;  // DESIGN: host tensors are packed at 64-byte alignment
 constexpr uint64_t kBigBytes = 2 * kReadBlockBytes + 1234;  // three read blocks and three hash blocks
-
-std::string Bytes(uint64_t n, uint32_t seed) {
-  std::string s(n, '\0');
-  uint32_t x = seed * 2654435761u + 1;
-  for (uint64_t i = 0; i < n; ++i) {
-    x = x * 1664525u + 1013904223u;
-    s[i] = static_cast<char>(x >> 24);
-  }
-  return s;
-}
 
 std::string ReadWholeFile(const std::string& path) {
   std::ifstream f(path, std::ios::binary);

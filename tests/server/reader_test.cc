@@ -22,17 +22,9 @@
 namespace weightd {
 namespace {
 
-using ::weightd::testing::WriteFile;
+using ::weightd::testing::Bytes;
 
-std::string Bytes(uint64_t n, uint32_t seed) {
-  std::string s(n, '\0');
-  uint32_t x = seed * 2654435761u + 1;
-  for (uint64_t i = 0; i < n; ++i) {
-    x = x * 1664525u + 1013904223u;
-    s[i] = static_cast<char>(x >> 24);
-  }
-  return s;
-}
+using ::weightd::testing::WriteFile;
 
 // A file in memory. With `align` > 0 it behaves like O_DIRECT: ReadSome
 // refuses (EINVAL) an offset, length or buffer off the alignment and

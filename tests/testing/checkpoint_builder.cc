@@ -53,6 +53,16 @@ std::string SafetensorsBuilder::Build() const {
   return FileImage(text, data);
 }
 
+std::string Bytes(uint64_t n, uint32_t seed) {
+  std::string s(n, '\0');
+  uint32_t x = seed * 2654435761u + 1;
+  for (uint64_t i = 0; i < n; ++i) {
+    x = x * 1664525u + 1013904223u;
+    s[i] = static_cast<char>(x >> 24);
+  }
+  return s;
+}
+
 std::string Xxh3Hex(const void* data, size_t n) {
   char buf[17];
   std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(XXH3_64bits(data, n)));

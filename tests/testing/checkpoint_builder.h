@@ -35,6 +35,9 @@ class SafetensorsBuilder {
   std::vector<std::pair<std::string, std::string>> metadata_;
 };
 
+// `n` deterministic pseudo-random bytes (an LCG seeded with `seed`).
+std::string Bytes(uint64_t n, uint32_t seed);
+
 // xxh3-64 of `data` as 16 hex digits (to pin tensor bytes in tests).
 std::string Xxh3Hex(const void* data, size_t n);
 
