@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <fstream>
 #include <condition_variable>
 #include <mutex>
 #include <thread>
@@ -83,6 +84,28 @@ std::vector<ReadTask> MakeTasks(const Catalog& catalog) {
     }
   }
   return tasks;
+}
+
+// MemAvailable (bytes) from /proc/meminfo, or 0 when it cannot be read.
+uint64_t MemAvailableBytes() {
+  std::ifstream meminfo("/proc/meminfo");
+  std::string key;
+  uint64_t kib = 0;
+  std::string unit;
+  while (meminfo >> key >> kib >> unit) {
+    if (key == "MemAvailable:") return kib * 1024;
+  }
+  return 0;
+}
+
+absl::Status CheckHostMemory(const LoadPlan& plan, uint64_t limit) {
+  // Staging buffers are small and bounded; the host segment is what can be huge.
+  uint64_t available = limit > 0 ? limit : MemAvailableBytes();
+  if (available == 0 || plan.host_bytes <= available) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat("the host-resident tensors need ", plan.host_bytes,
+                                                   " bytes of host memory but only ", available,
+                                                   " are available (MemAvailable); unload a model or place "
+                                                   "fewer tensors on the host"));
 }
 
 absl::StatusOr<Allocation> Allocate(const std::string& name, const LoadPlan& plan,
@@ -383,6 +406,7 @@ absl::StatusOr<std::unique_ptr<ModelGeneration>> LoadGeneration(const Catalog& c
 
   report(LoadProgress::Phase::kAllocate);
   HugePages huge = options.huge_pages ? HugePages::kWhenPoolAllows : HugePages::kNever;
+  WEIGHTD_RETURN_IF_ERROR(CheckHostMemory(plan, options.host_memory_limit));
   WEIGHTD_ASSIGN_OR_RETURN(Allocation alloc, Allocate(request.name, plan, devices, options.device_backend, huge));
   WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader,
                            CheckpointReader::Open(catalog, {options.direct_io, nullptr}));

@@ -56,6 +56,10 @@ struct LoaderOptions {
   bool huge_pages = true;  // MFD_HUGETLB host segments when the huge page pool has room
   DeviceBackend* device_backend = nullptr;  // null: host only; not owned
   uint64_t max_arena_bytes = kDefaultMaxArenaBytes;
+  // Host bytes a load may allocate; 0: MemAvailable from /proc/meminfo at
+  // the time of the load. A plan needing more is RESOURCE_EXHAUSTED before
+  // anything is allocated (rather than meeting the OOM killer mid-load).
+  uint64_t host_memory_limit = 0;
   // When set and true, the load stops at the next block with UNAVAILABLE
   // (daemon shutdown). Not owned.
   const std::atomic<bool>* cancel = nullptr;

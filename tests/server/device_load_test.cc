@@ -172,6 +172,21 @@ TEST(DeviceLoad, FailedReadFreesEveryArena) {
   EXPECT_EQ(backend.live(), 0);
 }
 
+TEST(DeviceLoad, HostTensorsBeyondAvailableMemoryAreRefusedBeforeAllocating) {
+  testing::TempDir dir;
+  testing::WriteFile(dir.Join("m.safetensors"), testing::SafetensorsBuilder().Add("table", "U8", {100}, Iota(100)).Build());
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(Catalog catalog, BuildCatalog(dir.Join("m.safetensors")));
+  LoaderOptions options;
+  options.host_memory_limit = 99;
+  LoadRequest host_only;
+  host_only.name = "m";
+  EXPECT_THAT(LoadGeneration(catalog, host_only, options, nullptr),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       "the host-resident tensors need 100 bytes of host memory but only 99 are available"));
+  options.host_memory_limit = 100;
+  WEIGHTD_EXPECT_OK(LoadGeneration(catalog, host_only, options, nullptr));
+}
+
 TEST(DeviceLoad, DevicesWithoutABackendAreRefused) {
   testing::TempDir dir;
   testing::WriteFile(dir.Join("m.safetensors"), testing::SafetensorsBuilder().Add("rows", "U8", {8, 5}, Iota(40)).Build());
