@@ -163,11 +163,7 @@ absl::StatusOr<ModelRegistry::UnloadResult> ModelRegistry::Unload(const std::str
   current_.erase(it);
   if (listener_) listener_->OnModelServing(name, false);
   if (force) {
-    for (auto l = leases_.begin(); l != leases_.end();) {
-      auto next = std::next(l);
-      if (l->second.model->request.name == name) DropLease(l);
-      l = next;
-    }
+    DropLeasesOf(name);
   }
   bool freed = model->leases.load() == 0;
   Retire(model);
@@ -180,11 +176,7 @@ absl::StatusOr<ModelRegistry::UnloadResult> ModelRegistry::UnloadDraining(const 
   if (draining == draining_.end()) return absl::NotFoundError(absl::StrCat("no model named '", name, "'"));
   std::shared_ptr<ModelGeneration> model = *draining;  // the oldest draining generation of the name
   if (force) {
-    for (auto l = leases_.begin(); l != leases_.end();) {
-      auto next = std::next(l);
-      if (l->second.model->request.name == name) DropLease(l);
-      l = next;
-    }
+    DropLeasesOf(name);
     NotifyMemory();
   }
   return UnloadResult{model, model->leases.load() == 0};
@@ -203,6 +195,21 @@ absl::StatusOr<std::shared_ptr<ModelGeneration>> ModelRegistry::Get(const std::s
   return GetLocked(name);
 }
 
+absl::StatusOr<std::shared_ptr<ModelGeneration>> ModelRegistry::GetRank(const std::string& name, uint32_t rank) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return GetRankLocked(name, rank);
+}
+
+absl::StatusOr<std::shared_ptr<ModelGeneration>> ModelRegistry::GetRankLocked(const std::string& name,
+                                                                              uint32_t rank) const {
+  WEIGHTD_ASSIGN_OR_RETURN(std::shared_ptr<ModelGeneration> model, GetLocked(name));
+  if (rank >= model->ranks.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", rank, " is out of range: model '", name, "' has ", model->ranks.size(), " rank(s)"));
+  }
+  return model;
+}
+
 absl::StatusOr<std::shared_ptr<ModelGeneration>> ModelRegistry::GetLocked(const std::string& name) const {
   auto it = current_.find(name);
   if (it == current_.end()) {
@@ -214,11 +221,7 @@ absl::StatusOr<std::shared_ptr<ModelGeneration>> ModelRegistry::GetLocked(const 
 
 absl::StatusOr<ModelRegistry::Grant> ModelRegistry::Attach(const std::string& name, uint32_t rank) {
   std::lock_guard<std::mutex> lock(mu_);  // one critical section: an Unload cannot slip in before the lease
-  WEIGHTD_ASSIGN_OR_RETURN(std::shared_ptr<ModelGeneration> model, GetLocked(name));
-  if (rank >= model->ranks.size()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("rank ", rank, " is out of range: model '", name, "' has ", model->ranks.size(), " rank(s)"));
-  }
+  WEIGHTD_ASSIGN_OR_RETURN(std::shared_ptr<ModelGeneration> model, GetRankLocked(name, rank));
   std::string id = NewLeaseId();
   auto now = std::chrono::steady_clock::now();
   leases_[id] = Lease{model, rank, false, now, now + options_.claim_timeout};
@@ -247,6 +250,14 @@ void ModelRegistry::DropLease(std::map<std::string, Lease>::iterator it) {
   if (listener_) listener_->OnLeasesChanged(model->request.name, count);
   if (count == 0 && model->state == ModelState::kDraining) {
     std::erase(draining_, model);
+  }
+}
+
+void ModelRegistry::DropLeasesOf(const std::string& name) {
+  for (auto l = leases_.begin(); l != leases_.end();) {
+    auto next = std::next(l);
+    if (l->second.model->request.name == name) DropLease(l);
+    l = next;
   }
 }
 

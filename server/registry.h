@@ -74,6 +74,8 @@ class ModelRegistry {
   std::vector<std::shared_ptr<ModelGeneration>> List() const;
   // The READY generation of `name`: NOT_FOUND, or FAILED_PRECONDITION when loading.
   absl::StatusOr<std::shared_ptr<ModelGeneration>> Get(const std::string& name) const;
+  // Get(), and INVALID_ARGUMENT when the model has no rank `rank`.
+  absl::StatusOr<std::shared_ptr<ModelGeneration>> GetRank(const std::string& name, uint32_t rank) const;
 
   struct Grant {
     std::string lease_id;  // 32 hex digits
@@ -108,6 +110,9 @@ class ModelRegistry {
 
   absl::StatusOr<std::string> ResolvePath(const std::string& path) const;
   absl::StatusOr<std::shared_ptr<ModelGeneration>> GetLocked(const std::string& name) const;  // requires mu_
+  absl::StatusOr<std::shared_ptr<ModelGeneration>> GetRankLocked(const std::string& name,
+                                                                 uint32_t rank) const;  // requires mu_
+  void DropLeasesOf(const std::string& name);  // requires mu_
   absl::StatusOr<UnloadResult> UnloadDraining(const std::string& name, bool force);         // requires mu_
   std::shared_ptr<ModelGeneration> Reusable(const LoadRequest& request, const Catalog& catalog) const;
   void Retire(std::shared_ptr<ModelGeneration> model);  // requires mu_

@@ -65,13 +65,9 @@ grpc::Status WeightdService::ListModels(grpc::ServerContext*, const v1::ListMode
 
 grpc::Status WeightdService::GetManifest(grpc::ServerContext*, const v1::GetManifestRequest* request,
                                          grpc::ServerWriter<v1::ManifestPage>* writer) {
-  absl::StatusOr<std::shared_ptr<ModelGeneration>> model = registry_->Get(request->name());
+  absl::StatusOr<std::shared_ptr<ModelGeneration>> model = registry_->GetRank(request->name(), request->rank());
   if (!model.ok()) return ToGrpcStatus(model.status());
   const ModelGeneration& m = **model;
-  if (request->rank() >= m.ranks.size()) {
-    return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat("rank ", request->rank(), " is out of range: model '",
-                                                                request->name(), "' has ", m.ranks.size(), " rank(s)")));
-  }
   const RankManifest& rank = m.ranks[request->rank()];
   uint32_t page_size = request->page_size() == 0 ? kDefaultPageSize : request->page_size();
   size_t i = 0;

@@ -14,12 +14,6 @@ void PrintUsage(std::ostream& out) {
   for (const Command& c : Commands()) out << "  " << c.usage << "\n";
 }
 
-// "/run/weightd/weightd.sock" -> "unix:///run/weightd/weightd.sock"; targets
-// that already name a scheme (unix:, dns:, ipv4:) pass through.
-std::string NormalizeTarget(const std::string& socket) {
-  if (!socket.empty() && socket[0] == '/') return "unix://" + socket;
-  return socket;
-}
 
 }  // namespace
 
@@ -67,7 +61,7 @@ int RunWeightctl(const std::vector<std::string>& argv, std::ostream& out, std::o
     absl::StatusOr<Args> args = Args::Parse({argv.begin() + i + 1, argv.end()}, spec);
     if (!args.ok()) return ReportError(args.status(), err);
     if (std::optional<std::string> s = args->Get("--socket")) socket = *s;
-    Context ctx{NormalizeTarget(socket), out, err};
+    Context ctx{socket, out, err};  // Client::Connect accepts plain socket paths
     return command.run(*args, ctx);
   }
   return ReportError(absl::InvalidArgumentError("unknown command '" + argv[i] + "' (see weightctl --help)"), err);

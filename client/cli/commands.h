@@ -13,7 +13,7 @@
 namespace weightd::cli {
 
 struct Context {
-  std::string socket;  // gRPC target of the daemon ("unix:///run/weightd/weightd.sock")
+  std::string socket;  // daemon target: a socket path or a gRPC target (see Client::Connect)
   std::ostream& out;
   std::ostream& err;
 };
