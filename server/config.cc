@@ -127,7 +127,7 @@ std::string DaemonUsage() {
          "               [--health-address HOST:PORT] [--device-backend auto|cuda|cuda-legacy-ipc|emulated|none]\n"
          "               [--config FILE.json] [--preload NAME=PATH ...] [--fd-socket PATH] [--grpc-address HOST:PORT]\n"
          "               [--allowed-gids GID ...] [--lease-claim-timeout-seconds S] [--load-threads N]\n"
-         "               [--direct-io auto|on|off] [--mlock true|false] [--print-config]\n";
+         "               [--direct-io auto|on|off] [--mlock true|false] [--print-config] [--version]\n";
 }
 
 absl::StatusOr<ParsedArgs> ParseDaemonArgs(const std::vector<std::string>& argv) {
@@ -142,6 +142,10 @@ absl::StatusOr<ParsedArgs> ParseDaemonArgs(const std::vector<std::string>& argv)
     }
     if (arg == "--print-config") {
       parsed.print_config = true;
+      continue;
+    }
+    if (arg == "--version") {
+      parsed.version = true;
       continue;
     }
     if (!absl::StartsWith(arg, "--")) return absl::InvalidArgumentError(absl::StrCat("unexpected argument '", arg, "'"));

@@ -36,6 +36,7 @@ struct ParsedArgs {
   DaemonConfig config;
   bool print_config = false;
   bool help = false;
+  bool version = false;  // --version: print "weightd VERSION" and exit 0
 };
 
 // Parses argv (without the program name). INVALID_ARGUMENT names the flag,

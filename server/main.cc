@@ -14,6 +14,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (args->help) return std::cout << weightd::DaemonUsage(), 0;
+  if (args->version) return std::cout << "weightd " << WEIGHTD_VERSION << "\n", 0;
   if (args->print_config) return std::cout << weightd::ConfigToJson(args->config).dump(2) << "\n", 0;
 
   // SIGTERM/SIGINT are taken synchronously by this thread; every thread the

@@ -10,7 +10,8 @@ namespace {
 constexpr char kDefaultSocket[] = "unix:///run/weightd/weightd.sock";
 
 void PrintUsage(std::ostream& out) {
-  out << "usage: weightctl [--socket PATH] COMMAND [ARGS]\n\ncommands:\n";
+  out << "usage: weightctl [--socket PATH] COMMAND [ARGS]    (also: weightctl --help, weightctl --version)\n\n"
+         "commands:\n";
   for (const Command& c : Commands()) out << "  " << c.usage << "\n";
 }
 
@@ -42,6 +43,7 @@ int RunWeightctl(const std::vector<std::string>& argv, std::ostream& out, std::o
   size_t i = 0;
   for (; i < argv.size() && argv[i].rfind("--", 0) == 0; ++i) {
     if (argv[i] == "--help" || argv[i] == "-h") return PrintUsage(out), kExitOk;
+    if (argv[i] == "--version") return out << "weightctl " << WEIGHTD_VERSION << "\n", kExitOk;
     if (argv[i] == "--socket" && i + 1 < argv.size()) {
       socket = argv[++i];
     } else if (argv[i].rfind("--socket=", 0) == 0) {

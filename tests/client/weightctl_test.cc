@@ -82,6 +82,16 @@ TEST(WeightctlInspect, EverySharedErrorCaseExitsTwo) {
   }
 }
 
+TEST(Weightctl, VersionAndHelpExitZero) {
+  Result r = Weightctl({"--version"});
+  EXPECT_EQ(r.code, 0);
+  EXPECT_EQ(r.out, std::string("weightctl ") + WEIGHTD_VERSION + "\n");
+  EXPECT_EQ(r.err, "");
+  r = Weightctl({"--help"});
+  EXPECT_EQ(r.code, 0);
+  EXPECT_EQ(r.out.rfind("usage: weightctl [--socket PATH] COMMAND [ARGS]", 0), 0u) << r.out;
+}
+
 TEST(Weightctl, UsageErrorsExitTwo) {
   EXPECT_EQ(Weightctl({}).code, 2);
   Result r = Weightctl({"frobnicate"});

@@ -1,9 +1,19 @@
 #!/usr/bin/env bash
 # Builds weightd with the CUDA backends and runs the GPU checks on this
 # machine's GPU 0, in a few minutes; prints one Markdown table on stdout (also
-# saved as BUILD_DIR/gpu_checks.md). Progress goes to stderr.
+# saved as gpu_checks.md in the build or bundle folder). Progress goes to stderr.
 #
-#   tests/gpu/run_gpu_checks.sh [BUILD_DIR]        (default: <repo>/build-gpu)
+#   tests/gpu/run_gpu_checks.sh [BUILD_DIR]        build (default <repo>/build-gpu), then check
+#   tests/gpu/run_gpu_checks.sh --build-only [BUILD_DIR]
+#   tests/gpu/run_gpu_checks.sh --bin-dir DIR      check with prebuilt weightd, weightctl, gpu_checks
+#   BUNDLE/run_gpu_checks.sh                       the same, from a bundle made by make_gpu_bundle.sh
+#
+# Building needs the Debian -dev packages of scripts/install-deps.sh; a GPU
+# machine without them (or without network) runs a bundle instead: built on
+# a build machine by tests/gpu/make_gpu_bundle.sh, it carries the three
+# programs and every shared library they need beyond glibc, and this script,
+# copied into it, finds its programs in BUNDLE/bin and its libraries in
+# BUNDLE/lib without building anything (see docs/devices.md, "GPU checks").
 #
 # Steps: configure + build weightd, weightctl and gpu_checks (CUDA headers
 # from $CUDA_HOME or /usr/local/cuda; nothing from CUDA is linked); write a
@@ -16,21 +26,40 @@
 # and prints the table with weightd's own numbers in it.
 #
 # Exit status: 0 all checks passed, 1 a check failed, 77 no NVIDIA driver or
-# GPU here (the reason is printed), 2 the build failed.
+# GPU here (the reason is printed), 2 the build failed or a program is
+# missing.
 # Environment: CUDA_HOME, WEIGHTD_GPU_PRESET (default llama-1b),
 # WEIGHTD_GPU_FAKE_DRIVER=1 (runs against tests/gpu/fake_libcuda.cc, to test
 # this script on a machine without a GPU), TMPDIR.
 set -euo pipefail
 
-root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-build=${1:-$root/build-gpu}
+say() { echo "[run_gpu_checks $(date +%H:%M:%S)] $*" >&2; }
+usage() { sed -n '6,9p' "${BASH_SOURCE[0]}" | sed 's/^# */usage: /' >&2; exit 2; }
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+mode=check
+bin_dir=""
+build=""
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --build-only) mode=build-only; shift ;;
+    --bin-dir) [[ $# -ge 2 ]] || usage; bin_dir=$(cd "$2" && pwd); shift 2 ;;
+    -h|--help) usage ;;
+    -*) say "unknown option $1"; usage ;;
+    *) build=$1; shift ;;
+  esac
+done
+if [[ -z "$bin_dir" && -z "$build" && "$mode" == check && -x "$here/bin/gpu_checks" ]]; then
+  bin_dir="$here/bin"  # this copy of the script lives in a bundle
+fi
+if [[ -n "$bin_dir" && "$mode" == build-only ]]; then say "--build-only and --bin-dir exclude each other"; usage; fi
+
 preset=${WEIGHTD_GPU_PRESET:-llama-1b}
 cuda_home=${CUDA_HOME:-/usr/local/cuda}
 jobs=$(nproc 2>/dev/null || echo 4)
 work=$(mktemp -d "${TMPDIR:-/tmp}/weightd-gpu.XXXXXX")
 daemon_pid=""
 
-say() { echo "[run_gpu_checks $(date +%H:%M:%S)] $*" >&2; }
 cleanup() {
   if [[ -n "$daemon_pid" ]] && kill -0 "$daemon_pid" 2>/dev/null; then
     kill -TERM "$daemon_pid" 2>/dev/null || true
@@ -40,36 +69,66 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# --- build ---------------------------------------------------------------------
-generator=()
-if command -v ninja >/dev/null; then generator=(-G Ninja); fi
-if [[ -f "$build/CMakeCache.txt" ]]; then generator=(); fi  # keep the existing generator
-say "configuring $build (CUDA headers from $cuda_home)"
-if ! cmake -S "$root" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DWEIGHTD_WITH_CUDA=ON \
-    -DCUDAToolkit_ROOT="$cuda_home" >"$work/cmake.log" 2>&1; then
-  tail -20 "$work/cmake.log" >&2
-  say "cmake failed"
-  exit 2
+# --- build (skipped with prebuilt programs) ------------------------------------
+if [[ -z "$bin_dir" ]]; then
+  root=$(cd "$here/../.." && pwd)
+  build=${build:-$root/build-gpu}
+  generator=()
+  if command -v ninja >/dev/null; then generator=(-G Ninja); fi
+  if [[ -f "$build/CMakeCache.txt" ]]; then generator=(); fi  # keep the existing generator
+  say "configuring $build (CUDA headers from $cuda_home)"
+  if ! cmake -S "$root" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DWEIGHTD_WITH_CUDA=ON \
+      -DCUDAToolkit_ROOT="$cuda_home" >"$work/cmake.log" 2>&1; then
+    tail -20 "$work/cmake.log" >&2
+    say "cmake failed"
+    exit 2
+  fi
+  if ! grep -q "weightd: CUDA backends ON" "$work/cmake.log"; then
+    say "the CUDA toolkit was not found under $cuda_home (set CUDA_HOME); the CUDA backends would not be built"
+    exit 2
+  fi
+  say "building weightd, weightctl, gpu_checks with $jobs jobs"
+  start=$(date +%s)
+  if ! cmake --build "$build" --target weightd weightctl gpu_checks -j "$jobs" >"$work/build.log" 2>&1; then
+    grep -E "error|Error" "$work/build.log" | head -20 >&2 || tail -20 "$work/build.log" >&2
+    say "build failed"
+    exit 2
+  fi
+  say "built in $(($(date +%s) - start)) s"
+  if [[ "$mode" == build-only ]]; then exit 0; fi
+  weightd="$build/server/weightd"
+  weightctl="$build/client/weightctl"
+  gpu_checks="$build/tests/gpu/gpu_checks"
+  fake_driver="$build/tests/gpu/fake-driver"
+  table="$build/gpu_checks.md"
+else
+  weightd="$bin_dir/weightd"
+  weightctl="$bin_dir/weightctl"
+  gpu_checks="$bin_dir/gpu_checks"
+  fake_driver="$bin_dir/../fake-driver"
+  table="$(dirname "$bin_dir")/gpu_checks.md"
+  if [[ -d "$bin_dir/../lib" ]]; then
+    lib=$(cd "$bin_dir/../lib" && pwd)
+    export LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    # The bundle's libstdc++ only where this machine's is missing or older.
+    if [[ -d "$lib/compat" ]] && LD_LIBRARY_PATH=$LD_LIBRARY_PATH ldd "$gpu_checks" 2>&1 | grep -q "not found"; then
+      export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$lib/compat"
+      say "using the bundle's libstdc++/libgcc_s ($lib/compat)"
+    fi
+  fi
+  for program in "$weightd" "$weightctl" "$gpu_checks"; do
+    if [[ ! -x "$program" ]]; then say "$program is missing"; exit 2; fi
+    if missing=$(ldd "$program" 2>&1 | grep "not found"); then
+      say "$program cannot start here: $(echo "$missing" | tr -s ' \t\n' ' ')"
+      exit 2
+    fi
+  done
+  say "using prebuilt programs in $bin_dir ($(cat "$bin_dir/../MANIFEST" 2>/dev/null | head -1 || echo 'no MANIFEST'))"
 fi
-if ! grep -q "weightd: CUDA backends ON" "$work/cmake.log"; then
-  say "the CUDA toolkit was not found under $cuda_home (set CUDA_HOME); the CUDA backends would not be built"
-  exit 2
-fi
-say "building weightd, weightctl, gpu_checks with $jobs jobs"
-start=$(date +%s)
-if ! cmake --build "$build" --target weightd weightctl gpu_checks -j "$jobs" >"$work/build.log" 2>&1; then
-  grep -E "error|Error" "$work/build.log" | head -20 >&2 || tail -20 "$work/build.log" >&2
-  say "build failed"
-  exit 2
-fi
-say "built in $(($(date +%s) - start)) s"
 
-weightd="$build/server/weightd"
-weightctl="$build/client/weightctl"
-gpu_checks="$build/tests/gpu/gpu_checks"
 if [[ "${WEIGHTD_GPU_FAKE_DRIVER:-0}" == 1 ]]; then
-  export LD_LIBRARY_PATH="$build/tests/gpu/fake-driver${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-  say "using the fake CUDA driver in $build/tests/gpu/fake-driver (no GPU is used)"
+  export LD_LIBRARY_PATH="$fake_driver${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  say "using the fake CUDA driver in $fake_driver (no GPU is used)"
 fi
 if command -v nvidia-smi >/dev/null; then
   nvidia-smi --query-gpu=index,uuid,name,driver_version,memory.total --format=csv,noheader >&2 || true
@@ -125,9 +184,9 @@ daemon_pid=""
 say "running gpu_checks"
 set +e
 "$gpu_checks" --checkpoint "$checkpoint" --load-json "$work/load.json" --load-error "$work/load.err" \
-  --attach-json "$work/attach.json" --attach-error "$work/attach.err" >"$build/gpu_checks.md"
+  --attach-json "$work/attach.json" --attach-error "$work/attach.err" >"$table"
 code=$?
 set -e
-cat "$build/gpu_checks.md"
-say "table saved to $build/gpu_checks.md; exit status $code"
+cat "$table"
+say "table saved to $table; exit status $code"
 exit $code

@@ -76,6 +76,14 @@ TEST(DaemonConfig, TypedFlagsParse) {
   EXPECT_EQ(c.health_address, "0.0.0.0:8081");
   EXPECT_TRUE(parsed.print_config);
   EXPECT_TRUE(parsed.help);
+  EXPECT_FALSE(parsed.version);
+}
+
+TEST(DaemonConfig, VersionIsAFlagWithoutValue) {
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(ParsedArgs parsed, ParseDaemonArgs({"--version"}));
+  EXPECT_TRUE(parsed.version);
+  EXPECT_FALSE(parsed.help);
+  EXPECT_NE(DaemonUsage().find("[--version]"), std::string::npos);
 }
 
 TEST(DaemonConfig, ConfigFileSetsTheSameKeys) {

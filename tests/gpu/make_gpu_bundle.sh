@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# Makes a GPU-check bundle: weightd, weightctl and gpu_checks built with the
+# CUDA backends, every shared library they load beyond glibc, and
+# run_gpu_checks.sh, in one folder that runs on a GPU machine which has an
+# NVIDIA driver but none of the build dependencies (no gRPC, protobuf or
+# Abseil packages, no network): copy the folder there and run
+# BUNDLE/run_gpu_checks.sh. Nothing from CUDA is bundled: the programs
+# dlopen the machine's own libcuda.so.1.
+#
+#   tests/gpu/make_gpu_bundle.sh [--build-dir DIR] [--no-build] [--out DIR]
+#
+# --build-dir  the CMake build folder (default <repo>/build-gpu, Release, with
+#              CUDA); built first with run_gpu_checks.sh --build-only unless
+#              --no-build (then it must already hold the three programs).
+# --out        the bundle folder (default <repo>/.gpu-bundle, git-ignored);
+#              replaced if it exists.
+#
+# Layout: bin/ (the programs, debug info stripped), lib/ (their libraries),
+# lib/compat/ (libstdc++ and libgcc_s, used only where the target's are
+# missing or older), fake-driver/ (the fake libcuda of the tests, used only
+# with WEIGHTD_GPU_FAKE_DRIVER=1), run_gpu_checks.sh, MANIFEST (commit,
+# date, files). The target needs glibc at least as new as this machine's
+# (2.36 on Debian 12) and an x86-64 processor.
+# Exit status: 0 made (the last line on stdout is the bundle folder), 2 an
+# error (named on stderr).
+set -euo pipefail
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+root=$(cd "$here/../.." && pwd)
+build="$root/build-gpu"
+out="$root/.gpu-bundle"
+do_build=1
+
+say() { echo "[make_gpu_bundle] $*" >&2; }
+die() { say "$*"; exit 2; }
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --build-dir) [[ $# -ge 2 ]] || die "--build-dir needs a folder"; build=$2; shift 2 ;;
+    --out) [[ $# -ge 2 ]] || die "--out needs a folder"; out=$2; shift 2 ;;
+    --no-build) do_build=0; shift ;;
+    -h|--help) sed -n '2,24p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2; exit 0 ;;
+    *) die "unknown argument $1 (see --help)" ;;
+  esac
+done
+
+if [[ $do_build == 1 ]]; then
+  "$here/run_gpu_checks.sh" --build-only "$build" || die "the build in $build failed"
+fi
+programs=("$build/server/weightd" "$build/client/weightctl" "$build/tests/gpu/gpu_checks")
+for program in "${programs[@]}"; do
+  [[ -x "$program" ]] || die "$program is missing: build $build with -DWEIGHTD_WITH_CUDA=ON first (or drop --no-build)"
+done
+[[ -f "$build/tests/gpu/fake-driver/libcuda.so.1" ]] || die "$build/tests/gpu/fake-driver/libcuda.so.1 is missing"
+
+# glibc's own libraries and the loader are the target's; libstdc++ and
+# libgcc_s go to lib/compat; everything else is copied.
+is_glibc() {
+  case "$1" in
+    linux-vdso.so.*|ld-linux-*.so.*|libc.so.*|libm.so.*|libpthread.so.*|libdl.so.*|librt.so.*|libresolv.so.*|libutil.so.*|libanl.so.*) return 0 ;;
+    *) return 1 ;;
+  esac
+}
+
+rm -rf "$out"
+mkdir -p "$out/bin" "$out/lib/compat" "$out/fake-driver"
+for program in "${programs[@]}"; do
+  name=$(basename "$program")
+  if command -v strip >/dev/null; then
+    strip --strip-debug -o "$out/bin/$name" "$program"
+  else
+    cp "$program" "$out/bin/$name"
+  fi
+  while read -r soname path; do
+    [[ -n "$soname" ]] || continue
+    is_glibc "$soname" && continue
+    [[ "$path" == "not" ]] && die "$program needs $soname, which is not found on this machine"
+    [[ -f "$path" ]] || die "$program: ldd printed '$soname $path', which is not a file"
+    case "$soname" in
+      libcuda.so*) die "$program links $soname; it must dlopen the driver instead" ;;
+      libstdc++.so.*|libgcc_s.so.*) dest="$out/lib/compat" ;;
+      *) dest="$out/lib" ;;
+    esac
+    [[ -f "$dest/$soname" ]] || cp -L "$path" "$dest/$soname"
+  done < <(ldd "$program" | awk '$2 == "=>" {print $1, $3} $2 != "=>" && NF >= 1 {print $1, "-"}' | grep -v " -$")
+done
+cp "$build/tests/gpu/fake-driver/libcuda.so.1" "$out/fake-driver/"
+cp "$here/run_gpu_checks.sh" "$out/run_gpu_checks.sh"
+chmod +x "$out/run_gpu_checks.sh"
+
+# Every library the bundle's programs load must come from the bundle or glibc.
+for program in "$out"/bin/*; do
+  while read -r soname path; do
+    is_glibc "$soname" && continue
+    case "$path" in
+      "$out"/lib/*) ;;
+      *) die "$(basename "$program") would load $soname from $path, not from the bundle" ;;
+    esac
+  done < <(LD_LIBRARY_PATH="$out/lib:$out/lib/compat" ldd "$program" | awk '$2 == "=>" {print $1, $3}')
+done
+
+commit=$(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)
+dirty=$(git -C "$root" status --porcelain 2>/dev/null | grep -qv '^??' && echo "+changes" || true)
+{
+  echo "weightd GPU-check bundle, commit $commit$dirty, made $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(uname -m) glibc $(ldd --version | head -1 | awk '{print $NF}')"
+  (cd "$out" && find . -type f ! -name MANIFEST | sort | while read -r f; do echo "$(du -k "$f" | cut -f1) KiB $f"; done)
+} >"$out/MANIFEST"
+say "bundle: $(du -sh "$out" | cut -f1) in $(find "$out" -type f | wc -l) files; run BUNDLE/run_gpu_checks.sh on the GPU machine"
+echo "$out"
