@@ -20,9 +20,17 @@ class CudaImport final : public ImportedArena {
 
   CudaImport(std::shared_ptr<CudaContext> context, CUdeviceptr base, uint64_t size, bool read_only, Unmap unmap)
       : context_(std::move(context)), base_(base), size_(size), read_only_(read_only), unmap_(unmap) {}
+  // Waits for the work queued in this process's context on the device, then
+  // unmaps: cuMemUnmap and cuIpcCloseMemHandle do not wait for kernels that
+  // still read the arena (PyTorch's expandable segments synchronise before
+  // unmapping for the same reason), and a kernel that faults on an unmapped
+  // address kills the whole context. Like cudaFree, so a DLPack deleter
+  // called while kernels are queued is safe.
   ~CudaImport() override {
     absl::StatusOr<ScopedContext> scope = ScopedContext::Enter(*context_);
-    if (scope.ok()) unmap_(context_->cu(), base_, size_);
+    if (!scope.ok()) return;
+    context_->cu().CtxSynchronize();
+    unmap_(context_->cu(), base_, size_);
   }
 
   const void* device_pointer() const override { return reinterpret_cast<const void*>(static_cast<uintptr_t>(base_)); }
@@ -60,12 +68,22 @@ absl::StatusOr<bool> SetAccess(const CudaContext& context, CUdeviceptr base, uin
   access.location.id = context.device();
   access.flags = CU_MEM_ACCESS_FLAGS_PROT_READ;
   absl::Status read_only = WEIGHTD_CU(context.cu(), MemSetAccess, base, size, &access, 1);
-  if (read_only.ok()) return true;
+  if (read_only.ok()) {
+    // Reported read-only only when the driver says the range is: PROT_READ on
+    // device memory is not documented either way (cuMemSetAccess).
+    unsigned long long granted = 0;
+    read_only = WEIGHTD_CU(context.cu(), MemGetAccess, &granted, &access.location, base);
+    if (read_only.ok() && granted == CU_MEM_ACCESS_FLAGS_PROT_READ) return true;
+    if (read_only.ok()) {
+      read_only = absl::UnimplementedError(absl::StrCat("cuMemGetAccess reports access flags ", granted,
+                                                        " after a PROT_READ cuMemSetAccess"));
+    }
+  }
   access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
   WEIGHTD_RETURN_IF_ERROR(WEIGHTD_CU(context.cu(), MemSetAccess, base, size, &access, 1));
   static std::once_flag logged;
   std::call_once(logged, [&] {
-    LogWarning(absl::StrCat("the CUDA driver refused a read-only mapping of a weightd arena (", read_only.message(),
+    LogWarning(absl::StrCat("the CUDA driver did not grant a read-only mapping of a weightd arena (", read_only.message(),
                             "); device arenas are mapped read-write in this process"));
   });
   return false;

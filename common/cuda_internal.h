@@ -57,6 +57,7 @@ namespace weightd {
   X(MemMap, 10020)                   \
   X(MemUnmap, 10020)                 \
   X(MemSetAccess, 10020)             \
+  X(MemGetAccess, 10020)             \
   X(MemAlloc, 3020)                  \
   X(MemGetAddressRange, 3020)        \
   X(MemFree, 3020)                   \

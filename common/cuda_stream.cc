@@ -57,7 +57,11 @@ absl::StatusOr<uint64_t> CopyStream::RecordFence() {
   std::lock_guard<std::mutex> lock(mu_);
   CUevent event = nullptr;
   if (free_.empty()) {
-    WEIGHTD_RETURN_IF_ERROR(WEIGHTD_CU(cu_, EventCreate, &event, CU_EVENT_DISABLE_TIMING));
+    // BLOCKING_SYNC: a loader thread waiting for its staging buffer sleeps
+    // instead of spinning a core (cuEventCreate: without it "the CPU thread
+    // will busy-wait"), which the inference processes beside weightd feel.
+    WEIGHTD_RETURN_IF_ERROR(
+        WEIGHTD_CU(cu_, EventCreate, &event, CU_EVENT_DISABLE_TIMING | CU_EVENT_BLOCKING_SYNC));
     events_.push_back(event);
   } else {
     event = free_.back();

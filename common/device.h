@@ -80,7 +80,10 @@ struct ArenaExport {
   ScopedFd fd;
 };
 
-// An exported arena mapped into this (client) process. Unmaps on destruction.
+// An exported arena mapped into this (client) process. Unmaps on
+// destruction; the CUDA imports first wait for all work queued in this
+// process's primary context on the device (cuCtxSynchronize, as cudaFree
+// does), since unmapping does not wait for kernels still reading the arena.
 class ImportedArena {
  public:
   virtual ~ImportedArena() = default;
@@ -88,7 +91,7 @@ class ImportedArena {
   virtual int device_ordinal() const = 0;          // this process's ordinal for the arena's GPU
   virtual uint64_t size() const = 0;
   // Whether the mapping is read-only (CUDA VMM: CU_MEM_ACCESS_FLAGS_PROT_READ
-  // where the driver supports it).
+  // where the driver grants it, as cuMemGetAccess confirms).
   virtual bool read_only() const = 0;
   // Copies device bytes to host memory (synchronous).
   virtual absl::Status CopyToHost(uint64_t offset, void* dst, uint64_t n) const = 0;

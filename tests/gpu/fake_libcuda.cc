@@ -15,7 +15,9 @@
 // and the context's next synchronisation returns CUDA_ERROR_ILLEGAL_ADDRESS.
 //
 // Knobs (environment): FAKE_CUDA_DEVICES (default 1), FAKE_CUDA_REFUSE_READ_ONLY=1
-// (cuMemSetAccess refuses PROT_READ), FAKE_CUDA_FREE_BYTES (default 64 GiB).
+// (cuMemSetAccess refuses PROT_READ), FAKE_CUDA_SILENT_READ_WRITE=1 (it
+// accepts PROT_READ but maps read-write, as cuMemGetAccess then reports),
+// FAKE_CUDA_FREE_BYTES (default 64 GiB).
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <fcntl.h>
@@ -220,8 +222,12 @@ CUresult StreamSynchronize(CUstream s) {
   FAKE_NEEDS_CONTEXT();
   return s == nullptr ? CUDA_ERROR_INVALID_HANDLE : TakeSticky();
 }
-CUresult EventCreate(CUevent* e, unsigned int) {
+CUresult EventCreate(CUevent* e, unsigned int flags) {
   FAKE_NEEDS_CONTEXT();
+  constexpr unsigned int kKnown = CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING | CU_EVENT_INTERPROCESS;
+  if ((flags & ~kKnown) != 0) return CUDA_ERROR_INVALID_VALUE;
+  // cuEventCreate: INTERPROCESS "must be used with CU_EVENT_DISABLE_TIMING".
+  if ((flags & CU_EVENT_INTERPROCESS) != 0 && (flags & CU_EVENT_DISABLE_TIMING) == 0) return CUDA_ERROR_INVALID_VALUE;
   *e = reinterpret_cast<CUevent>(new int(0));
   return CUDA_SUCCESS;
 }
@@ -362,8 +368,28 @@ CUresult MemSetAccess(CUdeviceptr p, size_t size, const CUmemAccessDesc* desc, s
   } else {
     return CUDA_ERROR_INVALID_VALUE;
   }
+  // FAKE_CUDA_SILENT_READ_WRITE=1: a driver that accepts PROT_READ but maps
+  // read-write anyway (cuMemGetAccess tells).
+  if (prot == PROT_READ && EnvU64("FAKE_CUDA_SILENT_READ_WRITE", 0) != 0) prot = PROT_READ | PROT_WRITE;
   if (mprotect(reinterpret_cast<void*>(p), size, prot) != 0) return CUDA_ERROR_INVALID_VALUE;
   it->second.prot = prot;
+  return CUDA_SUCCESS;
+}
+// The access of any address inside a VMM mapping.
+CUresult MemGetAccess(unsigned long long* flags, const CUmemLocation* location, CUdeviceptr p) {
+  FAKE_NEEDS_INIT();
+  if (flags == nullptr || location == nullptr || location->type != CU_MEM_LOCATION_TYPE_DEVICE ||
+      location->id < 0 || location->id >= DeviceCount()) {
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  std::lock_guard<std::mutex> lock(S().mu);
+  auto it = S().mappings.upper_bound(p);
+  if (it == S().mappings.begin()) return CUDA_ERROR_INVALID_VALUE;
+  --it;
+  if (it->second.kind != Kind::kVmm || p >= it->first + it->second.size) return CUDA_ERROR_INVALID_VALUE;
+  *flags = it->second.prot == (PROT_READ | PROT_WRITE) ? CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+           : it->second.prot == PROT_READ              ? CU_MEM_ACCESS_FLAGS_PROT_READ
+                                                        : CU_MEM_ACCESS_FLAGS_PROT_NONE;
   return CUDA_SUCCESS;
 }
 
@@ -576,7 +602,7 @@ const Entry kEntries[] = {
     FAKE_ENTRY(MemCreate, 10020), FAKE_ENTRY(MemRelease, 10020), FAKE_ENTRY(MemExportToShareableHandle, 10020),
     FAKE_ENTRY(MemImportFromShareableHandle, 10020), FAKE_ENTRY(MemAddressReserve, 10020),
     FAKE_ENTRY(MemAddressFree, 10020), FAKE_ENTRY(MemMap, 10020), FAKE_ENTRY(MemUnmap, 10020),
-    FAKE_ENTRY(MemSetAccess, 10020), FAKE_ENTRY(MemAlloc, 3020), FAKE_ENTRY(MemGetAddressRange, 3020),
+    FAKE_ENTRY(MemSetAccess, 10020), FAKE_ENTRY(MemGetAccess, 10020), FAKE_ENTRY(MemAlloc, 3020), FAKE_ENTRY(MemGetAddressRange, 3020),
     FAKE_ENTRY(MemFree, 3020), FAKE_ENTRY(MemsetD8, 3020), FAKE_ENTRY(MemsetD8Async, 3020),
     FAKE_ENTRY(MemcpyHtoD, 3020), FAKE_ENTRY(MemcpyHtoDAsync, 3020), FAKE_ENTRY(MemcpyDtoH, 3020),
     FAKE_ENTRY(Memcpy2DAsync, 3020), FAKE_ENTRY(MemHostAlloc, 2020), FAKE_ENTRY(MemFreeHost, 2000),

@@ -39,6 +39,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/types/span.h"
 #include "common/cuda_internal.h"
 #include "common/device.h"
 #include "common/status.h"
@@ -242,13 +243,17 @@ void CheckRoundTrip(const std::string& check, DeviceBackend& backend, const Gpu&
 }
 
 // Rows r of `width` bytes, `src_pitch` apart in host memory, land `dst_pitch`
-// apart in the arena at `offset`; everything else stays zero.
+// apart in the arena at `offset`; everything else stays zero. The rows come
+// from a pinned buffer, as in the loader (cuMemcpy2DAsync from pinned memory
+// is truly asynchronous; from pageable memory the driver stages it).
 void Check2DCopy(DeviceBackend& backend, const Gpu& gpu, Table& table) {
-  const std::string check = "2D strided copy (CopyFromHost, 300 rows)";
+  const std::string check = "2D strided copy (CopyFromHost from pinned memory, 300 rows)";
   constexpr uint64_t kRows = 300, kWidth = 1496, kSrcPitch = 5000, kDstPitch = 2048, kOffset = 4096 + 256;
   absl::StatusOr<std::unique_ptr<DeviceArena>> arena = backend.Allocate(gpu.device, 4 * kMiB);
   if (!arena.ok()) return table.Add(check, "FAIL", "", arena.status().ToString());
-  std::vector<char> src(kRows * kSrcPitch);
+  absl::StatusOr<std::unique_ptr<PinnedBuffer>> pinned = backend.AllocatePinned(kRows * kSrcPitch);
+  if (!pinned.ok()) return table.Add(check, "FAIL", "", pinned.status().ToString());
+  absl::Span<char> src((*pinned)->data(), kRows * kSrcPitch);
   FillPattern(src.data(), 0, src.size(), 7);
   absl::Status s = (*arena)->CopyFromHost(kOffset, kDstPitch, src.data(), kSrcPitch, kWidth, kRows);
   absl::StatusOr<uint64_t> fence = s.ok() ? (*arena)->RecordFence() : absl::StatusOr<uint64_t>(s);
@@ -316,7 +321,8 @@ void CheckReadOnlyWrite(DeviceBackend& backend, const Gpu& gpu, ChildProcess& ch
     table.Add(check, *bad < 0 ? "PASS" : "FAIL", value, absl::StrCat("mapping PROT_READ; ", intact));
   } else {
     table.Add(check, "WARN", value,
-              absl::StrCat("the driver refused PROT_READ, the client mapped read-write; ", intact));
+              absl::StrCat("the driver did not grant PROT_READ (refused it, or cuMemGetAccess reports read-write), "
+                           "the client mapped read-write; ", intact));
   }
 }
 
