@@ -119,7 +119,14 @@ struct MappedModel::State {
   ScopedFd lease;  // the fd-socket connection: closing it ends the lease
   double attach_seconds = 0;
 
+  // Unmaps everything before `lease` closes: the daemon may free a
+  // generation's memory as soon as its last lease ends, and for
+  // cuda-legacy-ipc arenas a cuMemFree before the importer's
+  // cuIpcCloseMemHandle is undefined behaviour (CUDA Driver API,
+  // cuIpcOpenMemHandle). Device imports wait for this process's queued GPU
+  // work first (see ImportedArena).
   ~State() {
+    imports.clear();
     for (auto& [addr, size] : mappings) munmap(addr, size);
   }
 };

@@ -23,6 +23,10 @@ class _Lease:
         self.segments = segments  # one weightd._native.Segment per manifest segment
 
     def __del__(self):
+        # Segments first: the daemon may free the memory once the lease ends,
+        # and a cuda-legacy-ipc arena must be closed before the exporter frees
+        # it (CUDA Driver API, cuIpcOpenMemHandle).
+        self.segments = None
         connection = getattr(self, "connection", None)
         if connection is not None:
             connection.close()
