@@ -11,56 +11,14 @@
 #include "gtest/gtest.h"
 #include "server/loader.h"
 #include "tests/testing/checkpoint_builder.h"
+#include "tests/testing/counting_backend.h"
 #include "tests/testing/shared_inputs.h"
 #include "tests/testing/status_matchers.h"
 
 namespace weightd {
 namespace {
 
-// Wraps the emulated backend: counts live arenas, can fail the Nth Allocate.
-class CountingBackend final : public DeviceBackend {
- public:
-  explicit CountingBackend(int fail_allocation = -1) : inner_(MakeEmulatedBackend(2)), fail_(fail_allocation) {}
-  std::string name() const override { return "emulated"; }
-  absl::StatusOr<std::vector<DeviceInfo>> Devices() override { return inner_->Devices(); }
-  absl::StatusOr<std::unique_ptr<DeviceArena>> Allocate(const DeviceInfo& d, uint64_t size) override {
-    if (allocations_++ == fail_) return absl::ResourceExhaustedError("out of device memory (injected)");
-    WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<DeviceArena> arena, inner_->Allocate(d, size));
-    return std::unique_ptr<DeviceArena>(new Counted(std::move(arena), &live_));
-  }
-  absl::StatusOr<std::unique_ptr<PinnedBuffer>> AllocatePinned(uint64_t size) override {
-    return inner_->AllocatePinned(size);
-  }
-  absl::StatusOr<std::unique_ptr<ImportedArena>> Import(ArenaExport e) override { return inner_->Import(std::move(e)); }
-  int live() const { return live_.load(); }
-  int allocations() const { return allocations_; }
-
- private:
-  class Counted final : public DeviceArena {
-   public:
-    Counted(std::unique_ptr<DeviceArena> inner, std::atomic<int>* live) : inner_(std::move(inner)), live_(live) { ++*live_; }
-    ~Counted() override { --*live_; }
-    uint64_t size() const override { return inner_->size(); }
-    const DeviceInfo& device() const override { return inner_->device(); }
-    absl::Status CopyFromHost(uint64_t a, uint64_t b, const void* c, uint64_t d, uint64_t e, uint64_t f) override {
-      return inner_->CopyFromHost(a, b, c, d, e, f);
-    }
-    absl::StatusOr<uint64_t> RecordFence() override { return inner_->RecordFence(); }
-    absl::Status WaitFence(uint64_t f) override { return inner_->WaitFence(f); }
-    absl::Status CopyToHost(uint64_t o, void* d, uint64_t n) override { return inner_->CopyToHost(o, d, n); }
-    absl::Status Seal() override { return inner_->Seal(); }
-    int export_fd() const override { return inner_->export_fd(); }
-    std::string export_handle() const override { return inner_->export_handle(); }
-
-   private:
-    std::unique_ptr<DeviceArena> inner_;
-    std::atomic<int>* live_;
-  };
-  std::unique_ptr<DeviceBackend> inner_;
-  int fail_;
-  int allocations_ = 0;
-  std::atomic<int> live_{0};
-};
+using ::weightd::testing::CountingBackend;
 
 std::string Iota(size_t n) {
   std::string s(n, '\0');
@@ -147,7 +105,7 @@ TEST(DeviceLoad, FailedAllocationFreesEveryArena) {
   testing::WriteFile(dir.Join("m.safetensors"),
                      testing::SafetensorsBuilder().Add("rows", "U8", {8, 5}, Iota(40)).Build());
   WEIGHTD_ASSERT_OK_AND_ASSIGN(Catalog catalog, BuildCatalog(dir.Join("m.safetensors")));
-  CountingBackend backend(/*fail_allocation=*/1);  // rank 1's arena
+  CountingBackend backend({.fail_allocation = 1});  // rank 1's arena
   LoaderOptions options;
   options.device_backend = &backend;
   EXPECT_THAT(LoadGeneration(catalog, Request(), options, nullptr),

@@ -6,13 +6,12 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <atomic>
-
 #include "common/device.h"
 #include "common/status.h"
 #include "gtest/gtest.h"
 #include "server/process_watch.h"
 #include "tests/server/registry_fixture.h"
+#include "tests/testing/counting_backend.h"
 #include "tests/testing/status_matchers.h"
 
 namespace weightd {
@@ -22,47 +21,7 @@ using ::weightd::registry_test::RegistryTest;
 using ::weightd::registry_test::WriteCheckpoint;
 using ::weightd::registry_test::Tensors;
 using ::weightd::registry_test::MakeDir;
-
-// The emulated backend, but every arena is exported by handle bytes and no
-// fd, as cuda-legacy-ipc arenas are; counts the arenas alive.
-class HandleExportedBackend final : public DeviceBackend {
- public:
-  std::string name() const override { return "emulated"; }
-  absl::StatusOr<std::vector<DeviceInfo>> Devices() override { return inner_->Devices(); }
-  absl::StatusOr<std::unique_ptr<DeviceArena>> Allocate(const DeviceInfo& d, uint64_t size) override {
-    WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<DeviceArena> arena, inner_->Allocate(d, size));
-    return std::unique_ptr<DeviceArena>(new Arena(std::move(arena), &live_));
-  }
-  absl::StatusOr<std::unique_ptr<PinnedBuffer>> AllocatePinned(uint64_t size) override {
-    return inner_->AllocatePinned(size);
-  }
-  absl::StatusOr<std::unique_ptr<ImportedArena>> Import(ArenaExport e) override { return inner_->Import(std::move(e)); }
-  int live() const { return live_.load(); }
-
- private:
-  class Arena final : public DeviceArena {
-   public:
-    Arena(std::unique_ptr<DeviceArena> inner, std::atomic<int>* live) : inner_(std::move(inner)), live_(live) { ++*live_; }
-    ~Arena() override { --*live_; }
-    uint64_t size() const override { return inner_->size(); }
-    const DeviceInfo& device() const override { return inner_->device(); }
-    absl::Status CopyFromHost(uint64_t a, uint64_t b, const void* c, uint64_t d, uint64_t e, uint64_t f) override {
-      return inner_->CopyFromHost(a, b, c, d, e, f);
-    }
-    absl::StatusOr<uint64_t> RecordFence() override { return inner_->RecordFence(); }
-    absl::Status WaitFence(uint64_t f) override { return inner_->WaitFence(f); }
-    absl::Status CopyToHost(uint64_t o, void* d, uint64_t n) override { return inner_->CopyToHost(o, d, n); }
-    absl::Status Seal() override { return inner_->Seal(); }
-    int export_fd() const override { return -1; }
-    std::string export_handle() const override { return std::string(64, 'h'); }
-
-   private:
-    std::unique_ptr<DeviceArena> inner_;
-    std::atomic<int>* live_;
-  };
-  std::unique_ptr<DeviceBackend> inner_ = MakeEmulatedBackend(1);
-  std::atomic<int> live_{0};
-};
+using ::weightd::testing::CountingBackend;
 
 // A child process that waits to be killed; reaped by Kill().
 class Sleeper {
@@ -105,7 +64,7 @@ class RevokeTest : public RegistryTest {
     return loaded.ok() ? loaded->model : nullptr;
   }
 
-  HandleExportedBackend backend_;
+  CountingBackend backend_{{.devices = 1, .export_by_handle = true}};
   std::unique_ptr<ModelRegistry> registry_;
 };
 
