@@ -66,6 +66,7 @@ namespace weightd {
   X(MemcpyHtoD, 3020)                \
   X(MemcpyHtoDAsync, 3020)           \
   X(MemcpyDtoH, 3020)                \
+  X(MemcpyDtoDAsync, 3020)           \
   X(Memcpy2DAsync, 3020)             \
   X(MemHostAlloc, 2020)              \
   X(MemFreeHost, 2000)               \

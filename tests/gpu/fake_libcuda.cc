@@ -5,7 +5,11 @@
 // real driver requires and what weightd could get wrong: cuInit first, a
 // current context for context-bound calls, granularity-aligned VMM sizes,
 // device pointers inside live mappings, access set before use, unmap before
-// free. It does not model timing or asynchrony: every copy is a memcpy.
+// free. It does not model timing; every copy is a memcpy, but the source
+// ranges of device-to-device copies stay "in flight" until their stream or
+// the context is synchronised, and unmapping one of them faults the context
+// (sticky CUDA_ERROR_ILLEGAL_ADDRESS) as unmapping memory a kernel still
+// reads does on a GPU.
 //
 // Device memory is a memfd per allocation: VMM handles export it as an fd
 // (as CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR does), cuMemMap maps it at a
@@ -25,6 +29,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -55,6 +60,12 @@ struct State {
   std::map<uintptr_t, uint64_t> reservations;
   std::map<uintptr_t, Mapping> mappings;  // by base address
   std::map<void*, uint64_t> host_allocs;
+  struct InFlight {
+    CUstream stream;
+    uintptr_t p;
+    uint64_t n;
+  };
+  std::vector<InFlight> in_flight;  // reads of unsynchronised cuMemcpyDtoDAsync calls
 };
 
 State& S() {
@@ -203,7 +214,19 @@ CUresult TakeSticky() {
 }
 CUresult CtxSynchronize() {
   FAKE_NEEDS_CONTEXT();
+  {
+    std::lock_guard<std::mutex> lock(S().mu);
+    S().in_flight.clear();
+  }
   return TakeSticky();
+}
+// Unmapping [p, p + n) while a queued copy reads it: the copy faults.
+// Requires S().mu.
+void FaultInFlightReads(uintptr_t p, uint64_t n) {
+  auto& f = S().in_flight;
+  auto overlaps = [&](const State::InFlight& r) { return r.p < p + n && p < r.p + r.n; };
+  if (std::any_of(f.begin(), f.end(), overlaps)) S().sticky = CUDA_ERROR_ILLEGAL_ADDRESS;
+  std::erase_if(f, overlaps);
 }
 
 // --- streams and events (every operation is already complete) -------------------
@@ -220,7 +243,12 @@ CUresult StreamDestroy(CUstream s) {
 }
 CUresult StreamSynchronize(CUstream s) {
   FAKE_NEEDS_CONTEXT();
-  return s == nullptr ? CUDA_ERROR_INVALID_HANDLE : TakeSticky();
+  if (s == nullptr) return CUDA_ERROR_INVALID_HANDLE;
+  {
+    std::lock_guard<std::mutex> lock(S().mu);
+    std::erase_if(S().in_flight, [&](const State::InFlight& r) { return r.stream == s; });
+  }
+  return TakeSticky();
 }
 CUresult EventCreate(CUevent* e, unsigned int flags) {
   FAKE_NEEDS_CONTEXT();
@@ -346,6 +374,7 @@ CUresult MemUnmap(CUdeviceptr p, size_t size) {
   std::lock_guard<std::mutex> lock(S().mu);
   auto it = S().mappings.find(p);
   if (it == S().mappings.end() || it->second.kind != Kind::kVmm || it->second.size != size) return CUDA_ERROR_INVALID_VALUE;
+  FaultInFlightReads(p, size);
   mmap(reinterpret_cast<void*>(p), size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
   close(it->second.fd);
   S().mappings.erase(it);
@@ -410,6 +439,7 @@ CUresult Unmap(CUdeviceptr p, Kind kind) {
   std::lock_guard<std::mutex> lock(S().mu);
   auto it = S().mappings.find(p);
   if (it == S().mappings.end() || it->second.kind != kind) return CUDA_ERROR_INVALID_VALUE;
+  FaultInFlightReads(p, it->second.size);
   munmap(reinterpret_cast<void*>(p), it->second.size);
   if (it->second.fd >= 0) close(it->second.fd);
   S().mappings.erase(it);
@@ -518,6 +548,17 @@ CUresult MemcpyDtoH(void* dst, CUdeviceptr src, size_t n) {
   memcpy(dst, reinterpret_cast<const void*>(src), n);
   return CUDA_SUCCESS;
 }
+CUresult MemcpyDtoDAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
+  FAKE_NEEDS_CONTEXT();
+  if (s == nullptr) return CUDA_ERROR_INVALID_HANDLE;
+  bool faulted = false;
+  if (CUresult r = Access(src, n, false, &faulted); r != CUDA_SUCCESS || faulted) return r;
+  if (CUresult r = Access(dst, n, true, &faulted); r != CUDA_SUCCESS || faulted) return r;
+  memmove(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), n);
+  std::lock_guard<std::mutex> lock(S().mu);
+  S().in_flight.push_back({s, src, n});
+  return CUDA_SUCCESS;
+}
 CUresult Memcpy2DAsync(const CUDA_MEMCPY2D* c, CUstream s) {
   FAKE_NEEDS_CONTEXT();
   if (s == nullptr) return CUDA_ERROR_INVALID_HANDLE;
@@ -604,7 +645,7 @@ const Entry kEntries[] = {
     FAKE_ENTRY(MemAddressFree, 10020), FAKE_ENTRY(MemMap, 10020), FAKE_ENTRY(MemUnmap, 10020),
     FAKE_ENTRY(MemSetAccess, 10020), FAKE_ENTRY(MemGetAccess, 10020), FAKE_ENTRY(MemAlloc, 3020), FAKE_ENTRY(MemGetAddressRange, 3020),
     FAKE_ENTRY(MemFree, 3020), FAKE_ENTRY(MemsetD8, 3020), FAKE_ENTRY(MemsetD8Async, 3020),
-    FAKE_ENTRY(MemcpyHtoD, 3020), FAKE_ENTRY(MemcpyHtoDAsync, 3020), FAKE_ENTRY(MemcpyDtoH, 3020),
+    FAKE_ENTRY(MemcpyHtoD, 3020), FAKE_ENTRY(MemcpyHtoDAsync, 3020), FAKE_ENTRY(MemcpyDtoH, 3020), FAKE_ENTRY(MemcpyDtoDAsync, 3020),
     FAKE_ENTRY(Memcpy2DAsync, 3020), FAKE_ENTRY(MemHostAlloc, 2020), FAKE_ENTRY(MemFreeHost, 2000),
     FAKE_ENTRY(MemHostRegister, 6050), FAKE_ENTRY(MemHostUnregister, 4000),
     FAKE_ENTRY(MemHostGetDevicePointer, 3020), FAKE_ENTRY(IpcGetMemHandle, 4010),

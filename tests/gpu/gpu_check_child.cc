@@ -66,6 +66,48 @@ std::string WriteIntoMapping(const ImportedArena& arena) {
   return absl::StrCat("memset=", ResultName(cu, memset), " sync=", ResultName(cu, sync));
 }
 
+// Queues 16 device-to-device copies that read the whole imported arena
+// (several milliseconds of GPU work), then drops the import at once, as a
+// framework's DLPack deleter may: the import must wait for the copies before
+// unmapping. Reports the copies' outcome, the last copy's bytes verified
+// (the arena's ends) and how long the drop took.
+std::string DropWhileBusy(std::unique_ptr<ImportedArena>* arena, uint64_t seed) {
+  absl::StatusOr<CudaDriver*> driver = CudaDriver::Load();
+  if (!driver.ok()) return absl::StrCat("busy_error=", driver.status().code());
+  absl::StatusOr<std::shared_ptr<CudaContext>> context = CudaContext::Retain(**driver, (*arena)->device_ordinal());
+  if (!context.ok()) return "busy_error=context";
+  absl::StatusOr<ScopedContext> scope = ScopedContext::Enter(**context);
+  if (!scope.ok()) return "busy_error=context";
+  const CudaFunctions& cu = (*driver)->fn();
+  const uint64_t size = (*arena)->size();
+  auto src = static_cast<CUdeviceptr>(reinterpret_cast<uintptr_t>((*arena)->device_pointer()));
+  CUdeviceptr local = 0;
+  CUstream stream = nullptr;
+  if (cu.MemAlloc(&local, size) != CUDA_SUCCESS) return "busy_error=cuMemAlloc";
+  if (cu.StreamCreate(&stream, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS) {
+    cu.MemFree(local);
+    return "busy_error=cuStreamCreate";
+  }
+  CUresult queued = CUDA_SUCCESS;
+  for (int i = 0; i < 16 && queued == CUDA_SUCCESS; ++i) queued = cu.MemcpyDtoDAsync(local, src, size, stream);
+  Clock::time_point start = Clock::now();
+  arena->reset();
+  double drop_ms = MillisecondsSince(start);
+  CUresult sync = cu.StreamSynchronize(stream);
+  uint64_t verified = 0;
+  std::vector<char> host(std::min(kEndBytes, size));
+  for (uint64_t offset : {uint64_t{0}, size - host.size()}) {
+    if (sync == CUDA_SUCCESS && cu.MemcpyDtoH(host.data(), local + offset, host.size()) == CUDA_SUCCESS &&
+        FindMismatch(host.data(), offset, host.size(), seed) < 0) {
+      verified += host.size();
+    }
+  }
+  cu.StreamDestroy(stream);
+  cu.MemFree(local);
+  return absl::StrFormat("busy_queued=%s busy_sync=%s busy_verified=%d drop_ms=%.3f", ResultName(cu, queued),
+                         ResultName(cu, sync), verified, drop_ms);
+}
+
 class Child {
  public:
   explicit Child(int sock) : sock_(sock) {}
@@ -107,6 +149,7 @@ class Child {
     if (!verified.ok()) return {absl::StrCat("error verify: ", verified.status().ToString()), false};
     std::string reply = absl::StrFormat("ok import_ms=%.3f verify_ms=%.1f verified=%d read_only=%d ordinal=%d", import_ms,
                                         verify_ms, *verified, (*arena)->read_only() ? 1 : 0, (*arena)->device_ordinal());
+    if (m.Get("busy") == "1") return {absl::StrCat(reply, " ", DropWhileBusy(&*arena, seed)), false};
     if (m.Get("write") == "1") {
       // Leave the mapping and context as they are: the process exits next.
       absl::StrAppend(&reply, " ", WriteIntoMapping(**arena));

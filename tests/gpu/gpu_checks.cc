@@ -3,6 +3,8 @@
 // exports arenas from this process and imports them in a child process, the
 // way weightd and its clients do, and prints one Markdown table:
 //   - VMM export/import across processes, byte for byte; 2D strided copies
+//   - a client dropping an import while queued GPU copies still read it
+//     (VMM and legacy IPC): the copies must complete intact
 //   - what a client's write into a read-only (PROT_READ) mapping does
 //   - legacy IPC export/import across processes
 //   - open+map time by arena size (64 MiB, 512 MiB, 2 GiB, 8 GiB)
@@ -240,6 +242,24 @@ void CheckRoundTrip(const std::string& check, DeviceBackend& backend, const Gpu&
   table.Add(check, all ? "PASS" : "FAIL", absl::StrCat(Size(e->arena->size()), " verified"),
             absl::StrCat("child mapping read-only: ", reply->Get("read_only") == "1" ? "yes" : "no", "; import ",
                          reply->Get("import_ms"), " ms, unmap ", reply->Get("unmap_ms"), " ms"));
+}
+
+// The child queues GPU copies that read an imported 512 MiB arena and drops
+// the import while they run; the copies must finish intact.
+void CheckDropWhileBusy(DeviceBackend& backend, const Gpu& gpu, ChildProcess& child, Table& table) {
+  const std::string check = absl::StrCat("drop an import while 16 queued cuMemcpyDtoDAsync read it (", backend.name(), ")");
+  absl::StatusOr<Exported> e = Export(backend, gpu.device, 512 * kMiB, 5, "ends", false);
+  if (!e.ok()) return table.Add(check, "FAIL", "", absl::StrCat("export: ", e.status().ToString()));
+  absl::StatusOr<Message> reply = child.Ask(absl::StrCat(e->request, " busy=1"), FdsOf(*e));
+  if (!reply.ok()) return table.Add(check, "FAIL", "", absl::StrCat("child: ", reply.status().ToString()));
+  if (reply->verb != "ok") return table.Add(check, "FAIL", "", reply->Get("message"));
+  if (!reply->Get("busy_error").empty()) return table.Add(check, "FAIL", "", reply->Get("busy_error"));
+  bool ok = reply->Get("busy_queued") == "CUDA_SUCCESS" && reply->Get("busy_sync") == "CUDA_SUCCESS" &&
+            reply->Get("busy_verified") == std::to_string(2 * kEndBytes);
+  table.Add(check, ok ? "PASS" : "FAIL", absl::StrCat("drop ", reply->Get("drop_ms"), " ms"),
+            absl::StrCat("copies queued ", reply->Get("busy_queued"), ", stream sync ", reply->Get("busy_sync"),
+                         ", copied ends verified ", reply->Get("busy_verified"), " bytes; ",
+                         ok ? "the drop waited for them" : "the copies did not survive the drop"));
 }
 
 // Rows r of `width` bytes, `src_pitch` apart in host memory, land `dst_pitch`
@@ -560,11 +580,13 @@ int ParentMain(const Options& options) {
   if (gpu.vmm.ok()) {
     CheckRoundTrip("VMM export/import across processes (fd over SCM_RIGHTS)", **gpu.vmm, gpu, **child, 1, table);
     Check2DCopy(**gpu.vmm, gpu, table);
+    CheckDropWhileBusy(**gpu.vmm, gpu, **child, table);
   } else {
     table.Add("VMM backend (cuda)", "FAIL", "", gpu.vmm.status().ToString());
   }
   if (gpu.legacy.ok()) {
     CheckRoundTrip("legacy IPC export/import across processes (handle bytes)", **gpu.legacy, gpu, **child, 2, table);
+    CheckDropWhileBusy(**gpu.legacy, gpu, **child, table);
   } else {
     table.Add("legacy IPC backend (cuda-legacy-ipc)", "FAIL", "", gpu.legacy.status().ToString());
   }
