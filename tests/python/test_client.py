@@ -176,6 +176,37 @@ def test_lease_outlives_close_while_a_tensor_is_alive(daemon, demo_small):
     assert daemon.wait_leases("demo-small", 0) == 0
 
 
+def test_segments_are_unmapped_before_the_lease_ends(daemon, demo_small):
+    # The daemon may free a generation once its last lease ends; for
+    # cuda-legacy-ipc arenas that must come after the client's unmap.
+    model = daemon.client.attach("demo-small")
+    tensor = model[next(iter(model))]  # holds the lease and its segment
+    lease = model._lease
+    segments = list(lease.segments)  # extra references: closing must not wait for them
+    closed_when_lease_ended = []
+
+    class RecordingConnection:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def close(self):
+            closed_when_lease_ended.append([s.closed for s in segments])
+            self.inner.close()
+
+    lease.connection = RecordingConnection(lease.connection)
+    model.close()
+    del model, lease
+    gc.collect()
+    assert closed_when_lease_ended == []  # the tensor still holds the lease
+    del tensor
+    gc.collect()
+    assert closed_when_lease_ended == [[True] * len(segments)]
+    assert daemon.wait_leases("demo-small", 0) == 0
+    assert segments[0].address == 0
+    with pytest.raises(ValueError, match="the segment is closed: its lease has ended"):
+        segments[0].copy_to_host(0, 1)
+
+
 def test_context_manager_releases_the_lease(daemon, demo_small):
     with daemon.client.attach("demo-small") as model:
         assert daemon.leases("demo-small") == 1

@@ -134,9 +134,19 @@ class Segment {
   }
   Segment(const Segment&) = delete;
   Segment& operator=(const Segment&) = delete;
-  ~Segment() {
+  ~Segment() { Close(); }
+  // Unmaps now rather than when Python frees the object (a device import
+  // first waits for this process's queued GPU work): the lease calls it on
+  // every segment before it ends, since for cuda-legacy-ipc the daemon may
+  // free the memory once the lease is gone. Idempotent; later use raises.
+  void Close() {
     if (mapped_) munmap(base_, size_);
+    mapped_ = false;
+    arena_.reset();
+    base_ = nullptr;
+    closed_ = true;
   }
+  bool closed() const { return closed_; }
 
   uintptr_t address() const { return reinterpret_cast<uintptr_t>(base_); }
   uint64_t size() const { return size_; }
@@ -145,6 +155,7 @@ class Segment {
   // Copies bytes to host memory: memcpy for host mappings, the backend's
   // device-to-host copy for device arenas.
   py::bytes CopyToHost(uint64_t offset, uint64_t n) const {
+    CheckOpen();
     if (offset > size_ || n > size_ - offset) throw py::value_error("byte range lies outside the segment");
     std::string out(n, '\0');
     if (arena_ == nullptr) {
@@ -161,6 +172,7 @@ class Segment {
   // drops the tensor; it must keep this Segment alive.
   py::capsule Export(uint64_t offset, uint64_t nbytes, const std::string& dtype, const std::vector<int64_t>& shape,
                      py::object owner) const {
+    CheckOpen();
     const DtypeInfo& info = LookupDtype(dtype);
     uint64_t elements = 1;
     for (int64_t d : shape) {
@@ -202,10 +214,14 @@ class Segment {
 
  private:
   Segment() = default;
+  void CheckOpen() const {
+    if (closed_) throw py::value_error("the segment is closed: its lease has ended");
+  }
 
   char* base_ = nullptr;
   uint64_t size_ = 0;
   bool mapped_ = false;  // base_ is our mmap
+  bool closed_ = false;
   DLDevice device_{kDLCPU, 0};
   std::unique_ptr<weightd::ImportedArena> arena_;  // device arenas
 };
@@ -221,6 +237,8 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("size", &Segment::size)
       .def_property_readonly("device", &Segment::device, "the DLPack (device_type, device_id) of the memory")
       .def_property_readonly("read_only", &Segment::read_only, "whether the mapping is read-only")
+      .def("close", &Segment::Close, "Unmaps now (device imports wait for queued GPU work first); idempotent.")
+      .def_property_readonly("closed", &Segment::closed)
       .def("copy_to_host", &Segment::CopyToHost, py::arg("offset"), py::arg("nbytes"), "bytes of the segment, copied")
       .def_static("import_device", &Segment::ImportDevice, py::arg("backend"), py::arg("gpu_uuid"), py::arg("size"),
                   py::arg("handle"), py::arg("fd"),

@@ -144,18 +144,25 @@ def _map_segments(response, fds):
         raise WeightdError(grpc.StatusCode.INTERNAL,
                            f"received {len(fds)} segment fds for {len(with_fd)} fd-exported segments")
     segments, next_fd = [], iter(fds)
-    for i, d in enumerate(response.segments):
-        try:
-            if d.backend in _MAPPABLE_BACKENDS:
-                segments.append(Segment(next(next_fd), d.size))
-            elif d.backend == "cuda-legacy-ipc":
-                segments.append(Segment.import_device(d.backend, d.gpu_uuid, d.size, d.ipc_handle, -1))
-            else:
-                segments.append(Segment.import_device(d.backend, d.gpu_uuid, d.size, b"", next(next_fd)))
-        except RuntimeError as e:
-            raise WeightdError(grpc.StatusCode.UNAVAILABLE,
-                               f"segment {i} of model {response.model!r} ({d.backend} on {d.gpu_uuid}): {e}") from None
-    for t in response.tensors:
-        if t.segment >= len(segments) or t.offset + t.nbytes > segments[t.segment].size:
-            raise WeightdError(grpc.StatusCode.INTERNAL, f"tensor {t.name!r} lies outside its segment")
+    try:
+        for i, d in enumerate(response.segments):
+            try:
+                if d.backend in _MAPPABLE_BACKENDS:
+                    segments.append(Segment(next(next_fd), d.size))
+                elif d.backend == "cuda-legacy-ipc":
+                    segments.append(Segment.import_device(d.backend, d.gpu_uuid, d.size, d.ipc_handle, -1))
+                else:
+                    segments.append(Segment.import_device(d.backend, d.gpu_uuid, d.size, b"", next(next_fd)))
+            except RuntimeError as e:
+                raise WeightdError(grpc.StatusCode.UNAVAILABLE,
+                                   f"segment {i} of model {response.model!r} ({d.backend} on {d.gpu_uuid}): {e}") from None
+        for t in response.tensors:
+            if t.segment >= len(segments) or t.offset + t.nbytes > segments[t.segment].size:
+                raise WeightdError(grpc.StatusCode.INTERNAL, f"tensor {t.name!r} lies outside its segment")
+    except BaseException:
+        # Unmapped before the caller closes the connection (the lease), not
+        # whenever the traceback lets go of them.
+        for segment in segments:
+            segment.close()
+        raise
     return segments

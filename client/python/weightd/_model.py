@@ -23,10 +23,12 @@ class _Lease:
         self.segments = segments  # one weightd._native.Segment per manifest segment
 
     def __del__(self):
-        # Segments first: the daemon may free the memory once the lease ends,
-        # and a cuda-legacy-ipc arena must be closed before the exporter frees
-        # it (CUDA Driver API, cuIpcOpenMemHandle).
-        self.segments = None
+        # Segments first, explicitly (a Tensor being freed may still hold one):
+        # the daemon may free the memory once the lease ends, and a
+        # cuda-legacy-ipc arena must be closed before the exporter frees it
+        # (CUDA Driver API, cuIpcOpenMemHandle).
+        for segment in getattr(self, "segments", None) or ():
+            segment.close()
         connection = getattr(self, "connection", None)
         if connection is not None:
             connection.close()
