@@ -21,7 +21,6 @@ struct FdChannel::Connection {
   ScopedFd sock;
   std::string lease_id;  // empty until claimed
   std::chrono::steady_clock::time_point deadline;
-  pid_t peer_pid = 0;  // SO_PEERCRED at accept; 0 when not visible in this PID namespace
 };
 
 absl::StatusOr<std::unique_ptr<FdChannel>> FdChannel::Start(FdChannelOptions options, ModelRegistry* registry) {
@@ -81,7 +80,6 @@ void FdChannel::Loop() {
     }
     connections_ = std::move(keep);
     registry_->ExpirePending();
-    registry_->ReleaseRevoked();
   }
 }
 
@@ -99,8 +97,7 @@ void FdChannel::Accept() {
   ScopedFd sock(fd);
   // Refuse early: a peer that may not claim, or one too many, holds no slot.
   std::string why;
-  pid_t peer_pid = 0;
-  if (!PeerAllowed(sock.get(), &peer_pid, &why)) {
+  if (!PeerAllowed(sock.get(), &why)) {
     (void)SendMessage(sock.get(), absl::StrCat("ERR ", static_cast<int>(absl::StatusCode::kPermissionDenied), " ", why), {});
     return;
   }
@@ -112,17 +109,15 @@ void FdChannel::Accept() {
   auto c = std::make_unique<Connection>();
   c->sock = std::move(sock);
   c->deadline = std::chrono::steady_clock::now() + registry_->claim_timeout();
-  c->peer_pid = peer_pid;
   connections_.push_back(std::move(c));
 }
 
-bool FdChannel::PeerAllowed(int sock, pid_t* pid, std::string* why) const {
+bool FdChannel::PeerAllowed(int sock, std::string* why) const {
   absl::StatusOr<PeerCredentials> peer = GetPeerCredentials(sock);
   if (!peer.ok()) {
     *why = std::string(peer.status().message());
     return false;
   }
-  *pid = peer->pid;
   if (peer->uid == getuid() || peer->uid == 0 || peer->gid == getgid()) return true;
   if (std::find(options_.allowed_gids.begin(), options_.allowed_gids.end(), peer->gid) != options_.allowed_gids.end()) {
     return true;
@@ -141,7 +136,7 @@ bool FdChannel::Serve(Connection& c) {
     return false;
   };
   if (!absl::StartsWith(*message, "CLAIM ")) return refuse(absl::StatusCode::kInvalidArgument, "expected 'CLAIM <lease_id>'");
-  absl::StatusOr<ModelRegistry::Grant> grant = registry_->Claim(message->substr(6), c.peer_pid);
+  absl::StatusOr<ModelRegistry::Grant> grant = registry_->Claim(message->substr(6));
   if (!grant.ok()) return refuse(grant.status().code(), grant.status().message());
   c.lease_id = grant->lease_id;
   std::vector<int> fds;

@@ -58,8 +58,7 @@ class FdChannel {
   void Accept();
   // Returns false when the connection must be closed.
   bool Serve(Connection& connection);
-  // Whether the peer may claim leases (why not in `why`); its pid in `pid`.
-  bool PeerAllowed(int sock, pid_t* pid, std::string* why) const;
+  bool PeerAllowed(int sock, std::string* why) const;
 
   FdChannelOptions options_;
   ModelRegistry* registry_;

@@ -1,5 +1,6 @@
 #include "server/registry.h"
 
+#include <algorithm>
 #include <random>
 
 #include "absl/strings/match.h"
@@ -15,10 +16,8 @@ namespace {
 // Some arena is exported by handle, not fd (cuda-legacy-ipc): its memory dies
 // with cuMemFree whatever importers still have open.
 bool HasHandleExportedArenas(const ModelGeneration& model) {
-  for (const auto& arena : model.arenas) {
-    if (arena->export_fd() < 0) return true;
-  }
-  return false;
+  return std::any_of(model.arenas.begin(), model.arenas.end(),
+                     [](const std::unique_ptr<DeviceArena>& arena) { return arena->export_fd() < 0; });
 }
 
 std::string NewLeaseId() {
@@ -161,14 +160,8 @@ void ModelRegistry::Retire(std::shared_ptr<ModelGeneration> model) {
   if (model->leases.load() > 0) {
     model->state = ModelState::kDraining;
     draining_.push_back(std::move(model));
-  } else if (IsRevoked(model.get())) {
-    model->state = ModelState::kDraining;  // revoked_ holds it until its claimants exit
   }
   // Otherwise the last reference goes out of scope here and frees the segments.
-}
-
-bool ModelRegistry::IsRevoked(const ModelGeneration* model) const {
-  return std::any_of(revoked_.begin(), revoked_.end(), [&](const Revoked& r) { return r.model.get() == model; });
 }
 
 absl::StatusOr<ModelRegistry::UnloadResult> ModelRegistry::Unload(const std::string& name, bool force) {
@@ -181,7 +174,7 @@ absl::StatusOr<ModelRegistry::UnloadResult> ModelRegistry::Unload(const std::str
   if (force) {
     DropLeasesOf(name);
   }
-  bool freed = model->leases.load() == 0 && !IsRevoked(model.get());
+  bool freed = model->leases.load() == 0;
   Retire(model);
   NotifyMemory();
   return UnloadResult{model, freed};
@@ -189,19 +182,13 @@ absl::StatusOr<ModelRegistry::UnloadResult> ModelRegistry::Unload(const std::str
 
 absl::StatusOr<ModelRegistry::UnloadResult> ModelRegistry::UnloadDraining(const std::string& name, bool force) {
   auto draining = std::find_if(draining_.begin(), draining_.end(), [&](auto& m) { return m->request.name == name; });
-  if (draining == draining_.end()) {
-    // Revoked already, waiting for its claimants to exit: nothing more to end.
-    for (const Revoked& r : revoked_) {
-      if (r.model->request.name == name) return UnloadResult{r.model, false};
-    }
-    return absl::NotFoundError(absl::StrCat("no model named '", name, "'"));
-  }
+  if (draining == draining_.end()) return absl::NotFoundError(absl::StrCat("no model named '", name, "'"));
   std::shared_ptr<ModelGeneration> model = *draining;  // the oldest draining generation of the name
   if (force) {
     DropLeasesOf(name);
     NotifyMemory();
   }
-  return UnloadResult{model, model->leases.load() == 0 && !IsRevoked(model.get())};
+  return UnloadResult{model, model->leases.load() == 0};
 }
 
 std::vector<std::shared_ptr<ModelGeneration>> ModelRegistry::List() const {
@@ -209,9 +196,6 @@ std::vector<std::shared_ptr<ModelGeneration>> ModelRegistry::List() const {
   std::vector<std::shared_ptr<ModelGeneration>> out;
   for (const auto& [name, model] : current_) out.push_back(model);
   out.insert(out.end(), draining_.begin(), draining_.end());
-  for (const Revoked& r : revoked_) {
-    if (std::find(out.begin(), out.end(), r.model) == out.end()) out.push_back(r.model);
-  }
   return out;
 }
 
@@ -255,13 +239,12 @@ absl::StatusOr<ModelRegistry::Grant> ModelRegistry::Attach(const std::string& na
   return Grant{id, model, rank};
 }
 
-absl::StatusOr<ModelRegistry::Grant> ModelRegistry::Claim(const std::string& lease_id, pid_t claimant) {
+absl::StatusOr<ModelRegistry::Grant> ModelRegistry::Claim(const std::string& lease_id) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = leases_.find(lease_id);
   if (it == leases_.end()) return absl::NotFoundError("unknown or expired lease id");
   if (it->second.claimed) return absl::FailedPreconditionError("lease already claimed on another connection");
   it->second.claimed = true;
-  it->second.claimant = claimant;
   if (listener_) {
     double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - it->second.attached).count();
     listener_->OnLeaseClaimed(it->second.model->request.name, seconds);
@@ -280,46 +263,24 @@ void ModelRegistry::DropLease(std::map<std::string, Lease>::iterator it) {
 }
 
 void ModelRegistry::DropLeasesOf(const std::string& name) {
+  std::map<uint64_t, int> kept;  // generation -> claimed handle-exported leases left to their clients
   for (auto l = leases_.begin(); l != leases_.end();) {
     auto next = std::next(l);
     const Lease& lease = l->second;
     if (lease.model->request.name == name) {
       if (lease.claimed && HasHandleExportedArenas(*lease.model)) {
-        auto r = std::find_if(revoked_.begin(), revoked_.end(), [&](const Revoked& r) { return r.model == lease.model; });
-        if (r == revoked_.end()) r = revoked_.insert(revoked_.end(), Revoked{lease.model, {}});
-        r->claimants.push_back(std::make_unique<ProcessWatch>(lease.claimant));
+        ++kept[lease.model->generation];
+      } else {
+        DropLease(l);
       }
-      DropLease(l);
     }
     l = next;
   }
-  for (const Revoked& r : revoked_) {
-    if (r.model->request.name != name) continue;
-    std::vector<std::string> pids;
-    for (const auto& c : r.claimants) pids.push_back(c->known() ? std::to_string(c->pid()) : "unknown (another PID namespace: held until weightd exits)");
-    LogWarning(absl::StrCat("forced unload of model '", name, "' generation ", r.model->generation,
-                            ": its cuda-legacy-ipc arenas stay allocated until the processes that claimed its leases "
-                            "exit (freeing memory a client still has open is undefined in CUDA IPC); pids: ",
-                            absl::StrJoin(pids, ", ")));
+  for (const auto& [generation, count] : kept) {
+    LogWarning(absl::StrCat("forced unload of model '", name, "' generation ", generation, ": ", count,
+                            " claimed lease(s) on cuda-legacy-ipc arenas end only when their clients close them or "
+                            "exit (freeing memory a client still has open is undefined in CUDA IPC)"));
   }
-}
-
-int ModelRegistry::ReleaseRevoked() {
-  std::lock_guard<std::mutex> lock(mu_);
-  int released = 0;
-  for (auto r = revoked_.begin(); r != revoked_.end();) {
-    std::erase_if(r->claimants, [](const std::unique_ptr<ProcessWatch>& c) { return c->Exited(); });
-    if (!r->claimants.empty()) {
-      ++r;
-      continue;
-    }
-    LogInfo(absl::StrCat("model '", r->model->request.name, "' generation ", r->model->generation,
-                         ": every process that had its cuda-legacy-ipc arenas open has exited; freeing them"));
-    r = revoked_.erase(r);
-    ++released;
-  }
-  if (released) NotifyMemory();
-  return released;
 }
 
 void ModelRegistry::Release(const std::string& lease_id) {
@@ -366,9 +327,6 @@ void ModelRegistry::NotifyMemory() {
   };
   for (const auto& [name, model] : current_) add(*model);
   for (const auto& model : draining_) add(*model);
-  for (const Revoked& r : revoked_) {
-    if (r.model->leases.load() == 0) add(*r.model);  // else counted in draining_ already
-  }
   listener_->OnMemoryChanged(host, locked);
 }
 

@@ -22,7 +22,6 @@
 #include "absl/status/statusor.h"
 #include "server/loader.h"
 #include "server/model.h"
-#include "server/process_watch.h"
 
 namespace weightd {
 
@@ -70,16 +69,15 @@ class ModelRegistry {
   // with only DRAINING generations: `force` ends their leases; without it the
   // call reports the draining generation unchanged.
   //
-  // Arenas exported by handle rather than fd (cuda-legacy-ipc) are not
-  // reference-counted across processes: a cuMemFree before an importer's
-  // cuIpcCloseMemHandle is undefined behaviour (CUDA Driver API,
-  // cuIpcOpenMemHandle), and in practice lets the importer read memory that
-  // another allocation reuses. So when `force` revokes claimed leases of
-  // such a generation, it stays DRAINING (freed = false) until every process
-  // that claimed one has exited (ReleaseRevoked); a claimant whose pid is not
-  // visible here (another PID namespace) holds it until weightd exits.
-  // fd-exported memory (memfd, cuda VMM) needs none of this: the kernel and
-  // cuMemRelease keep it until the last mapping goes.
+  // Except claimed leases on arenas exported by handle rather than fd
+  // (cuda-legacy-ipc): that memory is not reference-counted across
+  // processes, and a cuMemFree before an importer's cuIpcCloseMemHandle is
+  // undefined behaviour (CUDA Driver API, cuIpcOpenMemHandle): the importer
+  // may read memory another allocation reuses. `force` leaves those leases to end
+  // when their clients close the fd-socket connection (weightd's clients
+  // unmap first) or exit, and says so in the log. fd-exported memory (memfd,
+  // cuda VMM) is kept by the kernel and the driver until the last mapping
+  // goes, so its leases end at once.
   absl::StatusOr<UnloadResult> Unload(const std::string& name, bool force);
 
   // Current generations by name, then draining ones.
@@ -95,11 +93,9 @@ class ModelRegistry {
     uint32_t rank = 0;
   };
   absl::StatusOr<Grant> Attach(const std::string& name, uint32_t rank);
-  // PENDING -> ACTIVE. `claimant` is the claiming process (SO_PEERCRED; 0
-  // when unknown), watched after a forced unload of handle-exported arenas.
-  // NOT_FOUND for an unknown or expired id, FAILED_PRECONDITION for one
-  // already claimed.
-  absl::StatusOr<Grant> Claim(const std::string& lease_id, pid_t claimant = 0);
+  // PENDING -> ACTIVE. NOT_FOUND for an unknown or expired id,
+  // FAILED_PRECONDITION for one already claimed.
+  absl::StatusOr<Grant> Claim(const std::string& lease_id);
   // Ends a lease in any state; unknown ids are ignored.
   void Release(const std::string& lease_id);
   // Release() for clients: NOT_FOUND for an unknown id.
@@ -107,9 +103,6 @@ class ModelRegistry {
   bool IsLeaseLive(const std::string& lease_id) const;
   // Drops PENDING leases older than claim_timeout; returns how many.
   int ExpirePending();
-  // Lets go of revoked handle-exported generations (see Unload) whose
-  // claimant processes have all exited; returns how many. Never blocks.
-  int ReleaseRevoked();
 
   std::chrono::milliseconds claim_timeout() const { return options_.claim_timeout; }
   // Makes loads in progress (and later ones) fail with UNAVAILABLE at their
@@ -123,20 +116,13 @@ class ModelRegistry {
     bool claimed;
     std::chrono::steady_clock::time_point attached;
     std::chrono::steady_clock::time_point deadline;
-    pid_t claimant = 0;
-  };
-  // A generation kept after a forced unload until its claimants exit.
-  struct Revoked {
-    std::shared_ptr<ModelGeneration> model;
-    std::vector<std::unique_ptr<ProcessWatch>> claimants;
   };
 
   absl::StatusOr<std::string> ResolvePath(const std::string& path) const;
   absl::StatusOr<std::shared_ptr<ModelGeneration>> GetLocked(const std::string& name) const;  // requires mu_
   absl::StatusOr<std::shared_ptr<ModelGeneration>> GetRankLocked(const std::string& name,
                                                                  uint32_t rank) const;  // requires mu_
-  void DropLeasesOf(const std::string& name);  // requires mu_; records Revoked claimants
-  bool IsRevoked(const ModelGeneration* model) const;  // requires mu_
+  void DropLeasesOf(const std::string& name);  // requires mu_; see Unload for what it keeps
   absl::StatusOr<UnloadResult> UnloadDraining(const std::string& name, bool force);         // requires mu_
   std::shared_ptr<ModelGeneration> Reusable(const LoadRequest& request, const Catalog& catalog) const;
   void Retire(std::shared_ptr<ModelGeneration> model);  // requires mu_
@@ -151,7 +137,6 @@ class ModelRegistry {
   std::vector<std::shared_ptr<ModelGeneration>> draining_;
   std::set<std::string> loading_;
   std::map<std::string, Lease> leases_;
-  std::vector<Revoked> revoked_;
   uint64_t next_generation_ = 1;
 };
 

@@ -1,15 +1,15 @@
-// A forced unload of a generation whose arenas are exported by handle
-// (cuda-legacy-ipc) keeps the arenas until every process that claimed a
-// lease has exited; fd-exported memory is let go at once. ProcessWatch tells
-// a running process from an exited one.
-#include <signal.h>
-#include <sys/wait.h>
-#include <unistd.h>
+// A forced unload ends fd-exported leases at once, but leaves claimed leases
+// on handle-exported (cuda-legacy-ipc) arenas to their clients: the arenas
+// are freed only when those clients close their fd-socket connections.
+#include <poll.h>
+
+#include <thread>
 
 #include "common/device.h"
 #include "common/status.h"
+#include "common/unix_socket.h"
 #include "gtest/gtest.h"
-#include "server/process_watch.h"
+#include "server/fd_channel.h"
 #include "tests/server/registry_fixture.h"
 #include "tests/testing/counting_backend.h"
 #include "tests/testing/status_matchers.h"
@@ -17,164 +17,112 @@
 namespace weightd {
 namespace {
 
-using ::weightd::registry_test::RegistryTest;
-using ::weightd::registry_test::WriteCheckpoint;
-using ::weightd::registry_test::Tensors;
 using ::weightd::registry_test::MakeDir;
+using ::weightd::registry_test::RegistryTest;
+using ::weightd::registry_test::Tensors;
+using ::weightd::registry_test::WriteCheckpoint;
 using ::weightd::testing::CountingBackend;
-
-// A child process that waits to be killed; reaped by Kill().
-class Sleeper {
- public:
-  Sleeper() : pid_(fork()) {
-    if (pid_ == 0) {
-      pause();
-      _exit(0);
-    }
-  }
-  ~Sleeper() { Kill(); }
-  pid_t pid() const { return pid_; }
-  void Kill() {
-    if (pid_ <= 0) return;
-    kill(pid_, SIGKILL);
-    waitpid(pid_, nullptr, 0);
-    pid_ = -1;
-  }
-
- private:
-  pid_t pid_;
-};
 
 class RevokeTest : public RegistryTest {
  protected:
-  RevokeTest() {
+  // A registry whose arenas come from `backend`, with Tensors(1) loaded as
+  // "m" entirely on the one emulated GPU.
+  std::unique_ptr<ModelRegistry> LoadOnDevice(DeviceBackend* backend) {
     RegistryOptions options = Options();
-    options.loader.device_backend = &backend_;
-    registry_ = std::make_unique<ModelRegistry>(options, nullptr);
-  }
-  // Loads Tensors(1) with every tensor on the one emulated GPU.
-  std::shared_ptr<ModelGeneration> LoadOnDevice() {
+    options.loader.device_backend = backend;
+    auto registry = std::make_unique<ModelRegistry>(options, nullptr);
     WriteCheckpoint(MakeDir(root_.Join("ck")) + "/model.safetensors", Tensors(1));
     LoadRequest request;
     request.name = "m";
     request.checkpoint_path = "ck";
     request.devices = {"GPU-emulated-0"};
-    absl::StatusOr<ModelRegistry::LoadResult> loaded = registry_->Load(request, nullptr);
+    absl::StatusOr<ModelRegistry::LoadResult> loaded = registry->Load(request, nullptr);
     EXPECT_TRUE(loaded.ok()) << loaded.status();
-    return loaded.ok() ? loaded->model : nullptr;
+    if (loaded.ok()) EXPECT_EQ(loaded->model->arenas.size(), 1u);
+    return registry;
   }
 
-  CountingBackend backend_{{.devices = 1, .export_by_handle = true}};
-  std::unique_ptr<ModelRegistry> registry_;
+  CountingBackend by_handle_{{.devices = 1, .export_by_handle = true}};
 };
 
-TEST_F(RevokeTest, ForcedUnloadKeepsHandleExportedArenasUntilClaimantsExit) {
-  std::shared_ptr<ModelGeneration> model = LoadOnDevice();
-  ASSERT_NE(model, nullptr);
-  ASSERT_EQ(model->arenas.size(), 1u);
-  EXPECT_EQ(backend_.live(), 1);
-  Sleeper first, second;
-  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto a, registry_->Attach("m", 0));
-  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto b, registry_->Attach("m", 0));
-  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto pending, registry_->Attach("m", 0));  // never claimed: holds nothing
-  WEIGHTD_ASSERT_OK(registry_->Claim(a.lease_id, first.pid()));
-  WEIGHTD_ASSERT_OK(registry_->Claim(b.lease_id, second.pid()));
-  a = {};
-  b = {};
-  pending = {};
+TEST_F(RevokeTest, ForcedUnloadLeavesClaimedHandleExportedLeasesToTheirClients) {
+  std::unique_ptr<ModelRegistry> registry = LoadOnDevice(&by_handle_);
+  ASSERT_EQ(by_handle_.live(), 1);
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto a, registry->Attach("m", 0));
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto b, registry->Attach("m", 0));
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto pending, registry->Attach("m", 0));  // never claimed: ends at once
+  WEIGHTD_ASSERT_OK(registry->Claim(a.lease_id));
+  WEIGHTD_ASSERT_OK(registry->Claim(b.lease_id));
+  std::string a_id = a.lease_id, b_id = b.lease_id, pending_id = pending.lease_id;
+  a = b = pending = {};
 
-  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto unloaded, registry_->Unload("m", /*force=*/true));
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto unloaded, registry->Unload("m", /*force=*/true));
   EXPECT_FALSE(unloaded.freed);
-  EXPECT_EQ(unloaded.model->leases.load(), 0);
+  EXPECT_EQ(unloaded.model->leases.load(), 2);
   EXPECT_EQ(unloaded.model->state.load(), ModelState::kDraining);
   unloaded = {};
-  std::weak_ptr<ModelGeneration> weak = model;
-  model.reset();
-  ASSERT_EQ(registry_->List().size(), 1u);
-  EXPECT_EQ(registry_->List()[0]->generation, 1u);
-  // A second forced unload finds it, and still cannot free it.
-  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto again, registry_->Unload("m", /*force=*/true));
+  EXPECT_TRUE(registry->IsLeaseLive(a_id));
+  EXPECT_TRUE(registry->IsLeaseLive(b_id));
+  EXPECT_FALSE(registry->IsLeaseLive(pending_id));
+  // A second forced unload finds the draining generation and keeps them too.
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto again, registry->Unload("m", /*force=*/true));
   EXPECT_FALSE(again.freed);
+  EXPECT_EQ(again.model->leases.load(), 2);
   again = {};
 
-  EXPECT_EQ(registry_->ReleaseRevoked(), 0);
-  first.Kill();
-  EXPECT_EQ(registry_->ReleaseRevoked(), 0);  // the second claimant still runs
-  EXPECT_EQ(backend_.live(), 1);
-  EXPECT_FALSE(weak.expired());
-  second.Kill();
-  EXPECT_EQ(registry_->ReleaseRevoked(), 1);
-  EXPECT_TRUE(weak.expired());
-  EXPECT_EQ(backend_.live(), 0);
-  EXPECT_TRUE(registry_->List().empty());
-  EXPECT_EQ(registry_->ReleaseRevoked(), 0);
+  registry->Release(a_id);  // the first client closed its connection
+  EXPECT_EQ(by_handle_.live(), 1);
+  ASSERT_EQ(registry->List().size(), 1u);
+  registry->Release(b_id);
+  EXPECT_EQ(by_handle_.live(), 0);
+  EXPECT_TRUE(registry->List().empty());
 }
 
-TEST_F(RevokeTest, ClaimantInAnotherPidNamespaceHoldsTheArenasUntilExit) {
-  ASSERT_NE(LoadOnDevice(), nullptr);
-  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto a, registry_->Attach("m", 0));
-  WEIGHTD_ASSERT_OK(registry_->Claim(a.lease_id, /*claimant=*/0));  // SO_PEERCRED gives 0 for invisible pids
+TEST_F(RevokeTest, ForcedUnloadOfFdExportedArenasEndsEveryLeaseAtOnce) {
+  CountingBackend by_fd({.devices = 1});
+  std::unique_ptr<ModelRegistry> registry = LoadOnDevice(&by_fd);
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto a, registry->Attach("m", 0));
+  WEIGHTD_ASSERT_OK(registry->Claim(a.lease_id));
+  std::string id = a.lease_id;
   a = {};
-  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto unloaded, registry_->Unload("m", /*force=*/true));
-  EXPECT_FALSE(unloaded.freed);
-  unloaded = {};
-  EXPECT_EQ(registry_->ReleaseRevoked(), 0);
-  EXPECT_EQ(backend_.live(), 1);
-  EXPECT_EQ(registry_->List().size(), 1u);
-}
-
-TEST_F(RevokeTest, PlainUnloadWaitsForLeasesNotProcesses) {
-  ASSERT_NE(LoadOnDevice(), nullptr);
-  Sleeper claimant;
-  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto a, registry_->Attach("m", 0));
-  WEIGHTD_ASSERT_OK(registry_->Claim(a.lease_id, claimant.pid()));
-  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto unloaded, registry_->Unload("m", /*force=*/false));
-  EXPECT_FALSE(unloaded.freed);
-  unloaded = {};
-  // The client closed its lease itself (after closing its IPC handles): freed
-  // with the lease, though the process runs on.
-  registry_->Release(a.lease_id);
-  a = {};
-  EXPECT_EQ(backend_.live(), 0);
-  EXPECT_TRUE(registry_->List().empty());
-}
-
-TEST_F(RegistryTest, ForcedUnloadOfFdExportedMemoryFreesAtOnce) {
-  std::unique_ptr<DeviceBackend> emulated = MakeEmulatedBackend(1);
-  RegistryOptions options = Options();
-  options.loader.device_backend = emulated.get();
-  ModelRegistry registry(options, nullptr);
-  WriteCheckpoint(MakeDir(root_.Join("ck")) + "/model.safetensors", Tensors(1));
-  LoadRequest request;
-  request.name = "m";
-  request.checkpoint_path = "ck";
-  request.devices = {"GPU-emulated-0"};
-  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto loaded, registry.Load(request, nullptr));
-  ASSERT_EQ(loaded.model->arenas.size(), 1u);
-  ASSERT_GE(loaded.model->arenas[0]->export_fd(), 0);
-  loaded = {};
-  Sleeper claimant;
-  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto a, registry.Attach("m", 0));
-  WEIGHTD_ASSERT_OK(registry.Claim(a.lease_id, claimant.pid()));
-  a = {};
-  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto unloaded, registry.Unload("m", /*force=*/true));
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto unloaded, registry->Unload("m", /*force=*/true));
   EXPECT_TRUE(unloaded.freed);
-  EXPECT_TRUE(registry.List().empty());
+  EXPECT_EQ(unloaded.model->leases.load(), 0);
+  unloaded = {};
+  EXPECT_FALSE(registry->IsLeaseLive(id));
+  EXPECT_EQ(by_fd.live(), 0);
+  EXPECT_TRUE(registry->List().empty());
 }
 
-TEST(ProcessWatch, TellsRunningFromExited) {
-  Sleeper child;
-  ProcessWatch watch(child.pid());
-  EXPECT_TRUE(watch.known());
-  EXPECT_EQ(watch.pid(), child.pid());
-  EXPECT_FALSE(watch.Exited());
-  child.Kill();
-  EXPECT_TRUE(watch.Exited());
-  ProcessWatch self(getpid());
-  EXPECT_FALSE(self.Exited());
-  ProcessWatch invisible(0);
-  EXPECT_FALSE(invisible.known());
-  EXPECT_FALSE(invisible.Exited());
+// Through the fd socket: the daemon keeps the connection of a claimed
+// legacy-IPC lease open after a forced unload, and frees the arena once the
+// client closes it.
+TEST_F(RevokeTest, FdChannelFreesHandleExportedArenasWhenTheClientCloses) {
+  std::unique_ptr<ModelRegistry> registry = LoadOnDevice(&by_handle_);
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(
+      std::unique_ptr<FdChannel> channel,
+      FdChannel::Start({.path = root_.Join("fd.sock")}, registry.get()));
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto grant, registry->Attach("m", 0));
+  std::string id = grant.lease_id;
+  grant = {};
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(ScopedFd conn, ConnectSeqpacket(root_.Join("fd.sock")));
+  WEIGHTD_ASSERT_OK(SendMessage(conn.get(), "CLAIM " + id, {}));
+  std::vector<ScopedFd> fds;
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(std::string reply, ReceiveMessage(conn.get(), &fds, 5000));
+  EXPECT_EQ(reply, "OK 1");  // the (empty) host segment's memfd; the arena travels as handle bytes
+  EXPECT_EQ(fds.size(), 1u);
+
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto unloaded, registry->Unload("m", /*force=*/true));
+  EXPECT_FALSE(unloaded.freed);
+  unloaded = {};
+  pollfd p = {conn.get(), POLLIN | POLLRDHUP, 0};
+  EXPECT_EQ(poll(&p, 1, 300), 0) << "the daemon closed a legacy-IPC lease's connection";
+  EXPECT_EQ(by_handle_.live(), 1);
+
+  conn.Reset();
+  for (int i = 0; i < 200 && by_handle_.live() != 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  EXPECT_EQ(by_handle_.live(), 0);
+  EXPECT_TRUE(registry->List().empty());
 }
 
 }  // namespace
