@@ -71,13 +71,20 @@ absl::StatusOr<bool> SetAccess(const CudaContext& context, CUdeviceptr base, uin
   if (read_only.ok()) {
     // Reported read-only only when the driver says the range is: PROT_READ on
     // device memory is not documented either way (cuMemSetAccess).
+    // A failed query keeps the protection that was set (and says so once).
     unsigned long long granted = 0;
-    read_only = WEIGHTD_CU(context.cu(), MemGetAccess, &granted, &access.location, base);
-    if (read_only.ok() && granted == CU_MEM_ACCESS_FLAGS_PROT_READ) return true;
-    if (read_only.ok()) {
-      read_only = absl::UnimplementedError(absl::StrCat("cuMemGetAccess reports access flags ", granted,
-                                                        " after a PROT_READ cuMemSetAccess"));
+    absl::Status query = WEIGHTD_CU(context.cu(), MemGetAccess, &granted, &access.location, base);
+    if (!query.ok()) {
+      static std::once_flag logged_query;
+      std::call_once(logged_query, [&] {
+        LogWarning(absl::StrCat("cannot confirm the read-only mapping of a weightd arena (", query.message(),
+                                "); it stays PROT_READ as set"));
+      });
+      return true;
     }
+    if (granted == CU_MEM_ACCESS_FLAGS_PROT_READ) return true;
+    read_only = absl::UnimplementedError(
+        absl::StrCat("cuMemGetAccess reports access flags ", granted, " after a PROT_READ cuMemSetAccess"));
   }
   access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
   WEIGHTD_RETURN_IF_ERROR(WEIGHTD_CU(context.cu(), MemSetAccess, base, size, &access, 1));

@@ -91,7 +91,8 @@ class ImportedArena {
   virtual int device_ordinal() const = 0;          // this process's ordinal for the arena's GPU
   virtual uint64_t size() const = 0;
   // Whether the mapping is read-only (CUDA VMM: CU_MEM_ACCESS_FLAGS_PROT_READ
-  // where the driver grants it, as cuMemGetAccess confirms).
+  // set and reported back by cuMemGetAccess; whether the GPU enforces it is
+  // what tests/gpu's write check shows).
   virtual bool read_only() const = 0;
   // Copies device bytes to host memory (synchronous).
   virtual absl::Status CopyToHost(uint64_t offset, void* dst, uint64_t n) const = 0;

@@ -13,14 +13,16 @@
 #              CUDA); built first with run_gpu_checks.sh --build-only unless
 #              --no-build (then it must already hold the three programs).
 # --out        the bundle folder (default <repo>/.gpu-bundle, git-ignored);
-#              replaced if it exists.
+#              replaced if it holds an earlier bundle, refused if it holds
+#              anything else.
 #
 # Layout: bin/ (the programs, debug info stripped), lib/ (their libraries),
 # lib/compat/ (libstdc++ and libgcc_s, used only where the target's are
 # missing or older), fake-driver/ (the fake libcuda of the tests, used only
 # with WEIGHTD_GPU_FAKE_DRIVER=1), run_gpu_checks.sh, MANIFEST (commit,
-# date, files). The target needs glibc at least as new as this machine's
-# (2.36 on Debian 12) and an x86-64 processor.
+# date, files, and the glibc/libstdc++ versions the programs need: built on
+# Debian 12, glibc 2.34 and a GCC 11+ libstdc++ (GLIBCXX_3.4.29); lib/compat
+# brings that libstdc++ to nodes whose glibc is 2.36 or newer). x86-64 only.
 # Exit status: 0 made (the last line on stdout is the bundle folder), 2 an
 # error (named on stderr).
 set -euo pipefail
@@ -35,13 +37,22 @@ say() { echo "[make_gpu_bundle] $*" >&2; }
 die() { say "$*"; exit 2; }
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    --build-dir) [[ $# -ge 2 ]] || die "--build-dir needs a folder"; build=$2; shift 2 ;;
-    --out) [[ $# -ge 2 ]] || die "--out needs a folder"; out=$2; shift 2 ;;
+    --build-dir) [[ $# -ge 2 && -n "$2" ]] || die "--build-dir needs a folder"; build=$2; shift 2 ;;
+    --out) [[ $# -ge 2 && -n "$2" ]] || die "--out needs a folder"; out=$2; shift 2 ;;
     --no-build) do_build=0; shift ;;
     -h|--help) sed -n '2,24p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2; exit 0 ;;
     *) die "unknown argument $1 (see --help)" ;;
   esac
 done
+
+# Never delete what is not a bundle.
+if [[ -e "$out" ]]; then
+  [[ -d "$out" ]] || die "--out $out exists and is not a folder"
+  if [[ -n "$(ls -A "$out")" ]] && ! head -1 "$out/MANIFEST" 2>/dev/null | grep -q "^weightd GPU-check bundle"; then
+    die "--out $out is not empty and holds no earlier bundle (no MANIFEST); choose another folder"
+  fi
+fi
+out=$(mkdir -p "$out" && cd "$out" && pwd)
 
 if [[ $do_build == 1 ]]; then
   "$here/run_gpu_checks.sh" --build-only "$build" || die "the build in $build failed"
@@ -61,7 +72,14 @@ is_glibc() {
   esac
 }
 
-rm -rf "$out"
+# "soname<TAB>path" for each library ldd resolves ("name => path (0x...)");
+# paths may hold spaces.
+resolved_libs() {
+  LD_LIBRARY_PATH="${2:-}" ldd "$1" | sed -n 's/^[[:space:]]*\([^[:space:]]*\) => \(.*[^[:space:]]\)[[:space:]]*(0x[0-9a-f]*)$/\1\t\2/p;
+                                          s/^[[:space:]]*\([^[:space:]]*\) => not found$/\1\tnot found/p'
+}
+
+rm -rf "${out:?}/bin" "$out/lib" "$out/fake-driver" "$out/run_gpu_checks.sh" "$out/MANIFEST" "$out/gpu_checks.md"
 mkdir -p "$out/bin" "$out/lib/compat" "$out/fake-driver"
 for program in "${programs[@]}"; do
   name=$(basename "$program")
@@ -70,10 +88,10 @@ for program in "${programs[@]}"; do
   else
     cp "$program" "$out/bin/$name"
   fi
-  while read -r soname path; do
+  while IFS=$'\t' read -r soname path; do
     [[ -n "$soname" ]] || continue
     is_glibc "$soname" && continue
-    [[ "$path" == "not" ]] && die "$program needs $soname, which is not found on this machine"
+    [[ "$path" == "not found" ]] && die "$program needs $soname, which is not found on this machine"
     [[ -f "$path" ]] || die "$program: ldd printed '$soname $path', which is not a file"
     case "$soname" in
       libcuda.so*) die "$program links $soname; it must dlopen the driver instead" ;;
@@ -81,7 +99,7 @@ for program in "${programs[@]}"; do
       *) dest="$out/lib" ;;
     esac
     [[ -f "$dest/$soname" ]] || cp -L "$path" "$dest/$soname"
-  done < <(ldd "$program" | awk '$2 == "=>" {print $1, $3} $2 != "=>" && NF >= 1 {print $1, "-"}' | grep -v " -$")
+  done < <(resolved_libs "$program")
 done
 cp "$build/tests/gpu/fake-driver/libcuda.so.1" "$out/fake-driver/"
 cp "$here/run_gpu_checks.sh" "$out/run_gpu_checks.sh"
@@ -89,19 +107,30 @@ chmod +x "$out/run_gpu_checks.sh"
 
 # Every library the bundle's programs load must come from the bundle or glibc.
 for program in "$out"/bin/*; do
-  while read -r soname path; do
+  while IFS=$'\t' read -r soname path; do
     is_glibc "$soname" && continue
     case "$path" in
       "$out"/lib/*) ;;
       *) die "$(basename "$program") would load $soname from $path, not from the bundle" ;;
     esac
-  done < <(LD_LIBRARY_PATH="$out/lib:$out/lib/compat" ldd "$program" | awk '$2 == "=>" {print $1, $3}')
+  done < <(resolved_libs "$program" "$out/lib:$out/lib/compat")
 done
+
+# The newest symbol versions the bundle needs from the node (objdump, where installed).
+needs=""
+if command -v objdump >/dev/null; then
+  newest() { sort -t. -k2,2n -k3,3n -u | tail -1; }
+  glibc=$(for f in "$out"/bin/* "$out"/lib/*.so*; do objdump -T "$f"; done | grep -o 'GLIBC_2\.[0-9]*' | newest)
+  glibcxx=$(for f in "$out"/bin/* "$out"/lib/*.so*; do objdump -T "$f"; done | grep -o 'GLIBCXX_3\.4\.[0-9]*' | newest)
+  compat=$(for f in "$out"/lib/compat/*; do objdump -T "$f"; done | grep -o 'GLIBC_2\.[0-9]*' | newest)
+  needs="needs ${glibc:-?} and ${glibcxx:-?} (lib/compat brings libstdc++ where the node has ${compat:-?})"
+fi
 
 commit=$(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)
 dirty=$(git -C "$root" status --porcelain 2>/dev/null | grep -qv '^??' && echo "+changes" || true)
 {
   echo "weightd GPU-check bundle, commit $commit$dirty, made $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(uname -m) glibc $(ldd --version | head -1 | awk '{print $NF}')"
+  [[ -z "$needs" ]] || echo "$needs"
   (cd "$out" && find . -type f ! -name MANIFEST | sort | while read -r f; do echo "$(du -k "$f" | cut -f1) KiB $f"; done)
 } >"$out/MANIFEST"
 say "bundle: $(du -sh "$out" | cut -f1) in $(find "$out" -type f | wc -l) files; run BUNDLE/run_gpu_checks.sh on the GPU machine"

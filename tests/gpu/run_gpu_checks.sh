@@ -34,7 +34,7 @@
 set -euo pipefail
 
 say() { echo "[run_gpu_checks $(date +%H:%M:%S)] $*" >&2; }
-usage() { sed -n '6,9p' "${BASH_SOURCE[0]}" | sed 's/^# */usage: /' >&2; exit 2; }
+usage() { sed -n '6,9p' "${BASH_SOURCE[0]}" | sed 's/^# */usage: /' >&2; exit "${1:-2}"; }
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 mode=check
@@ -43,20 +43,28 @@ build=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --build-only) mode=build-only; shift ;;
-    --bin-dir) [[ $# -ge 2 ]] || usage; bin_dir=$(cd "$2" && pwd); shift 2 ;;
-    -h|--help) usage ;;
+    --bin-dir)
+      [[ $# -ge 2 ]] || usage
+      bin_dir=$(cd "$2" 2>/dev/null && pwd) || { say "--bin-dir $2: no such folder"; exit 2; }
+      shift 2 ;;
+    -h|--help) usage 0 ;;
     -*) say "unknown option $1"; usage ;;
     *) build=$1; shift ;;
   esac
 done
-if [[ -z "$bin_dir" && -z "$build" && "$mode" == check && -x "$here/bin/gpu_checks" ]]; then
-  bin_dir="$here/bin"  # this copy of the script lives in a bundle
+if [[ -x "$here/bin/gpu_checks" ]]; then  # this copy of the script lives in a bundle
+  if [[ -n "$build" || "$mode" == build-only ]]; then
+    say "this copy of run_gpu_checks.sh is in a bundle, which cannot build; run tests/gpu/run_gpu_checks.sh from a checkout"
+    exit 2
+  fi
+  bin_dir=${bin_dir:-$here/bin}
 fi
 if [[ -n "$bin_dir" && "$mode" == build-only ]]; then say "--build-only and --bin-dir exclude each other"; usage; fi
 
 preset=${WEIGHTD_GPU_PRESET:-llama-1b}
 cuda_home=${CUDA_HOME:-/usr/local/cuda}
 jobs=$(nproc 2>/dev/null || echo 4)
+program_libs=${LD_LIBRARY_PATH:-}
 work=$(mktemp -d "${TMPDIR:-/tmp}/weightd-gpu.XXXXXX")
 daemon_pid=""
 
@@ -77,7 +85,9 @@ if [[ -z "$bin_dir" ]]; then
   if command -v ninja >/dev/null; then generator=(-G Ninja); fi
   if [[ -f "$build/CMakeCache.txt" ]]; then generator=(); fi  # keep the existing generator
   say "configuring $build (CUDA headers from $cuda_home)"
-  if ! cmake -S "$root" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DWEIGHTD_WITH_CUDA=ON \
+  build_type=(-DCMAKE_BUILD_TYPE=Release)
+  if [[ -f "$build/CMakeCache.txt" ]]; then build_type=(); fi  # keep the folder's own build type
+  if ! cmake -S "$root" -B "$build" "${generator[@]}" "${build_type[@]}" -DWEIGHTD_WITH_CUDA=ON \
       -DCUDAToolkit_ROOT="$cuda_home" >"$work/cmake.log" 2>&1; then
     tail -20 "$work/cmake.log" >&2
     say "cmake failed"
@@ -100,25 +110,27 @@ if [[ -z "$bin_dir" ]]; then
   weightctl="$build/client/weightctl"
   gpu_checks="$build/tests/gpu/gpu_checks"
   fake_driver="$build/tests/gpu/fake-driver"
-  table="$build/gpu_checks.md"
+  table_copy="$build/gpu_checks.md"
 else
   weightd="$bin_dir/weightd"
   weightctl="$bin_dir/weightctl"
   gpu_checks="$bin_dir/gpu_checks"
   fake_driver="$bin_dir/../fake-driver"
-  table="$(dirname "$bin_dir")/gpu_checks.md"
+  table_copy="$(dirname "$bin_dir")/gpu_checks.md"
   if [[ -d "$bin_dir/../lib" ]]; then
     lib=$(cd "$bin_dir/../lib" && pwd)
-    export LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    program_libs="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     # The bundle's libstdc++ only where this machine's is missing or older.
-    if [[ -d "$lib/compat" ]] && LD_LIBRARY_PATH=$LD_LIBRARY_PATH ldd "$gpu_checks" 2>&1 | grep -q "not found"; then
-      export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$lib/compat"
+    if [[ -d "$lib/compat" ]] && command -v ldd >/dev/null &&
+       LD_LIBRARY_PATH=$program_libs ldd "$gpu_checks" 2>&1 | grep -q "not found"; then
+      program_libs="$program_libs:$lib/compat"
       say "using the bundle's libstdc++/libgcc_s ($lib/compat)"
     fi
   fi
   for program in "$weightd" "$weightctl" "$gpu_checks"; do
     if [[ ! -x "$program" ]]; then say "$program is missing"; exit 2; fi
-    if missing=$(ldd "$program" 2>&1 | grep "not found"); then
+    if ! command -v ldd >/dev/null; then continue; fi
+    if missing=$(LD_LIBRARY_PATH=$program_libs ldd "$program" 2>&1 | grep "not found"); then
       say "$program cannot start here: $(echo "$missing" | tr -s ' \t\n' ' ')"
       exit 2
     fi
@@ -127,16 +139,19 @@ else
 fi
 
 if [[ "${WEIGHTD_GPU_FAKE_DRIVER:-0}" == 1 ]]; then
-  export LD_LIBRARY_PATH="$fake_driver${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  program_libs="$fake_driver${program_libs:+:$program_libs}"
   say "using the fake CUDA driver in $fake_driver (no GPU is used)"
 fi
+# The three programs run with the bundle's libraries (and the fake driver);
+# nvidia-smi and the shell's tools keep the machine's own.
+with_libs() { LD_LIBRARY_PATH="$program_libs" "$@"; }
 if command -v nvidia-smi >/dev/null; then
   nvidia-smi --query-gpu=index,uuid,name,driver_version,memory.total --format=csv,noheader >&2 || true
 fi
 
 # gpu_checks alone says whether there is a driver and a GPU; stop early if not.
 set +e
-"$gpu_checks" --probe >"$work/probe.txt" 2>&1
+with_libs "$gpu_checks" --probe >"$work/probe.txt" 2>&1
 code=$?
 set -e
 cat "$work/probe.txt" >&2
@@ -152,18 +167,20 @@ fi
 checkpoint="$work/models/$preset"
 say "writing a make-demo --preset $preset checkpoint to $checkpoint"
 mkdir -p "$work/models"
-"$weightctl" make-demo "$checkpoint" --preset "$preset" >&2
+with_libs "$weightctl" make-demo "$checkpoint" --preset "$preset" >&2
 cat "$checkpoint"/* >/dev/null  # into the page cache: the load and the baseline both read from it
 socket="$work/weightd.sock"
 say "starting weightd --device-backend cuda"
-"$weightd" --socket "$socket" --model-root "$work/models" --device-backend cuda --metrics-address "" >"$work/weightd.log" 2>&1 &
+# Not through with_libs: $! must be weightd itself, not a subshell, for the TERM.
+LD_LIBRARY_PATH="$program_libs" "$weightd" --socket "$socket" --model-root "$work/models" --device-backend cuda \
+  --metrics-address "" >"$work/weightd.log" 2>&1 &
 daemon_pid=$!
 for _ in $(seq 1 300); do
-  if "$weightctl" --socket "$socket" ls --json >/dev/null 2>&1; then break; fi
+  if with_libs "$weightctl" --socket "$socket" ls --json >/dev/null 2>&1; then break; fi
   if ! kill -0 "$daemon_pid" 2>/dev/null; then break; fi
   sleep 0.1
 done
-ctl=("$weightctl" --socket "$socket")
+ctl=(with_libs "$weightctl" --socket "$socket")
 if "${ctl[@]}" ls --json >/dev/null 2>&1; then
   say "loading onto GPU 0"
   "${ctl[@]}" load demo "$checkpoint" --devices 0 --json >"$work/load.json" 2>"$work/load.err" || true
@@ -183,10 +200,15 @@ daemon_pid=""
 # --- the checks ----------------------------------------------------------------
 say "running gpu_checks"
 set +e
-"$gpu_checks" --checkpoint "$checkpoint" --load-json "$work/load.json" --load-error "$work/load.err" \
-  --attach-json "$work/attach.json" --attach-error "$work/attach.err" >"$table"
+with_libs "$gpu_checks" --checkpoint "$checkpoint" --load-json "$work/load.json" --load-error "$work/load.err" \
+  --attach-json "$work/attach.json" --attach-error "$work/attach.err" >"$work/gpu_checks.md"
 code=$?
 set -e
-cat "$table"
-say "table saved to $table; exit status $code"
+cat "$work/gpu_checks.md"
+# A copy beside the programs, where that folder is writable (a bundle may not be).
+if cp "$work/gpu_checks.md" "$table_copy" 2>/dev/null; then
+  say "table saved to $table_copy; exit status $code"
+else
+  say "table not saved ($(dirname "$table_copy") is not writable); exit status $code"
+fi
 exit $code
