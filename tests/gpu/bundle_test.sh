@@ -41,7 +41,7 @@ run_bundle='env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/tmp TMPDIR="$0" WEIG
 hide_and_run='set -e
 libdir=$(dirname "$(readlink -f "$(ldd "$2" | awk "/libabsl_base/ {print \$3}")")")
 mkdir -p "$0/orig" "$0/masked"
-mount --bind "$libdir" "$0/orig"
+mount --bind "$libdir" "$0/orig" || exit 4
 for entry in "$0"/orig/*; do
   name=$(basename "$entry")
   case "$name" in
@@ -49,7 +49,7 @@ for entry in "$0"/orig/*; do
     *) ln -s "$entry" "$0/masked/$name" ;;
   esac
 done
-mount --bind "$0/masked" "$libdir"
+mount --bind "$0/masked" "$libdir" || exit 4
 if "$2" --version >/dev/null 2>&1; then echo "hiding failed: $2 still starts"; exit 3; fi
 ldd "$2" | grep -c "not found" >"$0/missing_count"
 '"$run_bundle"
@@ -66,6 +66,10 @@ fi
 code=0
 "${namespace[@]}" bash -c "$hide_and_run" "$tmp" "$bundle" "$build/server/weightd" || code=$?
 [[ $code != 3 ]] || fail "the build's libraries could not be hidden"
+if [[ $code == 4 ]]; then
+  echo "SKIPPED: ${namespace[*]} works but bind mounts are refused here (seccomp/AppArmor?), so the build's libraries cannot be hidden"
+  exit 77
+fi
 missing=$(cat "$tmp/missing_count" 2>/dev/null || echo 0)
 [[ $missing -ge 10 ]] || fail "only $missing libraries of the build's weightd were hidden"
 echo "hid the build's libraries (${namespace[*]}): $build/server/weightd misses $missing of them; the bundle must bring its own"

@@ -45,14 +45,20 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 
-# Never delete what is not a bundle.
-if [[ -e "$out" ]]; then
-  [[ -d "$out" ]] || die "--out $out exists and is not a folder"
-  if [[ -n "$(ls -A "$out")" ]] && ! head -1 "$out/MANIFEST" 2>/dev/null | grep -q "^weightd GPU-check bundle"; then
+# Never delete what is not a bundle. The bundle is made in a staging folder
+# beside --out and moved into place only when complete, so a failed run
+# leaves --out as it was.
+if [[ -e "$out" || -L "$out" ]]; then
+  [[ -d "$out" && ! -L "$out" ]] || die "--out $out exists and is not a folder"
+  entries=$(ls -A -- "$out") || die "cannot list --out $out"
+  if [[ -n "$entries" ]] && ! head -1 "$out/MANIFEST" 2>/dev/null | grep -q "^weightd GPU-check bundle"; then
     die "--out $out is not empty and holds no earlier bundle (no MANIFEST); choose another folder"
   fi
 fi
-out=$(mkdir -p "$out" && cd "$out" && pwd)
+parent=$(mkdir -p "$(dirname "$out")" && cd "$(dirname "$out")" && pwd) || die "cannot create the folder of --out $out"
+out="$parent/$(basename "$out")"
+stage=$(mktemp -d "$out.partial.XXXXXX") || die "cannot create a staging folder beside $out"
+trap 'rm -rf "$stage"' EXIT
 
 if [[ $do_build == 1 ]]; then
   "$here/run_gpu_checks.sh" --build-only "$build" || die "the build in $build failed"
@@ -79,14 +85,13 @@ resolved_libs() {
                                           s/^[[:space:]]*\([^[:space:]]*\) => not found$/\1\tnot found/p'
 }
 
-rm -rf "${out:?}/bin" "$out/lib" "$out/fake-driver" "$out/run_gpu_checks.sh" "$out/MANIFEST" "$out/gpu_checks.md"
-mkdir -p "$out/bin" "$out/lib/compat" "$out/fake-driver"
+mkdir -p "$stage/bin" "$stage/lib/compat" "$stage/fake-driver"
 for program in "${programs[@]}"; do
   name=$(basename "$program")
   if command -v strip >/dev/null; then
-    strip --strip-debug -o "$out/bin/$name" "$program"
+    strip --strip-debug -o "$stage/bin/$name" "$program"
   else
-    cp "$program" "$out/bin/$name"
+    cp "$program" "$stage/bin/$name"
   fi
   while IFS=$'\t' read -r soname path; do
     [[ -n "$soname" ]] || continue
@@ -95,34 +100,36 @@ for program in "${programs[@]}"; do
     [[ -f "$path" ]] || die "$program: ldd printed '$soname $path', which is not a file"
     case "$soname" in
       libcuda.so*) die "$program links $soname; it must dlopen the driver instead" ;;
-      libstdc++.so.*|libgcc_s.so.*) dest="$out/lib/compat" ;;
-      *) dest="$out/lib" ;;
+      libstdc++.so.*|libgcc_s.so.*) dest="$stage/lib/compat" ;;
+      *) dest="$stage/lib" ;;
     esac
     [[ -f "$dest/$soname" ]] || cp -L "$path" "$dest/$soname"
   done < <(resolved_libs "$program")
 done
-cp "$build/tests/gpu/fake-driver/libcuda.so.1" "$out/fake-driver/"
-cp "$here/run_gpu_checks.sh" "$out/run_gpu_checks.sh"
-chmod +x "$out/run_gpu_checks.sh"
+cp "$build/tests/gpu/fake-driver/libcuda.so.1" "$stage/fake-driver/"
+cp "$here/run_gpu_checks.sh" "$stage/run_gpu_checks.sh"
+chmod +x "$stage/run_gpu_checks.sh"
 
 # Every library the bundle's programs load must come from the bundle or glibc.
-for program in "$out"/bin/*; do
+for program in "$stage"/bin/*; do
   while IFS=$'\t' read -r soname path; do
     is_glibc "$soname" && continue
     case "$path" in
-      "$out"/lib/*) ;;
+      "$stage"/lib/*) ;;
       *) die "$(basename "$program") would load $soname from $path, not from the bundle" ;;
     esac
-  done < <(resolved_libs "$program" "$out/lib:$out/lib/compat")
+  done < <(resolved_libs "$program" "$stage/lib:$stage/lib/compat")
 done
 
 # The newest symbol versions the bundle needs from the node (objdump, where installed).
 needs=""
 if command -v objdump >/dev/null; then
+  shopt -s nullglob
   newest() { sort -t. -k2,2n -k3,3n -u | tail -1; }
-  glibc=$(for f in "$out"/bin/* "$out"/lib/*.so*; do objdump -T "$f"; done | grep -o 'GLIBC_2\.[0-9]*' | newest)
-  glibcxx=$(for f in "$out"/bin/* "$out"/lib/*.so*; do objdump -T "$f"; done | grep -o 'GLIBCXX_3\.4\.[0-9]*' | newest)
-  compat=$(for f in "$out"/lib/compat/*; do objdump -T "$f"; done | grep -o 'GLIBC_2\.[0-9]*' | newest)
+  glibc=$(for f in "$stage"/bin/* "$stage"/lib/*.so*; do objdump -T "$f"; done | grep -o 'GLIBC_2\.[0-9]*' | newest || true)
+  glibcxx=$(for f in "$stage"/bin/* "$stage"/lib/*.so*; do objdump -T "$f"; done | grep -o 'GLIBCXX_3\.4\.[0-9]*' | newest || true)
+  compat=$(for f in "$stage"/lib/compat/*; do objdump -T "$f"; done | grep -o 'GLIBC_2\.[0-9]*' | newest || true)
+  shopt -u nullglob
   needs="needs ${glibc:-?} and ${glibcxx:-?} (lib/compat brings libstdc++ where the node has ${compat:-?})"
 fi
 
@@ -131,7 +138,12 @@ dirty=$(git -C "$root" status --porcelain 2>/dev/null | grep -qv '^??' && echo "
 {
   echo "weightd GPU-check bundle, commit $commit$dirty, made $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(uname -m) glibc $(ldd --version | head -1 | awk '{print $NF}')"
   [[ -z "$needs" ]] || echo "$needs"
-  (cd "$out" && find . -type f ! -name MANIFEST | sort | while read -r f; do echo "$(du -k "$f" | cut -f1) KiB $f"; done)
-} >"$out/MANIFEST"
+  (cd "$stage" && find . -type f ! -name MANIFEST | sort | while read -r f; do echo "$(du -k "$f" | cut -f1) KiB $f"; done)
+} >"$stage/MANIFEST"
+chmod 755 "$stage"  # mktemp made it 0700
+# Checked above: $out is absent, empty, or an earlier bundle.
+rm -rf "$out"
+mv "$stage" "$out"
+trap - EXIT
 say "bundle: $(du -sh "$out" | cut -f1) in $(find "$out" -type f | wc -l) files; run BUNDLE/run_gpu_checks.sh on the GPU machine"
 echo "$out"

@@ -164,7 +164,8 @@ class Client {
   // read-only and lazily: pages fault in on first use).
   absl::StatusOr<MappedModel> Attach(const std::string& name, uint32_t rank);
   // Returns the model as it was when unloaded; `freed` is false while
-  // leases keep it DRAINING.
+  // leases keep it DRAINING. `force` ends the leases at once, except claimed
+  // leases on cuda-legacy-ipc arenas (docs/api.md).
   absl::StatusOr<std::pair<ModelSummary, bool>> Unload(const std::string& name, bool force);
   // The standard gRPC health check (grpc.health.v1) of `service`: "" for the
   // daemon as a whole, or a model name (SERVING once READY). Returns

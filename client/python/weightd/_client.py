@@ -81,7 +81,8 @@ class Client:
         return [ModelInfo.from_proto(m) for m in response.models]
 
     def unload(self, name, force=False):
-        """Stops new leases of `name`; `force` revokes existing ones. Returns an UnloadResult."""
+        """Stops new leases of `name`; `force` revokes existing ones (not claimed leases on
+        cuda-legacy-ipc arenas, which end when their clients close them). Returns an UnloadResult."""
         response = self._call(self._stub.UnloadModel, pb.UnloadModelRequest(name=name, force=force))
         return UnloadResult(ModelInfo.from_proto(response.model), response.freed)
 
