@@ -12,17 +12,42 @@ namespace {
 
 using json = nlohmann::json;
 
+// The one list of config keys: calls f(key, field) for every field of `c`
+// (DaemonConfig or const DaemonConfig), in the order --print-config shows.
+template <typename Config, typename F>
+void ForEachField(Config& c, F&& f) {
+  f("socket", c.socket);
+  f("fd_socket", c.fd_socket);
+  f("grpc_address", c.grpc_address);
+  f("model_root", c.model_root);
+  f("metrics_address", c.metrics_address);
+  f("health_address", c.health_address);
+  f("device_backend", c.device_backend);
+  f("preload", c.preload);
+  f("allowed_gids", c.allowed_gids);
+  f("lease_claim_timeout_seconds", c.lease_claim_timeout_seconds);
+  f("load_threads", c.load_threads);
+  f("direct_io", c.direct_io);
+  f("mlock", c.mlock);
+}
+
+// How a flag's text becomes a field's JSON value, by the field's type.
 enum class Kind { kString, kStringList, kMap, kGidList, kNumber, kInt, kBool };
+constexpr Kind KindOf(const std::string&) { return Kind::kString; }
+constexpr Kind KindOf(const std::vector<std::string>&) { return Kind::kStringList; }
+constexpr Kind KindOf(const std::map<std::string, std::string>&) { return Kind::kMap; }
+constexpr Kind KindOf(const std::vector<gid_t>&) { return Kind::kGidList; }
+constexpr Kind KindOf(const double&) { return Kind::kNumber; }
+constexpr Kind KindOf(const int&) { return Kind::kInt; }
+constexpr Kind KindOf(const bool&) { return Kind::kBool; }
+
 const std::map<std::string, Kind>& Keys() {
-  static const auto* keys = new std::map<std::string, Kind>{
-      {"socket", Kind::kString},         {"fd_socket", Kind::kString},
-      {"grpc_address", Kind::kString},   {"model_root", Kind::kStringList},
-      {"metrics_address", Kind::kString}, {"health_address", Kind::kString},
-      {"device_backend", Kind::kString}, {"preload", Kind::kMap},
-      {"allowed_gids", Kind::kGidList},  {"lease_claim_timeout_seconds", Kind::kNumber},
-      {"load_threads", Kind::kInt},      {"mlock", Kind::kBool},
-      {"direct_io", Kind::kString},
-  };
+  static const auto* keys = [] {
+    auto* keys = new std::map<std::string, Kind>;
+    const DaemonConfig defaults;
+    ForEachField(defaults, [&](const char* key, const auto& field) { (*keys)[key] = KindOf(field); });
+    return keys;
+  }();
   return *keys;
 }
 
@@ -73,23 +98,10 @@ absl::Status Apply(const json& doc, absl::string_view where, DaemonConfig& c) {
   }
   const char* current = "";
   try {
-    auto get = [&](const char* key, auto& field) {
+    ForEachField(c, [&](const char* key, auto& field) {
       current = key;
       if (doc.contains(key)) doc.at(key).get_to(field);
-    };
-    get("socket", c.socket);
-    get("fd_socket", c.fd_socket);
-    get("grpc_address", c.grpc_address);
-    get("model_root", c.model_root);
-    get("metrics_address", c.metrics_address);
-    get("health_address", c.health_address);
-    get("device_backend", c.device_backend);
-    get("preload", c.preload);
-    get("allowed_gids", c.allowed_gids);
-    get("lease_claim_timeout_seconds", c.lease_claim_timeout_seconds);
-    get("load_threads", c.load_threads);
-    get("direct_io", c.direct_io);
-    get("mlock", c.mlock);
+    });
   } catch (const json::exception& e) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": key '", current, "': ", e.what()));
   }
@@ -188,19 +200,9 @@ absl::StatusOr<ParsedArgs> ParseDaemonArgs(const std::vector<std::string>& argv)
 }
 
 json ConfigToJson(const DaemonConfig& c) {
-  return {{"socket", c.socket},
-          {"fd_socket", c.fd_socket},
-          {"grpc_address", c.grpc_address},
-          {"model_root", c.model_root},
-          {"metrics_address", c.metrics_address},
-          {"health_address", c.health_address},
-          {"device_backend", c.device_backend},
-          {"preload", c.preload},
-          {"allowed_gids", c.allowed_gids},
-          {"lease_claim_timeout_seconds", c.lease_claim_timeout_seconds},
-          {"load_threads", c.load_threads},
-          {"direct_io", c.direct_io},
-          {"mlock", c.mlock}};
+  json out = json::object();
+  ForEachField(c, [&](const char* key, const auto& field) { out[key] = field; });
+  return out;
 }
 
 }  // namespace weightd
