@@ -460,14 +460,19 @@ def seconds(value):
     return n * 60 if m.group(2) in ("min", "m") else n
 
 
+def expect_settings(section, want):
+    """Each key of `want` has exactly its value in the unit `section`."""
+    for k, v in want.items():
+        expect(section.get(k) == v, "%s=%r, expected %r" % (k, section.get(k), v))
+
+
 @check("systemd: unit parses and has the required service settings")
 def _():
     s = read_unit()["Service"]
     want = {"Type": "notify", "NotifyAccess": "main", "LimitMEMLOCK": "infinity",
             "RuntimeDirectory": "weightd", "Restart": "on-failure", "User": "weightd",
             "Group": "weightd"}
-    for k, v in want.items():
-        expect(s.get(k) == v, "%s=%r, expected %r" % (k, s.get(k), v))
+    expect_settings(s, want)
     expect(s.get("RuntimeDirectoryMode") in ("0750", "0755"), "RuntimeDirectoryMode=%r" % s.get("RuntimeDirectoryMode"))
     wd = seconds(s.get("WatchdogSec", ""))
     expect(0 < wd <= 120, "WatchdogSec=%s should be between 1 s and 2 min" % wd)
@@ -490,8 +495,7 @@ def _():
     on = {"NoNewPrivileges": "yes", "ProtectSystem": "strict", "ProtectHome": "read-only",
           "PrivateTmp": "yes", "ProtectKernelTunables": "yes", "ProtectControlGroups": "yes",
           "LockPersonality": "yes"}
-    for k, v in on.items():
-        expect(s.get(k) == v, "%s=%r, expected %r" % (k, s.get(k), v))
+    expect_settings(s, on)
     fams = set(s.get("RestrictAddressFamilies", "").split())
     expect(fams == {"AF_UNIX", "AF_INET", "AF_INET6"}, "RestrictAddressFamilies=%s" % sorted(fams))
     # Settings that would break weightd.
