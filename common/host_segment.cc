@@ -7,11 +7,10 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <fstream>
-#include <limits>
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "common/proc_files.h"
 #include "common/status.h"
 
 namespace weightd {
@@ -22,16 +21,10 @@ constexpr uint64_t kHugePageBytes = 2ull << 20;
 
 // Free bytes in the default huge page pool (HugePages_Free x Hugepagesize).
 uint64_t FreeHugePoolBytes() {
-  std::ifstream meminfo("/proc/meminfo");
-  uint64_t free_pages = 0, page_kib = 0;
-  std::string key;
-  uint64_t value;
-  while (meminfo >> key >> value) {
-    if (key == "HugePages_Free:") free_pages = value;
-    if (key == "Hugepagesize:") page_kib = value;
-    meminfo.ignore(std::numeric_limits<std::streamsize>::max(), '\n');
-  }
-  return page_kib * 1024 == kHugePageBytes ? free_pages * kHugePageBytes : 0;
+  std::optional<uint64_t> free_pages = MeminfoValue("HugePages_Free");
+  std::optional<uint64_t> page_bytes = MeminfoValue("Hugepagesize");
+  if (!free_pages || page_bytes != kHugePageBytes) return 0;
+  return *free_pages * kHugePageBytes;
 }
 
 // A sealable MFD_HUGETLB memfd of `size` bytes mapped read-write, or -1

@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <fstream>
 #include <condition_variable>
 #include <mutex>
 #include <thread>
@@ -86,26 +85,20 @@ std::vector<ReadTask> MakeTasks(const Catalog& catalog) {
   return tasks;
 }
 
-// MemAvailable (bytes) from /proc/meminfo, or 0 when it cannot be read.
-uint64_t MemAvailableBytes() {
-  std::ifstream meminfo("/proc/meminfo");
-  std::string key;
-  uint64_t kib = 0;
-  std::string unit;
-  while (meminfo >> key >> kib >> unit) {
-    if (key == "MemAvailable:") return kib * 1024;
-  }
-  return 0;
-}
-
-absl::Status CheckHostMemory(const LoadPlan& plan, uint64_t limit) {
+// Promises the plan's host bytes to this load (LoaderOptions::admission).
+absl::StatusOr<HostMemoryAdmission::Reservation> AdmitHostMemory(const std::string& name, const LoadPlan& plan,
+                                                                 const LoaderOptions& options) {
   // Staging buffers are small and bounded; the host segment is what can be huge.
-  uint64_t available = limit > 0 ? limit : MemAvailableBytes();
-  if (available == 0 || plan.host_bytes <= available) return absl::OkStatus();
-  return absl::ResourceExhaustedError(absl::StrCat("the host-resident tensors need ", plan.host_bytes,
-                                                   " bytes of host memory but only ", available,
-                                                   " are available (MemAvailable); unload a model or place "
-                                                   "fewer tensors on the host"));
+  if (options.admission != nullptr) return options.admission->Reserve(name, plan.host_bytes);
+  HostMemoryAdmission::Probe fixed;
+  if (options.host_memory_limit > 0) {
+    fixed = [limit = options.host_memory_limit]() -> absl::StatusOr<HostMemoryBudget> {
+      return HostMemoryBudget{limit, "the loader's host_memory_limit"};
+    };
+  }
+  HostMemoryAdmission alone(std::move(fixed));
+  WEIGHTD_RETURN_IF_ERROR(alone.Reserve(name, plan.host_bytes).status());
+  return HostMemoryAdmission::Reservation();
 }
 
 absl::StatusOr<Allocation> Allocate(const std::string& name, const LoadPlan& plan,
@@ -406,7 +399,7 @@ absl::StatusOr<std::unique_ptr<ModelGeneration>> LoadGeneration(const Catalog& c
 
   report(LoadProgress::Phase::kAllocate);
   HugePages huge = options.huge_pages ? HugePages::kWhenPoolAllows : HugePages::kNever;
-  WEIGHTD_RETURN_IF_ERROR(CheckHostMemory(plan, options.host_memory_limit));
+  WEIGHTD_ASSIGN_OR_RETURN(HostMemoryAdmission::Reservation admitted, AdmitHostMemory(request.name, plan, options));
   WEIGHTD_ASSIGN_OR_RETURN(Allocation alloc, Allocate(request.name, plan, devices, options.device_backend, huge));
   WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader,
                            CheckpointReader::Open(catalog, {options.direct_io, nullptr}));

@@ -29,6 +29,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/catalog.h"
+#include "server/memory_admission.h"
 #include "server/model.h"
 #include "server/plan.h"
 #include "server/reader.h"
@@ -56,10 +57,14 @@ struct LoaderOptions {
   bool huge_pages = true;  // MFD_HUGETLB host segments when the huge page pool has room
   DeviceBackend* device_backend = nullptr;  // null: host only; not owned
   uint64_t max_arena_bytes = kDefaultMaxArenaBytes;
-  // Host bytes a load may allocate; 0: MemAvailable from /proc/meminfo at
-  // the time of the load. A plan needing more is RESOURCE_EXHAUSTED before
-  // anything is allocated (rather than meeting the OOM killer mid-load).
-  uint64_t host_memory_limit = 0;
+  // Where a load's host-resident bytes are admitted before anything is
+  // allocated (server/memory_admission.h): a plan needing more than the
+  // node and the daemon's cgroup can give, minus what loads in flight were
+  // promised, is RESOURCE_EXHAUSTED rather than meeting the OOM killer
+  // mid-load. Not owned; null: a check of this load alone against
+  // host_memory_limit, or the running system when that is 0.
+  HostMemoryAdmission* admission = nullptr;
+  uint64_t host_memory_limit = 0;  // bytes; for tests without an admission
   // When set and true, the load stops at the next block with UNAVAILABLE
   // (daemon shutdown). Not owned.
   const std::atomic<bool>* cancel = nullptr;

@@ -55,8 +55,9 @@ absl::Status ValidateModelName(const std::string& name) {
 }
 
 ModelRegistry::ModelRegistry(RegistryOptions options, RegistryListener* listener)
-    : options_(std::move(options)), listener_(listener) {
+    : admission_(options.host_memory_probe), options_(std::move(options)), listener_(listener) {
   options_.loader.cancel = &cancel_loads_;
+  if (options_.loader.admission == nullptr) options_.loader.admission = &admission_;
 }
 
 absl::StatusOr<std::string> ModelRegistry::ResolvePath(const std::string& path) const {

@@ -44,6 +44,9 @@ struct RegistryOptions {
   std::vector<std::string> model_roots;  // a load path must resolve under one of these
   LoaderOptions loader;
   std::chrono::milliseconds claim_timeout{10000};
+  // Reads the host memory budget for admission (server/memory_admission.h);
+  // null: the running system. Used unless loader.admission is set.
+  HostMemoryAdmission::Probe host_memory_probe;
 };
 
 class ModelRegistry {
@@ -130,7 +133,8 @@ class ModelRegistry {
   void NotifyMemory();  // requires mu_
 
   std::atomic<bool> cancel_loads_{false};
-  RegistryOptions options_;  // options_.loader.cancel points at cancel_loads_
+  HostMemoryAdmission admission_;
+  RegistryOptions options_;  // options_.loader.cancel points at cancel_loads_, .admission at admission_ by default
   RegistryListener* listener_;
   mutable std::mutex mu_;
   std::map<std::string, std::shared_ptr<ModelGeneration>> current_;
