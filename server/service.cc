@@ -22,6 +22,13 @@ absl::Status CheckLoadRequest(const v1::LoadModelRequest& r) {
   return absl::OkStatus();
 }
 
+grpc::Status AdminOnly(const char* method) {
+  return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                      absl::StrCat("weightd.v1.Weightd/", method,
+                                   " needs the Unix socket or a TCP listener with mutual TLS and --grpc-tcp-admin; "
+                                   "this TCP listener is read-only (ListModels, GetManifest, health)"));
+}
+
 }  // namespace
 
 WeightdService::WeightdService(ModelRegistry* registry, std::string fd_socket_path)
@@ -131,6 +138,34 @@ grpc::Status WeightdService::AttachEncoded(const grpc::ByteBuffer& raw, grpc::By
 
 grpc::Status WeightdService::Detach(grpc::ServerContext*, const v1::DetachRequest* request, v1::DetachResponse*) {
   return ToGrpcStatus(registry_->Detach(request->lease_id()));
+}
+
+grpc::Status ReadOnlyWeightdService::ListModels(grpc::ServerContext* context, const v1::ListModelsRequest* request,
+                                                v1::ListModelsResponse* response) {
+  return full_->ListModels(context, request, response);
+}
+
+grpc::Status ReadOnlyWeightdService::GetManifest(grpc::ServerContext* context, const v1::GetManifestRequest* request,
+                                                 grpc::ServerWriter<v1::ManifestPage>* writer) {
+  return full_->GetManifest(context, request, writer);
+}
+
+grpc::Status ReadOnlyWeightdService::LoadModel(grpc::ServerContext*, const v1::LoadModelRequest*,
+                                               grpc::ServerWriter<v1::LoadModelProgress>*) {
+  return AdminOnly("LoadModel");
+}
+
+grpc::Status ReadOnlyWeightdService::UnloadModel(grpc::ServerContext*, const v1::UnloadModelRequest*,
+                                                 v1::UnloadModelResponse*) {
+  return AdminOnly("UnloadModel");
+}
+
+grpc::Status ReadOnlyWeightdService::Attach(grpc::ServerContext*, const v1::AttachRequest*, v1::AttachResponse*) {
+  return AdminOnly("Attach");
+}
+
+grpc::Status ReadOnlyWeightdService::Detach(grpc::ServerContext*, const v1::DetachRequest*, v1::DetachResponse*) {
+  return AdminOnly("Detach");
 }
 
 }  // namespace weightd
