@@ -2,6 +2,7 @@
 // Plain TCP is read-only; admin methods over TCP need mutual TLS, and the
 // daemon refuses to start with an admin-capable TCP listener without it.
 // A real weightd and real weightctl processes, on loopback port 0.
+#include <grpcpp/grpcpp.h>
 #include <unistd.h>
 
 #include <regex>
@@ -12,6 +13,7 @@
 #include "nlohmann/json.hpp"
 #include "tests/testing/checkpoint_builder.h"
 #include "tests/testing/process.h"
+#include "weightd/v1/weightd.grpc.pb.h"
 
 namespace weightd {
 namespace {
@@ -85,6 +87,15 @@ TEST(TcpListener, PlainTcpServesReadsAndRefusesEveryAdminMethod) {
     EXPECT_EQ(r.code, 2) << admin[0] << ": " << r.out << r.err;
     EXPECT_TRUE(absl::StrContains(r.err, kAdminRefusal)) << admin[0] << ": " << r.err;
   }
+  // Detach has no weightctl command: a stub, with a lease id that looks real.
+  auto stub = v1::Weightd::NewStub(grpc::CreateChannel(tcp, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  v1::DetachRequest detach;
+  detach.set_lease_id(std::string(32, 'a'));
+  v1::DetachResponse detached;
+  grpc::Status s = stub->Detach(&context, detach, &detached);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_TRUE(absl::StrContains(s.error_message(), kAdminRefusal)) << s.error_message();
   // Nothing changed: the model is still READY, unleased, and m2 was never loaded.
   CommandResult after = d.Ctl({"ls", "--json"});
   ASSERT_EQ(after.code, 0) << after.err;
