@@ -12,6 +12,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/device.h"
+#include "common/env.h"
 #include "common/status.h"
 #include "common/unix_socket.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -77,6 +78,32 @@ SegmentInfo FromProto(const v1::SegmentDescriptor& s) {
 
 std::string NormalizeTarget(const std::string& target) {
   return !target.empty() && target[0] == '/' ? "unix://" + target : target;
+}
+
+absl::StatusOr<std::string> ReadPem(const char* what, const std::string& path) {
+  absl::StatusOr<std::string> pem = ReadSmallFile(*Env::Default(), path, 1 << 20);
+  if (!pem.ok()) return Annotate(pem.status(), what);
+  return pem;
+}
+
+// Insecure without a CA; TLS with one; mutual TLS with a certificate and key.
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentials(const ConnectOptions& o) {
+  if (o.tls_ca_file.empty()) {
+    if (!o.tls_cert_file.empty() || !o.tls_key_file.empty()) {
+      return absl::InvalidArgumentError("a TLS client certificate needs the CA of the daemon's certificate (--tls-ca)");
+    }
+    return grpc::InsecureChannelCredentials();
+  }
+  if (o.tls_cert_file.empty() != o.tls_key_file.empty()) {
+    return absl::InvalidArgumentError("a TLS client certificate needs both --tls-cert and --tls-key");
+  }
+  grpc::SslCredentialsOptions ssl;
+  WEIGHTD_ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadPem("--tls-ca", o.tls_ca_file));
+  if (!o.tls_cert_file.empty()) {
+    WEIGHTD_ASSIGN_OR_RETURN(ssl.pem_cert_chain, ReadPem("--tls-cert", o.tls_cert_file));
+    WEIGHTD_ASSIGN_OR_RETURN(ssl.pem_private_key, ReadPem("--tls-key", o.tls_key_file));
+  }
+  return grpc::SslCredentials(ssl);
 }
 
 // Receives the segment fds for `lease_id` on the fd socket ("OK n" + "MORE"s).
@@ -172,11 +199,12 @@ struct Client::Impl {
 Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Client::~Client() = default;
 
-absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& target) {
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& target, const ConnectOptions& options) {
   if (target.empty()) return absl::InvalidArgumentError("empty daemon target");
+  WEIGHTD_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials, ChannelCredentials(options));
   grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(-1);  // manifests of 100,000+ tensors exceed the 4 MiB default
-  auto channel = grpc::CreateCustomChannel(NormalizeTarget(target), grpc::InsecureChannelCredentials(), args);
+  args.SetMaxReceiveMessageSize(-1);  // an Attach of 100,000+ tensors exceeds the 4 MiB default
+  auto channel = grpc::CreateCustomChannel(NormalizeTarget(target), credentials, args);
   auto impl = std::make_unique<Impl>();
   impl->stub = v1::Weightd::NewStub(channel);
   impl->health = grpc::health::v1::Health::NewStub(channel);

@@ -19,6 +19,10 @@ void ForEachField(Config& c, F&& f) {
   f("socket", c.socket);
   f("fd_socket", c.fd_socket);
   f("grpc_address", c.grpc_address);
+  f("grpc_tls_cert", c.grpc_tls_cert);
+  f("grpc_tls_key", c.grpc_tls_key);
+  f("grpc_tls_client_ca", c.grpc_tls_client_ca);
+  f("grpc_tcp_admin", c.grpc_tcp_admin);
   f("model_root", c.model_root);
   f("metrics_address", c.metrics_address);
   f("health_address", c.health_address);
@@ -108,6 +112,24 @@ absl::Status Apply(const json& doc, absl::string_view where, DaemonConfig& c) {
   return absl::OkStatus();
 }
 
+// The TCP listener: TLS needs a certificate and its key; admin methods need
+// mutual TLS (docs/operations.md "Who can do what on each listener").
+absl::Status ValidateTcp(const DaemonConfig& c) {
+  bool any_tls = !c.grpc_tls_cert.empty() || !c.grpc_tls_key.empty() || !c.grpc_tls_client_ca.empty();
+  if (c.grpc_address.empty() && (any_tls || c.grpc_tcp_admin)) {
+    return absl::InvalidArgumentError("--grpc-tls-* and --grpc-tcp-admin apply to --grpc-address, which is not set");
+  }
+  if (c.grpc_tcp_admin && (c.grpc_tls_cert.empty() || c.grpc_tls_key.empty() || c.grpc_tls_client_ca.empty())) {
+    return absl::InvalidArgumentError(
+        "--grpc-tcp-admin needs mutual TLS on --grpc-address: set --grpc-tls-cert, --grpc-tls-key and "
+        "--grpc-tls-client-ca");
+  }
+  if (c.grpc_tls_cert.empty() != c.grpc_tls_key.empty() || (!c.grpc_tls_client_ca.empty() && c.grpc_tls_cert.empty())) {
+    return absl::InvalidArgumentError("TLS on --grpc-address needs both --grpc-tls-cert and --grpc-tls-key");
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Validate(DaemonConfig& c) {
   static const char* kBackends[] = {"auto", "cuda", "cuda-legacy-ipc", "emulated", "none"};
   if (std::find(std::begin(kBackends), std::end(kBackends), c.device_backend) == std::end(kBackends)) {
@@ -125,6 +147,7 @@ absl::Status Validate(DaemonConfig& c) {
     return absl::InvalidArgumentError(absl::StrCat("--direct-io must be auto, on or off, got '", c.direct_io, "'"));
   }
   if (c.socket.empty()) return absl::InvalidArgumentError("--socket must not be empty");
+  WEIGHTD_RETURN_IF_ERROR(ValidateTcp(c));
   if (c.fd_socket.empty()) {
     std::string stem = absl::EndsWith(c.socket, ".sock") ? c.socket.substr(0, c.socket.size() - 5) : c.socket;
     c.fd_socket = stem + ".fd.sock";
@@ -138,6 +161,7 @@ std::string DaemonUsage() {
   return "usage: weightd --socket PATH --model-root DIR [--model-root DIR ...] [--metrics-address HOST:PORT]\n"
          "               [--health-address HOST:PORT] [--device-backend auto|cuda|cuda-legacy-ipc|emulated|none]\n"
          "               [--config FILE.json] [--preload NAME=PATH ...] [--fd-socket PATH] [--grpc-address HOST:PORT]\n"
+         "               [--grpc-tls-cert PEM --grpc-tls-key PEM [--grpc-tls-client-ca PEM [--grpc-tcp-admin true]]]\n"
          "               [--allowed-gids GID ...] [--lease-claim-timeout-seconds S] [--load-threads N]\n"
          "               [--direct-io auto|on|off] [--mlock true|false] [--print-config] [--version]\n";
 }

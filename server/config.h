@@ -19,7 +19,11 @@ namespace weightd {
 struct DaemonConfig {
   std::string socket = "/run/weightd/weightd.sock";  // gRPC Unix socket, mode 0660
   std::string fd_socket;                             // default: beside socket, "<stem>.fd.sock"
-  std::string grpc_address;                          // optional extra gRPC TCP listener, HOST:PORT
+  std::string grpc_address;                          // optional gRPC TCP listener, HOST:PORT; read-only unless grpc_tcp_admin
+  std::string grpc_tls_cert;                         // PEM server certificate (chain) for grpc_address; "" = plain TCP
+  std::string grpc_tls_key;                          // PEM private key of grpc_tls_cert
+  std::string grpc_tls_client_ca;                    // PEM CA(s): clients of grpc_address must present a certificate it signed
+  bool grpc_tcp_admin = false;                       // serve LoadModel/UnloadModel/Attach/Detach on grpc_address (needs mTLS)
   std::vector<std::string> model_root;
   std::string metrics_address = "127.0.0.1:9400";    // "" disables
   std::string health_address;                        // optional TCP health-only listener

@@ -26,6 +26,7 @@
 #include "server/registry.h"
 #include "server/rpc_metrics.h"
 #include "server/service.h"
+#include "server/tcp_listener.h"
 
 namespace weightd {
 namespace {
@@ -144,20 +145,16 @@ class DaemonImpl final : public Daemon {
     grpc::ServerBuilder builder;
     unlink(config_.socket.c_str());
     builder.AddListeningPort("unix:" + config_.socket, grpc::InsecureServerCredentials());
-    if (!config_.grpc_address.empty()) builder.AddListeningPort(config_.grpc_address, grpc::InsecureServerCredentials());
     builder.RegisterService(service_.get());
     builder.SetMaxSendMessageSize(-1);
     CountRpcs(builder, metrics_.get());
     server_ = builder.BuildAndStart();
-    if (server_ == nullptr) {
-      return absl::UnavailableError(absl::StrCat("cannot listen on unix:", config_.socket,
-                                                 config_.grpc_address.empty() ? "" : " or " + config_.grpc_address));
-    }
+    if (server_ == nullptr) return absl::UnavailableError(absl::StrCat("cannot listen on unix:", config_.socket));
     chmod(config_.socket.c_str(), 0660);
     listener_.AddServer(server_.get());
+    LogInfo(absl::StrCat("listening on unix:", config_.socket, " (fd socket ", config_.fd_socket, ")"));
+    WEIGHTD_RETURN_IF_ERROR(StartTcpListener());
     WEIGHTD_RETURN_IF_ERROR(StartHealthPort());
-    LogInfo(absl::StrCat("listening on unix:", config_.socket, " (fd socket ", config_.fd_socket, ")",
-                         config_.grpc_address.empty() ? "" : ", " + config_.grpc_address));
     sd_notify(0, "READY=1\nSTATUS=listening");
     StartWatchdog();
     preload_thread_ = std::thread([this] { Preload(); });
@@ -173,6 +170,7 @@ class DaemonImpl final : public Daemon {
       cv_.notify_all();
     }
     if (registry_) registry_->CancelLoads();  // a load in flight ends now with UNAVAILABLE
+    if (tcp_listener_) tcp_listener_->Shutdown(std::chrono::seconds(10));
     if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(10));
     if (health_port_) health_port_->Shutdown();
     if (preload_thread_.joinable()) preload_thread_.join();
@@ -191,6 +189,15 @@ class DaemonImpl final : public Daemon {
     if (metrics_->port() != 0) {
       LogInfo(absl::StrCat("metrics on http://", BoundAddress(config_.metrics_address, metrics_->port()), "/metrics"));
     }
+    return absl::OkStatus();
+  }
+
+  absl::Status StartTcpListener() {
+    if (config_.grpc_address.empty()) return absl::OkStatus();
+    WEIGHTD_ASSIGN_OR_RETURN(tcp_listener_, TcpListener::Start(config_, registry_.get(), metrics_.get()));
+    listener_.AddServer(tcp_listener_->server());
+    LogInfo(absl::StrCat("gRPC TCP listener on ", BoundAddress(config_.grpc_address, tcp_listener_->port()), " (",
+                         tcp_listener_->mode(), ")"));
     return absl::OkStatus();
   }
 
@@ -241,6 +248,7 @@ class DaemonImpl final : public Daemon {
   std::unique_ptr<FdChannel> fd_channel_;
   std::unique_ptr<WeightdService> service_;
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<TcpListener> tcp_listener_;
   std::unique_ptr<HealthPort> health_port_;
   std::thread preload_thread_, watchdog_thread_;
   std::mutex mu_;

@@ -166,6 +166,7 @@ void ModelRegistry::Retire(std::shared_ptr<ModelGeneration> model) {
 }
 
 absl::StatusOr<ModelRegistry::UnloadResult> ModelRegistry::Unload(const std::string& name, bool force) {
+  WEIGHTD_RETURN_IF_ERROR(ValidateModelName(name));  // before any message echoes it
   std::lock_guard<std::mutex> lock(mu_);
   auto it = current_.find(name);
   if (it == current_.end()) return UnloadDraining(name, force);
@@ -221,6 +222,7 @@ absl::StatusOr<std::shared_ptr<ModelGeneration>> ModelRegistry::GetRankLocked(co
 }
 
 absl::StatusOr<std::shared_ptr<ModelGeneration>> ModelRegistry::GetLocked(const std::string& name) const {
+  WEIGHTD_RETURN_IF_ERROR(ValidateModelName(name));  // before any message echoes it
   auto it = current_.find(name);
   if (it == current_.end()) {
     if (loading_.count(name)) return absl::FailedPreconditionError(absl::StrCat("model '", name, "' is still loading"));

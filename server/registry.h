@@ -85,7 +85,9 @@ class ModelRegistry {
 
   // Current generations by name, then draining ones.
   std::vector<std::shared_ptr<ModelGeneration>> List() const;
-  // The READY generation of `name`: NOT_FOUND, or FAILED_PRECONDITION when loading.
+  // The READY generation of `name`: NOT_FOUND, or FAILED_PRECONDITION when
+  // loading. Get, GetRank, Attach and Unload check the name with
+  // ValidateModelName first, so no message echoes an over-long name.
   absl::StatusOr<std::shared_ptr<ModelGeneration>> Get(const std::string& name) const;
   // Get(), and INVALID_ARGUMENT when the model has no rank `rank`.
   absl::StatusOr<std::shared_ptr<ModelGeneration>> GetRank(const std::string& name, uint32_t rank) const;

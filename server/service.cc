@@ -5,12 +5,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "server/convert.h"
+#include "server/manifest_pages.h"
 
 namespace weightd {
 namespace {
 
 constexpr size_t kMaxPathBytes = 4096;
-constexpr uint32_t kDefaultPageSize = 4096;
 
 absl::Status CheckLoadRequest(const v1::LoadModelRequest& r) {
   if (r.checkpoint_path().size() > kMaxPathBytes) {
@@ -20,6 +20,13 @@ absl::Status CheckLoadRequest(const v1::LoadModelRequest& r) {
     if (rule.pattern().empty()) return absl::InvalidArgumentError("a TP rule has an empty pattern");
   }
   return absl::OkStatus();
+}
+
+grpc::Status AdminOnly(const char* method) {
+  return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                      absl::StrCat("weightd.v1.Weightd/", method,
+                                   " needs the Unix socket or a TCP listener with mutual TLS and --grpc-tcp-admin; "
+                                   "this TCP listener is read-only (ListModels, GetManifest, health)"));
 }
 
 }  // namespace
@@ -67,25 +74,15 @@ grpc::Status WeightdService::GetManifest(grpc::ServerContext*, const v1::GetMani
                                          grpc::ServerWriter<v1::ManifestPage>* writer) {
   absl::StatusOr<std::shared_ptr<ModelGeneration>> model = registry_->GetRank(request->name(), request->rank());
   if (!model.ok()) return ToGrpcStatus(model.status());
-  const ModelGeneration& m = **model;
-  const RankManifest& rank = m.ranks[request->rank()];
-  uint32_t page_size = request->page_size() == 0 ? kDefaultPageSize : request->page_size();
-  size_t i = 0;
+  // One page at a time: Write returns once gRPC has taken the page, so a
+  // call holds at most one page (kMaxManifestPageBytes) however many it asks for.
+  uint32_t page_tensors = ManifestPageTensors(request->page_size());
+  size_t total = (*model)->ranks[request->rank()].tensors.size(), next = 0;
   do {
     v1::ManifestPage page;
-    page.set_model(m.request.name);
-    page.set_generation(m.generation);
-    page.set_rank(request->rank());
-    page.set_fingerprint(m.fingerprint);
-    page.set_total_tensors(static_cast<uint32_t>(rank.tensors.size()));
-    if (i == 0) {
-      for (uint32_t s = 0; s < rank.segments.size(); ++s) ToProto(m.segments[rank.segments[s]], s, page.add_segments());
-    }
-    for (size_t end = std::min(rank.tensors.size(), i + page_size); i < end; ++i) {
-      ToProto(rank.tensors[i], page.add_tensors());
-    }
+    next = FillManifestPage(**model, request->rank(), next, page_tensors, &page);
     if (!writer->Write(page)) break;
-  } while (i < rank.tensors.size());
+  } while (next < total);
   return grpc::Status::OK;
 }
 
@@ -131,6 +128,34 @@ grpc::Status WeightdService::AttachEncoded(const grpc::ByteBuffer& raw, grpc::By
 
 grpc::Status WeightdService::Detach(grpc::ServerContext*, const v1::DetachRequest* request, v1::DetachResponse*) {
   return ToGrpcStatus(registry_->Detach(request->lease_id()));
+}
+
+grpc::Status ReadOnlyWeightdService::ListModels(grpc::ServerContext* context, const v1::ListModelsRequest* request,
+                                                v1::ListModelsResponse* response) {
+  return full_->ListModels(context, request, response);
+}
+
+grpc::Status ReadOnlyWeightdService::GetManifest(grpc::ServerContext* context, const v1::GetManifestRequest* request,
+                                                 grpc::ServerWriter<v1::ManifestPage>* writer) {
+  return full_->GetManifest(context, request, writer);
+}
+
+grpc::Status ReadOnlyWeightdService::LoadModel(grpc::ServerContext*, const v1::LoadModelRequest*,
+                                               grpc::ServerWriter<v1::LoadModelProgress>*) {
+  return AdminOnly("LoadModel");
+}
+
+grpc::Status ReadOnlyWeightdService::UnloadModel(grpc::ServerContext*, const v1::UnloadModelRequest*,
+                                                 v1::UnloadModelResponse*) {
+  return AdminOnly("UnloadModel");
+}
+
+grpc::Status ReadOnlyWeightdService::Attach(grpc::ServerContext*, const v1::AttachRequest*, v1::AttachResponse*) {
+  return AdminOnly("Attach");
+}
+
+grpc::Status ReadOnlyWeightdService::Detach(grpc::ServerContext*, const v1::DetachRequest*, v1::DetachResponse*) {
+  return AdminOnly("Detach");
 }
 
 }  // namespace weightd

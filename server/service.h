@@ -42,6 +42,30 @@ class WeightdService final : public v1::Weightd::WithRawCallbackMethod_Attach<v1
   std::string fd_socket_path_;
 };
 
+// The Weightd service as a read-only TCP listener serves it (see
+// tcp_listener.h): ListModels and GetManifest of `full`; every method that
+// changes state or takes a lease answers PERMISSION_DENIED, naming the
+// method and the listeners that serve it. A method added to the proto later
+// is UNIMPLEMENTED here until it is added on purpose: this fails closed.
+class ReadOnlyWeightdService final : public v1::Weightd::Service {
+ public:
+  // `full` must outlive this service.
+  explicit ReadOnlyWeightdService(WeightdService* full) : full_(full) {}
+
+  grpc::Status ListModels(grpc::ServerContext* context, const v1::ListModelsRequest* request,
+                          v1::ListModelsResponse* response) override;
+  grpc::Status GetManifest(grpc::ServerContext* context, const v1::GetManifestRequest* request,
+                           grpc::ServerWriter<v1::ManifestPage>* writer) override;
+  grpc::Status LoadModel(grpc::ServerContext*, const v1::LoadModelRequest*,
+                         grpc::ServerWriter<v1::LoadModelProgress>*) override;
+  grpc::Status UnloadModel(grpc::ServerContext*, const v1::UnloadModelRequest*, v1::UnloadModelResponse*) override;
+  grpc::Status Attach(grpc::ServerContext*, const v1::AttachRequest*, v1::AttachResponse*) override;
+  grpc::Status Detach(grpc::ServerContext*, const v1::DetachRequest*, v1::DetachResponse*) override;
+
+ private:
+  WeightdService* full_;
+};
+
 }  // namespace weightd
 
 #endif  // WEIGHTD_SERVER_SERVICE_H_

@@ -24,7 +24,7 @@ int RunAttach(const Args& args, Context& ctx) {
   if (!rank.ok()) return ReportError(rank.status(), ctx.err);
   absl::StatusOr<double> hold = args.GetDouble("--hold", 0);
   if (!hold.ok()) return ReportError(hold.status(), ctx.err);
-  absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(ctx.socket);
+  absl::StatusOr<std::unique_ptr<Client>> client = ConnectTo(ctx);
   if (!client.ok()) return ReportError(client.status(), ctx.err);
   absl::StatusOr<MappedModel> model = (*client)->Attach(args.positional()[0], static_cast<uint32_t>(*rank));
   if (!model.ok()) return ReportError(model.status(), ctx.err);

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "client/cli/args.h"
+#include "weightd/client.h"
 
 namespace weightd::cli {
 
@@ -16,7 +17,11 @@ struct Context {
   std::string socket;  // daemon target: a socket path or a gRPC target (see Client::Connect)
   std::ostream& out;
   std::ostream& err;
+  ConnectOptions tls;  // --tls-ca, --tls-cert, --tls-key
 };
+
+// A client of ctx.socket with ctx.tls.
+absl::StatusOr<std::unique_ptr<Client>> ConnectTo(const Context& ctx);
 
 struct Command {
   const char* name;

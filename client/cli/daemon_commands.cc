@@ -15,8 +15,6 @@ namespace {
 
 using json = nlohmann::json;
 
-absl::StatusOr<std::unique_ptr<Client>> ConnectTo(const Context& ctx) { return Client::Connect(ctx.socket); }
-
 uint64_t DeviceTotal(const ModelSummary& m) {
   uint64_t total = 0;
   for (const auto& [uuid, bytes] : m.device_bytes) total += bytes;

@@ -16,7 +16,7 @@ int RunHealth(const Args& args, Context& ctx) {
     return ReportError(absl::InvalidArgumentError("usage: weightctl health [MODEL] [--json]"), ctx.err);
   }
   std::string service = args.positional().empty() ? "" : args.positional()[0];
-  absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(ctx.socket);
+  absl::StatusOr<std::unique_ptr<Client>> client = ConnectTo(ctx);
   if (!client.ok()) return ReportError(client.status(), ctx.err);
   absl::StatusOr<std::string> status = (*client)->Health(service);
   if (!status.ok()) return ReportError(status.status(), ctx.err);

@@ -24,6 +24,10 @@ TEST(DaemonConfig, DefaultsFollowTheDesign) {
   EXPECT_EQ(c.socket, "/run/weightd/weightd.sock");
   EXPECT_EQ(c.fd_socket, "/run/weightd/weightd.fd.sock");
   EXPECT_EQ(c.grpc_address, "");
+  EXPECT_EQ(c.grpc_tls_cert, "");
+  EXPECT_EQ(c.grpc_tls_key, "");
+  EXPECT_EQ(c.grpc_tls_client_ca, "");
+  EXPECT_FALSE(c.grpc_tcp_admin);
   EXPECT_TRUE(c.model_root.empty());
   EXPECT_EQ(c.metrics_address, "127.0.0.1:9400");
   EXPECT_EQ(c.health_address, "");
@@ -169,11 +173,40 @@ TEST(DaemonConfig, DirectIoDefaultsToAutoAndRefusesOtherWords) {
               StatusIs(Code::kInvalidArgument, "--direct-io must be auto, on or off, got 'yes'"));
 }
 
+TEST(DaemonConfig, AdminOnTcpNeedsMutualTls) {
+  const std::vector<std::string> tcp = {"--grpc-address", "127.0.0.1:0"};
+  auto with = [&](std::vector<std::string> extra) {
+    extra.insert(extra.begin(), tcp.begin(), tcp.end());
+    return ParseDaemonArgs(extra);
+  };
+  const char* kNeedsMtls = "--grpc-tcp-admin needs mutual TLS on --grpc-address: set --grpc-tls-cert, --grpc-tls-key "
+                           "and --grpc-tls-client-ca";
+  EXPECT_THAT(with({"--grpc-tcp-admin", "true"}), StatusIs(Code::kInvalidArgument, kNeedsMtls));
+  EXPECT_THAT(with({"--grpc-tcp-admin", "true", "--grpc-tls-cert", "c", "--grpc-tls-key", "k"}),
+              StatusIs(Code::kInvalidArgument, kNeedsMtls));
+  EXPECT_THAT(with({"--grpc-tcp-admin", "true", "--grpc-tls-client-ca", "ca"}),
+              StatusIs(Code::kInvalidArgument, kNeedsMtls));
+  EXPECT_THAT(with({"--grpc-tls-cert", "c"}),
+              StatusIs(Code::kInvalidArgument, "needs both --grpc-tls-cert and --grpc-tls-key"));
+  EXPECT_THAT(with({"--grpc-tls-client-ca", "ca"}),
+              StatusIs(Code::kInvalidArgument, "needs both --grpc-tls-cert and --grpc-tls-key"));
+  EXPECT_THAT(ParseDaemonArgs({"--grpc-tcp-admin", "true"}),
+              StatusIs(Code::kInvalidArgument, "apply to --grpc-address, which is not set"));
+  // Read-only TCP, with or without (mutual) TLS, is fine; so is admin with all three files.
+  WEIGHTD_EXPECT_OK(with({}));
+  WEIGHTD_EXPECT_OK(with({"--grpc-tls-cert", "c", "--grpc-tls-key", "k"}));
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(
+      ParsedArgs admin,
+      with({"--grpc-tls-cert", "c", "--grpc-tls-key", "k", "--grpc-tls-client-ca", "ca", "--grpc-tcp-admin", "true"}));
+  EXPECT_TRUE(admin.config.grpc_tcp_admin);
+}
+
 TEST(DaemonConfig, ConfigToJsonRoundTripsThroughConfigFile) {
   WEIGHTD_ASSERT_OK_AND_ASSIGN(
       ParsedArgs original,
       ParseDaemonArgs({"--socket", "/r/w.sock", "--fd-socket", "/r/fd.sock", "--grpc-address", "127.0.0.1:0",
-                       "--model-root", "/a", "--model-root", "/b", "--metrics-address", "", "--health-address", ":8081",
+                       "--grpc-tls-cert", "/t/s.pem", "--grpc-tls-key", "/t/s.key", "--grpc-tls-client-ca", "/t/ca.pem",
+                       "--grpc-tcp-admin", "true", "--model-root", "/a", "--model-root", "/b", "--metrics-address", "", "--health-address", ":8081",
                        "--device-backend", "emulated", "--preload", "x=/a/x", "--preload", "y=/b/y", "--allowed-gid", "5",
                        "--lease-claim-timeout-seconds", "0.25", "--load-threads", "6", "--direct-io", "on", "--mlock", "false"}));
   TempDir dir;
@@ -184,7 +217,9 @@ TEST(DaemonConfig, ConfigToJsonRoundTripsThroughConfigFile) {
   EXPECT_EQ(reread.config.preload, original.config.preload);
   EXPECT_EQ(reread.config.lease_claim_timeout_seconds, 0.25);
   EXPECT_EQ(reread.config.direct_io, "on");
-  EXPECT_EQ(json.size(), 13u);  // every DaemonConfig field, so a new one cannot be forgotten silently
+  EXPECT_TRUE(reread.config.grpc_tcp_admin);
+  EXPECT_EQ(reread.config.grpc_tls_client_ca, "/t/ca.pem");
+  EXPECT_EQ(json.size(), 17u);  // every DaemonConfig field, so a new one cannot be forgotten silently
 }
 
 }  // namespace

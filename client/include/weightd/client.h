@@ -147,11 +147,22 @@ class MappedModel {
   std::shared_ptr<State> state_;  // shared with live DLPack tensors
 };
 
+// TLS for a TCP target (the daemon's --grpc-address with --grpc-tls-*).
+// Paths of PEM files; all empty: no TLS.
+struct ConnectOptions {
+  std::string tls_ca_file;    // CA(s) that signed the daemon's certificate; required for TLS
+  std::string tls_cert_file;  // this client's certificate (chain), for mutual TLS; with tls_key_file
+  std::string tls_key_file;
+};
+
 class Client {
  public:
   // `target`: "unix:///run/weightd/weightd.sock", a plain socket path, or
-  // "HOST:PORT". Does not block; the first call reports an unreachable daemon.
-  static absl::StatusOr<std::unique_ptr<Client>> Connect(const std::string& target);
+  // "HOST:PORT". Does not block; the first call reports an unreachable daemon
+  // (or a refused TLS handshake) as UNAVAILABLE. INVALID_ARGUMENT/NOT_FOUND
+  // for bad `options` (a certificate without its key, an unreadable file).
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(const std::string& target,
+                                                         const ConnectOptions& options = {});
   ~Client();
 
   // Loads (or reuses) a model; `progress` is called for each progress message.

@@ -1,0 +1,60 @@
+// The optional gRPC TCP listener (--grpc-address): a gRPC server of its own,
+// apart from the Unix socket's, so that what it serves is decided by how it
+// is secured, not by which socket a call happened to arrive on.
+//
+//   plain TCP or server-only TLS   read-only: ListModels, GetManifest, health
+//                                  and reflection; LoadModel, UnloadModel,
+//                                  Attach and Detach answer PERMISSION_DENIED
+//   mutual TLS (client CA set)     the same, or with --grpc-tcp-admin every
+//                                  method, for clients whose certificate the
+//                                  client CA signed
+//
+// The rules for the configuration (admin needs mutual TLS) are checked by
+// ParseDaemonArgs; Start re-checks them so no caller can open the door.
+// Requires grpc::EnableDefaultHealthCheckService(true) before Start.
+// Thread-safety: Start and Shutdown from one thread.
+#ifndef WEIGHTD_SERVER_TCP_LISTENER_H_
+#define WEIGHTD_SERVER_TCP_LISTENER_H_
+
+#include <grpcpp/grpcpp.h>
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "server/config.h"
+#include "server/metrics.h"
+#include "server/service.h"
+
+namespace weightd {
+
+class TcpListener {
+ public:
+  // Listens on config.grpc_address ("HOST:PORT"; port 0 picks one) with the
+  // credentials and methods the config's grpc_* keys choose. `registry` and
+  // `metrics` must outlive this. INVALID_ARGUMENT for admin without mutual
+  // TLS, NOT_FOUND/INVALID_ARGUMENT naming an unreadable PEM file,
+  // UNAVAILABLE when it cannot listen.
+  static absl::StatusOr<std::unique_ptr<TcpListener>> Start(const DaemonConfig& config, ModelRegistry* registry,
+                                                            Metrics* metrics);
+  ~TcpListener();  // Shutdown()
+
+  grpc::Server* server() { return server_.get(); }
+  int port() const { return port_; }
+  // "plain TCP, read-only", "mutual TLS, admin", ...: for the log.
+  const std::string& mode() const { return mode_; }
+  // Ends open calls within `grace`.
+  void Shutdown(std::chrono::milliseconds grace = std::chrono::milliseconds(0));
+
+ private:
+  TcpListener() = default;
+  std::unique_ptr<WeightdService> full_;
+  std::unique_ptr<ReadOnlyWeightdService> read_only_;  // null when admin
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+  std::string mode_;
+};
+
+}  // namespace weightd
+
+#endif  // WEIGHTD_SERVER_TCP_LISTENER_H_
