@@ -73,7 +73,7 @@ absl::StatusOr<std::string> ModelRegistry::ResolvePath(const std::string& path) 
   std::string resolved;
   absl::Status last = absl::NotFoundError("");
   for (const std::string& candidate : candidates) {
-    absl::StatusOr<std::string> real = Env::Default()->RealPath(candidate);
+    absl::StatusOr<std::string> real = env().RealPath(candidate);
     if (real.ok()) {
       resolved = *real;
       break;
@@ -85,7 +85,7 @@ absl::StatusOr<std::string> ModelRegistry::ResolvePath(const std::string& path) 
     return absl::NotFoundError(absl::StrCat(path, ": no such checkpoint file or folder"));
   }
   for (const std::string& root : options_.model_roots) {
-    absl::StatusOr<std::string> real_root = Env::Default()->RealPath(root);
+    absl::StatusOr<std::string> real_root = env().RealPath(root);
     if (!real_root.ok()) continue;
     if (resolved == *real_root || absl::StartsWith(resolved, *real_root + "/")) return resolved;
   }
@@ -120,7 +120,7 @@ absl::StatusOr<ModelRegistry::LoadResult> ModelRegistry::Load(LoadRequest reques
     loading_.erase(request.name);
   };
   if (progress) progress(LoadProgress{});
-  absl::StatusOr<Catalog> catalog = BuildCatalog(request.checkpoint_path);
+  absl::StatusOr<Catalog> catalog = BuildCatalog(request.checkpoint_path, CatalogOptions{&env(), options_.model_roots});
   if (!catalog.ok()) {
     done_loading();
     if (listener_) listener_->OnLoadFailed(request, catalog.status());

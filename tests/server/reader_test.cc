@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <map>
 
 #include "absl/strings/str_cat.h"
@@ -58,7 +59,12 @@ class FakeFile final : public RandomAccessFile {
     return absl::OkStatus();
   }
 
+  absl::StatusOr<std::unique_ptr<RandomAccessFile>> ReopenDirect() const override {
+    return reopen_direct ? reopen_direct() : RandomAccessFile::ReopenDirect();
+  }
+
   int reads() const { return reads_; }
+  std::function<absl::StatusOr<std::unique_ptr<RandomAccessFile>>()> reopen_direct;  // unset: refused
 
  private:
   std::string path_, data_;
@@ -77,7 +83,9 @@ class FakeEnv final : public Env {
   int direct_opens = 0;
 
   absl::StatusOr<std::unique_ptr<RandomAccessFile>> OpenForRead(const std::string& path) override {
-    return std::make_unique<FakeFile>(path, files.at(path), 0, cached);
+    auto file = std::make_unique<FakeFile>(path, files.at(path), 0, cached);
+    file->reopen_direct = [this, path] { return OpenForDirectRead(path); };
+    return file;
   }
   absl::StatusOr<std::unique_ptr<RandomAccessFile>> OpenForDirectRead(const std::string& path) override {
     ++direct_opens;
@@ -89,9 +97,12 @@ class FakeEnv final : public Env {
   absl::StatusOr<std::string> RealPath(const std::string& path) override { return path; }
 };
 
-Catalog CatalogOf(const FakeEnv& env) {
+// A catalog holding each file of `env` open, as BuildCatalog leaves it.
+Catalog CatalogOf(FakeEnv& env) {
   Catalog catalog;
-  for (const auto& [path, data] : env.files) catalog.files.push_back({path, path, data.size(), 0, 0, {}});
+  for (const auto& [path, data] : env.files) {
+    catalog.files.push_back({path, path, data.size(), 0, 0, {}, std::move(env.OpenForRead(path)).value()});
+  }
   return catalog;
 }
 
@@ -176,7 +187,7 @@ class CheckpointReaderModes : public ::testing::Test {
     env_.files["/m/b.safetensors"] = Bytes(700, 6);
   }
   std::unique_ptr<CheckpointReader> Open(DirectIo mode) {
-    absl::StatusOr<std::unique_ptr<CheckpointReader>> reader = CheckpointReader::Open(CatalogOf(env_), {mode, &env_});
+    absl::StatusOr<std::unique_ptr<CheckpointReader>> reader = CheckpointReader::Open(CatalogOf(env_), {mode});
     EXPECT_TRUE(reader.ok()) << reader.status();
     return reader.ok() ? std::move(*reader) : nullptr;
   }
