@@ -51,6 +51,9 @@ absl::StatusOr<ScopedFd> Reopen(int fd, const std::string& path, int flags) {
   if (!reopened.valid() && (flags & O_DIRECT) != 0 && errno == EINVAL) {
     return absl::FailedPreconditionError(absl::StrCat(path, ": the file system refuses O_DIRECT (EINVAL)"));
   }
+  if (!reopened.valid() && errno == ENOENT) {
+    return absl::FailedPreconditionError(absl::StrCat(path, ": cannot reopen through ", ProcFdPath(fd), " (is /proc mounted?)"));
+  }
   if (!reopened.valid()) return ErrnoToStatus(absl::StrCat(path, ": open"), errno);
   return reopened;
 }
