@@ -26,6 +26,7 @@ namespace {
 using ::weightd::testing::Bytes;
 
 using ::weightd::testing::WriteFile;
+using ::weightd::testing::Xxh3Hex;
 
 // A file in memory. With `align` > 0 it behaves like O_DIRECT: ReadSome
 // refuses (EINVAL) an offset, length or buffer off the alignment and
@@ -271,6 +272,20 @@ TEST_F(RealDirectFile, DirectReadsEqualPread) {
       EXPECT_EQ(std::string(base + shift, r.n), expected) << "offset " << r.offset << " n " << r.n;
     }
   }
+}
+
+// Issue 12: the O_DIRECT twin is the inode the catalog opened, not its path.
+TEST_F(RealDirectFile, ReopenDirectReadsTheOpenedFileNotThePath) {
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<RandomAccessFile> buffered, Env::Default()->OpenForRead(path_));
+  WriteFile(dir_ + "/other", Bytes(data_.size(), 8));
+  ASSERT_EQ(rename((dir_ + "/other").c_str(), path_.c_str()), 0);
+  absl::StatusOr<std::unique_ptr<RandomAccessFile>> direct = buffered->ReopenDirect();
+  if (absl::IsFailedPrecondition(direct.status())) GTEST_SKIP() << direct.status();
+  WEIGHTD_ASSERT_OK(direct.status());
+  EXPECT_GT((*direct)->direct_alignment(), 0u);
+  ReadBuffer scratch;
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(const char* got, ReadDirectInto(**direct, 0, data_.size(), scratch));
+  EXPECT_EQ(Xxh3Hex(got, data_.size()), Xxh3Hex(data_.data(), data_.size()));
 }
 
 }  // namespace
