@@ -6,8 +6,8 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "common/model_roots.h"
 #include "common/safetensors.h"
 #include "common/status.h"
 #include "nlohmann/json.hpp"
@@ -31,40 +31,20 @@ std::string Dirname(const std::string& path) {
   return slash == std::string::npos || slash == 0 ? "/" : path.substr(0, slash);
 }
 
-// Whether `path` is `dir` or lies below it (both absolute, without symlinks).
-bool Under(const std::string& path, const std::string& dir) {
-  return dir == "/" || path == dir || absl::StartsWith(path, dir + "/");
-}
-
 using FilePtr = std::shared_ptr<const RandomAccessFile>;
 
 // What BuildCatalog carries while it walks one checkpoint.
 struct Walk {
   Env& env;
-  const std::vector<std::string>& roots;  // as given, for messages; empty: no root check
-  std::vector<std::string> real_roots;    // realpath of each root that resolves
+  ModelRoots roots;  // empty: no root check (offline)
   Catalog& catalog;
 };
 
-// The file open as `file` must lie under a model root; checked before any
-// byte of it is read.
-absl::Status CheckUnderRoots(const Walk& w, const RandomAccessFile& file, const std::string& name) {
-  absl::StatusOr<std::string> resolved = file.ResolvedPath();
-  if (!resolved.ok()) {
-    return absl::PermissionDeniedError(
-        absl::StrCat(name, ": cannot tell whether it lies under a --model-root: ", resolved.status().message()));
-  }
-  for (const std::string& root : w.real_roots) {
-    if (Under(*resolved, root)) return absl::OkStatus();
-  }
-  return absl::PermissionDeniedError(absl::StrCat(name, ": resolves to ", *resolved, ", outside every --model-root (",
-                                                  absl::StrJoin(w.roots, ", "), ")"));
-}
-
-// Opens `path` (`name` in messages) once, checked against the model roots.
+// Opens `path` (`name` in messages) once; with model roots, the open file
+// must lie under one, checked before a byte of it is read.
 absl::StatusOr<FilePtr> OpenChecked(const Walk& w, const std::string& path, const std::string& name) {
   WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<RandomAccessFile> file, w.env.OpenForRead(path));
-  if (!w.roots.empty()) WEIGHTD_RETURN_IF_ERROR(CheckUnderRoots(w, *file, name));
+  if (!w.roots.empty()) WEIGHTD_RETURN_IF_ERROR(w.roots.Check(*file, name));
   return FilePtr(std::move(file));
 }
 
@@ -129,7 +109,7 @@ absl::Status AddShard(Walk& w, const std::string& dir, const std::string& bounda
   WEIGHTD_RETURN_IF_ERROR(CheckShardName(w.env, dir, shard));
   WEIGHTD_ASSIGN_OR_RETURN(FilePtr file, OpenChecked(w, Join(dir, shard), shard));
   WEIGHTD_ASSIGN_OR_RETURN(std::string real, file->ResolvedPath());
-  if (!Under(real, boundary)) {
+  if (!PathUnder(real, boundary)) {
     return absl::InvalidArgumentError(
         absl::StrCat(kIndexFileName, ": shard path '", shard, "' resolves to ", real, ", outside the checkpoint folder"));
   }
@@ -274,11 +254,7 @@ absl::StatusOr<Catalog> BuildCatalog(const std::string& path, const CatalogOptio
   Env& env = options.env != nullptr ? *options.env : *Env::Default();
   Catalog catalog;
   catalog.root = path;
-  Walk w{env, options.model_roots, {}, catalog};
-  for (const std::string& root : options.model_roots) {
-    absl::StatusOr<std::string> real = env.RealPath(root);
-    if (real.ok()) w.real_roots.push_back(*std::move(real));
-  }
+  Walk w{env, ModelRoots::Resolve(env, options.model_roots), catalog};
   WEIGHTD_ASSIGN_OR_RETURN(FileKind kind, env.Stat(path));
   switch (kind) {
     case FileKind::kMissing:

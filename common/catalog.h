@@ -23,12 +23,10 @@
 // CatalogFile::file; the load pipeline reads those, never the path again, so
 // the bytes cataloged are the bytes loaded. With model roots (the daemon),
 // every file, the index included, must lie under one of them, checked on the
-// open file before a byte of it is read: the path the open file lies at
-// (readlink of /proc/self/fd/N, proc(5), confirmed by stat's st_dev/st_ino)
-// must start with a root's realpath plus "/". Symlinks that stay inside a
-// root work; PERMISSION_DENIED otherwise, naming the file and where it
-// resolved. Without roots (offline `weightctl inspect`) only the folder
-// rules above apply.
+// open file before a byte of it is read (common/model_roots.h). Symlinks
+// that stay inside a root work; PERMISSION_DENIED otherwise, naming the file
+// and where it resolved. Without roots (offline `weightctl inspect`) only
+// the folder rules above apply.
 #ifndef WEIGHTD_COMMON_CATALOG_H_
 #define WEIGHTD_COMMON_CATALOG_H_
 
