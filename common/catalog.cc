@@ -7,6 +7,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/model_roots.h"
 #include "common/safetensors.h"
 #include "common/status.h"
 #include "nlohmann/json.hpp"
@@ -25,12 +26,35 @@ std::string Basename(const std::string& path) {
   return slash == std::string::npos ? path : path.substr(slash + 1);
 }
 
-// Reads one file's header and appends its tensors to the catalog.
-absl::Status AddFile(Env& env, Catalog& catalog, const std::string& path, const std::string& name) {
-  WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<RandomAccessFile> file, env.OpenForRead(path));
+std::string Dirname(const std::string& path) {
+  size_t slash = path.find_last_of('/');
+  return slash == std::string::npos || slash == 0 ? "/" : path.substr(0, slash);
+}
+
+using FilePtr = std::shared_ptr<const RandomAccessFile>;
+
+// What BuildCatalog carries while it walks one checkpoint.
+struct Walk {
+  Env& env;
+  ModelRoots roots;  // empty: no root check (offline)
+  Catalog& catalog;
+};
+
+// Opens `path` (`name` in messages) once; with model roots, the open file
+// must lie under one, checked before a byte of it is read.
+absl::StatusOr<FilePtr> OpenChecked(const Walk& w, const std::string& path, const std::string& name) {
+  WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<RandomAccessFile> file, w.env.OpenForRead(path));
+  if (!w.roots.empty()) WEIGHTD_RETURN_IF_ERROR(w.roots.Check(*file, name));
+  return FilePtr(std::move(file));
+}
+
+// Reads the header of the open `file` and appends its tensors to the catalog.
+absl::Status AddFile(Walk& w, FilePtr file, const std::string& path, const std::string& name) {
   WEIGHTD_ASSIGN_OR_RETURN(SafetensorsHeader header, ReadHeader(*file, name));
+  Catalog& catalog = w.catalog;
   uint32_t index = static_cast<uint32_t>(catalog.files.size());
-  catalog.files.push_back({name, path, file->size(), header.data_start, file->mtime_ns(), std::move(header.metadata)});
+  catalog.files.push_back({name, path, file->size(), header.data_start, file->mtime_ns(), std::move(header.metadata),
+                           std::move(file)});
   for (TensorHeader& t : header.tensors) {
     catalog.tensors.push_back(
         {std::move(t.name), t.dtype, std::move(t.shape), index, header.data_start + t.begin, t.end - t.begin});
@@ -53,13 +77,13 @@ absl::Status CheckUniqueNames(const Catalog& catalog) {
   return absl::OkStatus();
 }
 
-absl::Status CheckShardPath(Env& env, const std::string& dir_real, const std::string& shard) {
+absl::Status CheckShardName(Env& env, const std::string& dir, const std::string& shard) {
   bool dotdot = false;
   for (absl::string_view part : absl::StrSplit(shard, '/')) dotdot |= part == "..";
   if (shard.empty() || shard[0] == '/' || dotdot) {
     return absl::InvalidArgumentError(absl::StrCat(kIndexFileName, ": shard path '", shard, "' leaves the checkpoint folder"));
   }
-  WEIGHTD_ASSIGN_OR_RETURN(FileKind kind, env.Stat(Join(dir_real, shard)));
+  WEIGHTD_ASSIGN_OR_RETURN(FileKind kind, env.Stat(Join(dir, shard)));
   if (kind == FileKind::kMissing) {
     return absl::InvalidArgumentError(
         absl::StrCat(kIndexFileName, ": names shard file '", shard, "', which does not exist"));
@@ -68,12 +92,28 @@ absl::Status CheckShardPath(Env& env, const std::string& dir_real, const std::st
     return absl::InvalidArgumentError(
         absl::StrCat(kIndexFileName, ": names shard file '", shard, "', which is not a regular file"));
   }
-  WEIGHTD_ASSIGN_OR_RETURN(std::string real, env.RealPath(Join(dir_real, shard)));
-  if (!absl::StartsWith(real, dir_real + "/")) {
+  return absl::OkStatus();
+}
+
+// The folder an index's shards must resolve into: the checkpoint folder
+// `dir_real`, or for a Hugging Face cache snapshot `<repo>/snapshots/<rev>`
+// (files are symlinks to ../../blobs/<sha>) the repository folder `<repo>`.
+std::string ShardBoundary(const std::string& dir_real) {
+  std::string snapshots = Dirname(dir_real);
+  std::string repo = Dirname(snapshots);
+  return Basename(snapshots) == "snapshots" && repo != "/" ? repo : dir_real;
+}
+
+// Opens one shard named by the index; the open file must lie in `boundary`.
+absl::Status AddShard(Walk& w, const std::string& dir, const std::string& boundary, const std::string& shard) {
+  WEIGHTD_RETURN_IF_ERROR(CheckShardName(w.env, dir, shard));
+  WEIGHTD_ASSIGN_OR_RETURN(FilePtr file, OpenChecked(w, Join(dir, shard), shard));
+  WEIGHTD_ASSIGN_OR_RETURN(std::string real, file->ResolvedPath());
+  if (!PathUnder(real, boundary)) {
     return absl::InvalidArgumentError(
         absl::StrCat(kIndexFileName, ": shard path '", shard, "' resolves to ", real, ", outside the checkpoint folder"));
   }
-  return absl::OkStatus();
+  return AddFile(w, std::move(file), Join(dir, shard), shard);
 }
 
 // Parses JSON refusing nesting deeper than kMaxJsonDepth: serialising or
@@ -108,7 +148,12 @@ absl::StatusOr<Index> ParseIndex(const std::string& text) {
       return absl::InvalidArgumentError(
           absl::StrCat(kIndexFileName, ": weight_map entry '", tensor, "' must be a file name string"));
     }
-    index.weight_map.emplace_back(tensor, shard.get<std::string>());
+    std::string name = shard.get<std::string>();
+    if (name.find('\0') != std::string::npos) {
+      return absl::InvalidArgumentError(absl::StrCat(kIndexFileName, ": weight_map entry '", tensor,
+                                                     "' names a shard with a NUL byte: ", shard.dump()));
+    }
+    index.weight_map.emplace_back(tensor, std::move(name));
   }
   if (doc.contains("metadata")) {
     const json& meta = doc["metadata"];
@@ -121,16 +166,29 @@ absl::StatusOr<Index> ParseIndex(const std::string& text) {
   return index;
 }
 
-absl::Status CatalogIndexed(Env& env, Catalog& catalog, const std::string& dir) {
-  WEIGHTD_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(env, Join(dir, kIndexFileName), kMaxHeaderBytes));
+// The index exists in the folder listing; anything but a regular file there
+// is an error, not a reason to read every .safetensors file instead.
+absl::Status CheckIndexKind(Env& env, const std::string& index_path) {
+  WEIGHTD_ASSIGN_OR_RETURN(FileKind kind, env.Stat(index_path));
+  if (kind == FileKind::kRegular) return absl::OkStatus();
+  const char* what = kind == FileKind::kMissing     ? "dangling symbolic link"
+                     : kind == FileKind::kDirectory ? "not a regular file (directory)"
+                                                    : "not a regular file (FIFO, socket or device)";
+  return absl::InvalidArgumentError(absl::StrCat(
+      kIndexFileName, ": ", what, "; an index that exists must be a regular file (no fall-back to every .safetensors file)"));
+}
+
+absl::Status CatalogIndexed(Walk& w, const std::string& dir) {
+  Catalog& catalog = w.catalog;
+  WEIGHTD_RETURN_IF_ERROR(CheckIndexKind(w.env, Join(dir, kIndexFileName)));
+  WEIGHTD_ASSIGN_OR_RETURN(FilePtr index_file, OpenChecked(w, Join(dir, kIndexFileName), kIndexFileName));
+  WEIGHTD_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(*index_file, kMaxHeaderBytes));
   WEIGHTD_ASSIGN_OR_RETURN(Index index, ParseIndex(text));
-  WEIGHTD_ASSIGN_OR_RETURN(std::string dir_real, env.RealPath(dir));
+  WEIGHTD_ASSIGN_OR_RETURN(std::string dir_real, w.env.RealPath(dir));
+  const std::string boundary = ShardBoundary(dir_real);
   std::set<std::string> shards;
   for (const auto& [tensor, shard] : index.weight_map) shards.insert(shard);
-  for (const std::string& shard : shards) {
-    WEIGHTD_RETURN_IF_ERROR(CheckShardPath(env, dir_real, shard));
-    WEIGHTD_RETURN_IF_ERROR(AddFile(env, catalog, Join(dir, shard), shard));
-  }
+  for (const std::string& shard : shards) WEIGHTD_RETURN_IF_ERROR(AddShard(w, dir, boundary, shard));
   WEIGHTD_RETURN_IF_ERROR(CheckUniqueNames(catalog));
   catalog.Finish();
   for (const auto& [tensor, shard] : index.weight_map) {
@@ -153,18 +211,19 @@ absl::Status CatalogIndexed(Env& env, Catalog& catalog, const std::string& dir) 
   return absl::OkStatus();
 }
 
-absl::Status CatalogFolder(Env& env, Catalog& catalog, const std::string& dir) {
-  WEIGHTD_ASSIGN_OR_RETURN(std::vector<std::string> names, env.ListDir(dir));
+absl::Status CatalogFolder(Walk& w, const std::string& dir, const std::vector<std::string>& names) {
+  Catalog& catalog = w.catalog;
   for (const std::string& name : names) {
     if (!absl::EndsWith(name, ".safetensors")) continue;
-    WEIGHTD_ASSIGN_OR_RETURN(FileKind kind, env.Stat(Join(dir, name)));
+    WEIGHTD_ASSIGN_OR_RETURN(FileKind kind, w.env.Stat(Join(dir, name)));
     // A dangling link or a FIFO among the weights would silently load a partial model.
     if (kind != FileKind::kRegular) {
       return absl::InvalidArgumentError(absl::StrCat(name, ": ",
                                                      kind == FileKind::kMissing ? "dangling symbolic link" : "not a regular file",
                                                      " among the checkpoint's .safetensors files"));
     }
-    WEIGHTD_RETURN_IF_ERROR(AddFile(env, catalog, Join(dir, name), name));
+    WEIGHTD_ASSIGN_OR_RETURN(FilePtr file, OpenChecked(w, Join(dir, name), name));
+    WEIGHTD_RETURN_IF_ERROR(AddFile(w, std::move(file), Join(dir, name), name));
   }
   if (catalog.files.empty()) return absl::NotFoundError(absl::StrCat(dir, ": folder holds no .safetensors files"));
   WEIGHTD_RETURN_IF_ERROR(CheckUniqueNames(catalog));
@@ -191,26 +250,34 @@ void Catalog::Finish() {
   for (size_t i = 0; i < tensors.size(); ++i) by_name_.emplace(tensors[i].name, i);
 }
 
-absl::StatusOr<Catalog> BuildCatalog(const std::string& path, Env& env) {
+absl::StatusOr<Catalog> BuildCatalog(const std::string& path, const CatalogOptions& options) {
+  Env& env = options.env != nullptr ? *options.env : *Env::Default();
   Catalog catalog;
   catalog.root = path;
+  Walk w{env, ModelRoots::Resolve(env, options.model_roots), catalog};
   WEIGHTD_ASSIGN_OR_RETURN(FileKind kind, env.Stat(path));
   switch (kind) {
     case FileKind::kMissing:
       return absl::NotFoundError(absl::StrCat(path, ": no such file or folder"));
-    case FileKind::kRegular:
-      WEIGHTD_RETURN_IF_ERROR(AddFile(env, catalog, path, Basename(path)));
+    case FileKind::kRegular: {
+      WEIGHTD_ASSIGN_OR_RETURN(FilePtr file, OpenChecked(w, path, Basename(path)));
+      WEIGHTD_RETURN_IF_ERROR(AddFile(w, std::move(file), path, Basename(path)));
       catalog.Finish();
       return catalog;
+    }
     case FileKind::kDirectory: {
-      WEIGHTD_ASSIGN_OR_RETURN(FileKind index, env.Stat(Join(path, kIndexFileName)));
-      WEIGHTD_RETURN_IF_ERROR(index == FileKind::kRegular ? CatalogIndexed(env, catalog, path)
-                                                          : CatalogFolder(env, catalog, path));
+      WEIGHTD_ASSIGN_OR_RETURN(std::vector<std::string> names, env.ListDir(path));
+      bool indexed = std::find(names.begin(), names.end(), kIndexFileName) != names.end();
+      WEIGHTD_RETURN_IF_ERROR(indexed ? CatalogIndexed(w, path) : CatalogFolder(w, path, names));
       return catalog;
     }
     default:
       return absl::InvalidArgumentError(absl::StrCat(path, ": not a file or folder"));
   }
+}
+
+absl::StatusOr<Catalog> BuildCatalog(const std::string& path, Env& env) {
+  return BuildCatalog(path, CatalogOptions{&env, {}});
 }
 
 }  // namespace weightd

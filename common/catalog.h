@@ -11,11 +11,28 @@
 //     A tensor a shard holds but the index does not name is kept, with a warning;
 //   - a folder of `.safetensors` files without an index: all of them, sorted by
 //     name; a tensor name in two files is an error.
+// An index that exists in any form (a dangling symlink, a directory, a FIFO)
+// but is not a regular file is an error, never a fall-back to the folder's
+// files. A shard name holding a NUL byte is an error. A shard must resolve
+// into the checkpoint folder, or, for a Hugging Face cache snapshot
+// (`<repo>/snapshots/<rev>`, whose files are symlinks to `../../blobs/<sha>`),
+// into the repository folder `<repo>`.
+//
+// Files are opened once (Env::OpenForRead: O_PATH first, so a FIFO, device
+// or directory is refused without being opened for reading) and kept open in
+// CatalogFile::file; the load pipeline reads those, never the path again, so
+// the bytes cataloged are the bytes loaded. With model roots (the daemon),
+// every file, the index included, must lie under one of them, checked on the
+// open file before a byte of it is read (common/model_roots.h). Symlinks
+// that stay inside a root work; PERMISSION_DENIED otherwise, naming the file
+// and where it resolved. Without roots (offline `weightctl inspect`) only
+// the folder rules above apply.
 #ifndef WEIGHTD_COMMON_CATALOG_H_
 #define WEIGHTD_COMMON_CATALOG_H_
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -35,6 +52,9 @@ struct CatalogFile {
   uint64_t data_start = 0;  // file offset of the data section (8 + header length)
   int64_t mtime_ns = 0;     // modification time when cataloged
   std::map<std::string, std::string> metadata;  // the header's __metadata__
+  // The file as opened and checked by BuildCatalog, shared by every copy of
+  // the catalog and closed with the last; readers use it, never `path`.
+  std::shared_ptr<const RandomAccessFile> file;
 };
 
 struct CatalogTensor {
@@ -64,10 +84,18 @@ class Catalog {
   absl::flat_hash_map<std::string, size_t> by_name_;
 };
 
+struct CatalogOptions {
+  Env* env = nullptr;                    // null: Env::Default()
+  std::vector<std::string> model_roots;  // every file must lie under one; empty: no such check (offline)
+};
+
 // Catalogs the checkpoint at `path`. Errors are INVALID_ARGUMENT (malformed
-// checkpoint; the message names the file, the tensor and the rule) or
-// NOT_FOUND (no such path / no safetensors files). Reads headers only.
-// Thread-safe for distinct calls.
+// checkpoint; the message names the file, the tensor and the rule),
+// NOT_FOUND (no such path / no safetensors files) or PERMISSION_DENIED (a
+// file outside every model root). Reads headers only. The catalog owns the
+// open files. Thread-safe for distinct calls.
+absl::StatusOr<Catalog> BuildCatalog(const std::string& path, const CatalogOptions& options);
+// Offline: no model roots.
 absl::StatusOr<Catalog> BuildCatalog(const std::string& path, Env& env = *Env::Default());
 
 }  // namespace weightd

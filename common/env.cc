@@ -13,15 +13,91 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
+#include "common/unix_socket.h"
 
 namespace weightd {
 namespace {
 
+// The alignment O_DIRECT reads of `fd` need: the larger of statx's memory
+// and offset alignments (Linux 6.1+), else 4096 (a page: enough for every
+// logical block size in use).
+uint64_t DirectAlignment(int fd) {
+  struct statx sx;
+  if (statx(fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &sx) == 0 && (sx.stx_mask & STATX_DIOALIGN) != 0 &&
+      sx.stx_dio_offset_align != 0) {
+    return std::max<uint64_t>(sx.stx_dio_mem_align, sx.stx_dio_offset_align);
+  }
+  return 4096;
+}
+
+// What a non-regular file is, for refusals.
+const char* KindName(mode_t mode) {
+  if (S_ISDIR(mode)) return "directory";
+  if (S_ISFIFO(mode)) return "FIFO";
+  if (S_ISSOCK(mode)) return "socket";
+  if (S_ISCHR(mode)) return "character device";
+  if (S_ISBLK(mode)) return "block device";
+  return "unknown kind";
+}
+
+std::string ProcFdPath(int fd) { return absl::StrCat("/proc/self/fd/", fd); }
+
+bool SameInode(const struct stat& a, const struct stat& b) { return a.st_dev == b.st_dev && a.st_ino == b.st_ino; }
+
+// Opens /proc/self/fd/`fd` (proc(5)): a new open file description of the
+// inode `fd` refers to, whatever its path names by now.
+absl::StatusOr<ScopedFd> Reopen(int fd, const std::string& path, int flags) {
+  ScopedFd reopened(open(ProcFdPath(fd).c_str(), flags | O_RDONLY | O_CLOEXEC | O_NOCTTY));
+  if (!reopened.valid() && (flags & O_DIRECT) != 0 && errno == EINVAL) {
+    return absl::FailedPreconditionError(absl::StrCat(path, ": the file system refuses O_DIRECT (EINVAL)"));
+  }
+  if (!reopened.valid() && errno == ENOENT) {
+    return absl::FailedPreconditionError(absl::StrCat(path, ": cannot reopen through ", ProcFdPath(fd), " (is /proc mounted?)"));
+  }
+  if (!reopened.valid()) return ErrnoToStatus(absl::StrCat(path, ": open"), errno);
+  return reopened;
+}
+
 class PosixFile final : public RandomAccessFile {
  public:
-  PosixFile(std::string path, int fd, uint64_t size, int64_t mtime_ns, uint64_t direct_alignment)
-      : path_(std::move(path)), fd_(fd), size_(size), mtime_ns_(mtime_ns), direct_alignment_(direct_alignment) {}
+  PosixFile(std::string path, ScopedFd fd, const struct stat& st, uint64_t direct_alignment)
+      : path_(std::move(path)),
+        fd_(fd.Release()),
+        st_(st),
+        size_(static_cast<uint64_t>(st.st_size)),
+        mtime_ns_(int64_t{st.st_mtim.tv_sec} * 1'000'000'000 + st.st_mtim.tv_nsec),
+        direct_alignment_(direct_alignment) {}
   ~PosixFile() override { close(fd_); }
+
+  absl::StatusOr<std::string> ResolvedPath() const override {
+    char buf[PATH_MAX];
+    ssize_t n = readlink(ProcFdPath(fd_).c_str(), buf, sizeof(buf));
+    if (n < 0) return ErrnoToStatus(absl::StrCat(path_, ": readlink ", ProcFdPath(fd_)), errno);
+    if (static_cast<size_t>(n) == sizeof(buf)) return absl::OutOfRangeError(absl::StrCat(path_, ": resolved path too long"));
+    std::string resolved(buf, static_cast<size_t>(n));
+    // A deleted file reads "<path> (deleted)"; a moved one its new path.
+    // Either way the name must still lead to this very inode.
+    struct stat at;
+    if (resolved.empty() || resolved[0] != '/' || stat(resolved.c_str(), &at) != 0 || !SameInode(at, st_)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(path_, ": the opened file no longer lies at ", resolved, " (moved or deleted meanwhile)"));
+    }
+    return resolved;
+  }
+
+  absl::StatusOr<std::unique_ptr<RandomAccessFile>> ReopenDirect() const override {
+    WEIGHTD_ASSIGN_OR_RETURN(ScopedFd fd, Reopen(fd_, path_, O_DIRECT));
+    struct stat st;
+    if (fstat(fd.get(), &st) != 0) return ErrnoToStatus(absl::StrCat(path_, ": stat"), errno);
+    uint64_t align = DirectAlignment(fd.get());
+    return std::make_unique<PosixFile>(path_, std::move(fd), st, align);
+  }
+
+  absl::StatusOr<uint64_t> CurrentSize() const override {
+    struct stat st;
+    if (fstat(fd_, &st) != 0) return ErrnoToStatus(absl::StrCat(path_, ": stat"), errno);
+    return static_cast<uint64_t>(st.st_size);
+  }
 
   const std::string& path() const override { return path_; }
   uint64_t size() const override { return size_; }
@@ -85,22 +161,11 @@ class PosixFile final : public RandomAccessFile {
  private:
   std::string path_;
   int fd_;
+  struct stat st_;  // at open time
   uint64_t size_;
   int64_t mtime_ns_;
   uint64_t direct_alignment_;
 };
-
-// The alignment O_DIRECT reads of `fd` need: the larger of statx's memory
-// and offset alignments (Linux 6.1+), else 4096 (a page: enough for every
-// logical block size in use).
-uint64_t DirectAlignment(int fd) {
-  struct statx sx;
-  if (statx(fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &sx) == 0 && (sx.stx_mask & STATX_DIOALIGN) != 0 &&
-      sx.stx_dio_offset_align != 0) {
-    return std::max<uint64_t>(sx.stx_dio_mem_align, sx.stx_dio_offset_align);
-  }
-  return 4096;
-}
 
 class PosixEnv final : public Env {
  public:
@@ -144,27 +209,20 @@ class PosixEnv final : public Env {
 
  private:
   static absl::StatusOr<std::unique_ptr<RandomAccessFile>> Open(const std::string& path, bool direct) {
-    // O_NONBLOCK: opening a FIFO or a device named like a checkpoint must not
-    // block; anything but a regular file is refused below.
-    int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | (direct ? O_DIRECT : 0));
-    if (fd < 0 && direct && errno == EINVAL) {
-      return absl::FailedPreconditionError(absl::StrCat(path, ": the file system refuses O_DIRECT (EINVAL)"));
-    }
-    if (fd < 0) return ErrnoToStatus(absl::StrCat(path, ": open"), errno);
+    // O_PATH: nothing is read and no device or FIFO is opened (no side
+    // effect, no blocking) before the file is known to be regular.
+    ScopedFd located(open(path.c_str(), O_PATH | O_CLOEXEC));
+    if (!located.valid()) return ErrnoToStatus(absl::StrCat(path, ": open"), errno);
     struct stat st;
-    if (fstat(fd, &st) != 0) {
-      int err = errno;
-      close(fd);
-      return ErrnoToStatus(absl::StrCat(path, ": stat"), err);
-    }
+    if (fstat(located.get(), &st) != 0) return ErrnoToStatus(absl::StrCat(path, ": stat"), errno);
     if (!S_ISREG(st.st_mode)) {
-      close(fd);
-      return absl::InvalidArgumentError(absl::StrCat(path, ": not a regular file"));
+      return absl::InvalidArgumentError(absl::StrCat(path, ": not a regular file (", KindName(st.st_mode), ")"));
     }
-    fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
-    return std::make_unique<PosixFile>(path, fd, static_cast<uint64_t>(st.st_size),
-                                       int64_t{st.st_mtim.tv_sec} * 1'000'000'000 + st.st_mtim.tv_nsec,
-                                       direct ? DirectAlignment(fd) : 0);
+    WEIGHTD_ASSIGN_OR_RETURN(ScopedFd fd, Reopen(located.get(), path, direct ? O_DIRECT : 0));
+    struct stat opened;
+    if (fstat(fd.get(), &opened) != 0) return ErrnoToStatus(absl::StrCat(path, ": stat"), errno);
+    uint64_t align = direct ? DirectAlignment(fd.get()) : 0;
+    return std::make_unique<PosixFile>(path, std::move(fd), opened, align);
   }
 };
 
@@ -177,12 +235,16 @@ Env* Env::Default() {
 
 absl::StatusOr<std::string> ReadSmallFile(Env& env, const std::string& path, uint64_t max_bytes) {
   WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<RandomAccessFile> file, env.OpenForRead(path));
-  if (file->size() > max_bytes) {
+  return ReadSmallFile(*file, max_bytes);
+}
+
+absl::StatusOr<std::string> ReadSmallFile(const RandomAccessFile& file, uint64_t max_bytes) {
+  if (file.size() > max_bytes) {
     return absl::InvalidArgumentError(
-        absl::StrCat(path, ": ", file->size(), " bytes exceeds the ", max_bytes, "-byte limit for this file"));
+        absl::StrCat(file.path(), ": ", file.size(), " bytes exceeds the ", max_bytes, "-byte limit for this file"));
   }
-  std::string data(file->size(), '\0');
-  WEIGHTD_RETURN_IF_ERROR(file->ReadAt(0, data.size(), data.data()));
+  std::string data(file.size(), '\0');
+  WEIGHTD_RETURN_IF_ERROR(file.ReadAt(0, data.size(), data.data()));
   return data;
 }
 

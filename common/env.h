@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 
 namespace weightd {
@@ -45,6 +46,27 @@ class RandomAccessFile {
   // Last modification time in nanoseconds since the epoch, at open time
   // (used to tell a rewritten checkpoint from the one already loaded).
   virtual int64_t mtime_ns() const = 0;
+
+  // The methods below let callers keep using the file they opened instead of
+  // opening its path again (which may name another file by then). Their
+  // defaults fail closed, so a fake that does not implement them is never
+  // taken for a checked file.
+
+  // The absolute path, without symlinks, at which the opened file lies now:
+  // readlink(2) of /proc/self/fd/N (proc(5)), confirmed by stat(2) of that
+  // path having the open file's st_dev and st_ino. An error when it cannot
+  // be told (no /proc; the file was deleted or moved meanwhile).
+  virtual absl::StatusOr<std::string> ResolvedPath() const {
+    return absl::UnimplementedError(path() + ": cannot tell where the opened file lies");
+  }
+  // A second, O_DIRECT open of the same inode (not of the path): open(2) of
+  // /proc/self/fd/N. FAILED_PRECONDITION when the file system refuses
+  // O_DIRECT. The caller owns the result.
+  virtual absl::StatusOr<std::unique_ptr<RandomAccessFile>> ReopenDirect() const {
+    return absl::FailedPreconditionError(path() + ": cannot be reopened with O_DIRECT");
+  }
+  // The size now (fstat(2)), to notice a file changed in place after open.
+  virtual absl::StatusOr<uint64_t> CurrentSize() const { return size(); }
 };
 
 enum class FileKind { kMissing, kRegular, kDirectory, kOther };
@@ -55,6 +77,11 @@ class Env {
   // The process-wide POSIX implementation; never null, never freed.
   static Env* Default();
 
+  // Opens a regular file for reading. The path is first opened with O_PATH
+  // (open(2)), so a FIFO, socket, device or directory is refused
+  // (INVALID_ARGUMENT "<path>: not a regular file (FIFO)") without being
+  // opened for reading; a regular file is then reopened through
+  // /proc/self/fd/N: the inode already found, not the path again.
   virtual absl::StatusOr<std::unique_ptr<RandomAccessFile>> OpenForRead(const std::string& path) = 0;
   // The same with O_DIRECT (reads bypass the page cache). A file system that
   // refuses O_DIRECT (tmpfs, some overlays) is FAILED_PRECONDITION naming the
@@ -71,6 +98,8 @@ class Env {
 // Reads a whole small file (an index or config), refusing files larger than
 // `max_bytes` before allocating anything.
 absl::StatusOr<std::string> ReadSmallFile(Env& env, const std::string& path, uint64_t max_bytes);
+// The same for a file already open.
+absl::StatusOr<std::string> ReadSmallFile(const RandomAccessFile& file, uint64_t max_bytes);
 
 }  // namespace weightd
 

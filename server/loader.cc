@@ -402,7 +402,7 @@ absl::StatusOr<std::unique_ptr<ModelGeneration>> LoadGeneration(const Catalog& c
   WEIGHTD_ASSIGN_OR_RETURN(HostMemoryAdmission::Reservation admitted, AdmitHostMemory(request.name, plan, options));
   WEIGHTD_ASSIGN_OR_RETURN(Allocation alloc, Allocate(request.name, plan, devices, options.device_backend, huge));
   WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader,
-                           CheckpointReader::Open(catalog, {options.direct_io, nullptr}));
+                           CheckpointReader::Open(catalog, {options.direct_io}));
 
   report(LoadProgress::Phase::kRead);
   std::vector<ReadTask> tasks = MakeTasks(catalog);

@@ -50,15 +50,15 @@ void LogDirectRefusedOnce(const absl::Status& why) {
   }
 }
 
-// The O_DIRECT twin of `buffered`, or null where `mode` and the page cache
-// say buffered or the file system refuses O_DIRECT.
-std::unique_ptr<RandomAccessFile> MaybeOpenDirect(Env& env, const RandomAccessFile& buffered, DirectIo mode) {
+// The O_DIRECT twin of `buffered` (the same inode, reopened), or null where
+// `mode` and the page cache say buffered or the file system refuses O_DIRECT.
+std::unique_ptr<RandomAccessFile> MaybeOpenDirect(const RandomAccessFile& buffered, DirectIo mode) {
   if (mode == DirectIo::kOff || buffered.size() == 0) return nullptr;
   if (mode == DirectIo::kAuto) {
     absl::StatusOr<double> cached = buffered.CachedFraction();
     if (!cached.ok() || *cached >= kColdFraction) return nullptr;
   }
-  absl::StatusOr<std::unique_ptr<RandomAccessFile>> direct = env.OpenForDirectRead(buffered.path());
+  absl::StatusOr<std::unique_ptr<RandomAccessFile>> direct = buffered.ReopenDirect();
   if (!direct.ok()) {
     LogDirectRefusedOnce(direct.status());
     return nullptr;
@@ -129,18 +129,18 @@ absl::Status ReadDirect(const RandomAccessFile& file, uint64_t offset, uint64_t 
 
 absl::StatusOr<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(const Catalog& catalog,
                                                                          const ReaderOptions& options) {
-  Env& env = options.env != nullptr ? *options.env : *Env::Default();
   auto reader = std::make_unique<CheckpointReader>();
   for (const CatalogFile& f : catalog.files) {
-    WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<RandomAccessFile> file, env.OpenForRead(f.path));
-    if (file->size() != f.size) {
+    if (f.file == nullptr) return absl::FailedPreconditionError(absl::StrCat(f.name, ": the catalog holds no open file"));
+    WEIGHTD_ASSIGN_OR_RETURN(uint64_t size, f.file->CurrentSize());
+    if (size != f.size) {
       return absl::FailedPreconditionError(
-          absl::StrCat(f.name, ": file changed size while loading (", f.size, " -> ", file->size(), " bytes)"));
+          absl::StrCat(f.name, ": file changed size while loading (", f.size, " -> ", size, " bytes)"));
     }
-    std::unique_ptr<RandomAccessFile> direct = MaybeOpenDirect(env, *file, options.direct_io);
-    if (direct == nullptr) (void)file->Advise(POSIX_FADV_SEQUENTIAL);  // a hint: larger readahead
-    reader->stamps_.push_back({f.name, f.size, file->mtime_ns()});
-    reader->files_.push_back(std::move(file));
+    std::unique_ptr<RandomAccessFile> direct = MaybeOpenDirect(*f.file, options.direct_io);
+    if (direct == nullptr) (void)f.file->Advise(POSIX_FADV_SEQUENTIAL);  // a hint: larger readahead
+    reader->stamps_.push_back({f.name, f.size, f.mtime_ns});
+    reader->files_.push_back(f.file);
     reader->direct_.push_back(std::move(direct));
   }
   return reader;

@@ -1,5 +1,5 @@
 // CheckpointReader: reads byte ranges of a cataloged checkpoint's files for
-// the load pipeline (DESIGN.md `Reader`), through Env.
+// the load pipeline (DESIGN.md `Reader`), through the files the catalog opened.
 //
 // Each file is read buffered (pread(2) through the page cache, with
 // POSIX_FADV_SEQUENTIAL) or with O_DIRECT, chosen at Open():
@@ -73,13 +73,15 @@ inline constexpr uint64_t kDirectPieceBytes = 16ull << 20;
 
 struct ReaderOptions {
   DirectIo direct_io = DirectIo::kAuto;
-  Env* env = nullptr;  // null: Env::Default()
 };
 
 class CheckpointReader {
  public:
-  // Opens every file of `catalog`; FAILED_PRECONDITION when a file changed
-  // size since it was cataloged.
+  // Reads the files `catalog` holds open (CatalogFile::file), never their
+  // paths, so it reads the very files the catalog checked; an O_DIRECT twin
+  // is a reopen of the same inode (RandomAccessFile::ReopenDirect). Shares
+  // the open files with `catalog`. FAILED_PRECONDITION when a file changed
+  // size since it was cataloged or the catalog holds no open file.
   static absl::StatusOr<std::unique_ptr<CheckpointReader>> Open(const Catalog& catalog,
                                                                 const ReaderOptions& options = {});
 
@@ -96,7 +98,7 @@ class CheckpointReader {
   const std::vector<FileStamp>& stamps() const { return stamps_; }
 
  private:
-  std::vector<std::unique_ptr<RandomAccessFile>> files_;
+  std::vector<std::shared_ptr<const RandomAccessFile>> files_;
   std::vector<std::unique_ptr<RandomAccessFile>> direct_;  // null where buffered
   std::vector<FileStamp> stamps_;
 };

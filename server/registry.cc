@@ -8,6 +8,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/log.h"
+#include "common/model_roots.h"
 #include "common/status.h"
 
 namespace weightd {
@@ -74,7 +75,7 @@ absl::StatusOr<std::string> ModelRegistry::ResolvePath(const std::string& path) 
   std::string resolved;
   absl::Status last = absl::NotFoundError("");
   for (const std::string& candidate : candidates) {
-    absl::StatusOr<std::string> real = Env::Default()->RealPath(candidate);
+    absl::StatusOr<std::string> real = env().RealPath(candidate);
     if (real.ok()) {
       resolved = *real;
       break;
@@ -85,13 +86,10 @@ absl::StatusOr<std::string> ModelRegistry::ResolvePath(const std::string& path) 
     if (last.code() != absl::StatusCode::kNotFound) return last;
     return absl::NotFoundError(absl::StrCat(path, ": no such checkpoint file or folder"));
   }
-  for (const std::string& root : options_.model_roots) {
-    absl::StatusOr<std::string> real_root = Env::Default()->RealPath(root);
-    if (!real_root.ok()) continue;
-    if (resolved == *real_root || absl::StartsWith(resolved, *real_root + "/")) return resolved;
-  }
+  ModelRoots roots = ModelRoots::Resolve(env(), options_.model_roots);
+  if (roots.Contains(resolved)) return resolved;
   return absl::PermissionDeniedError(
-      absl::StrCat(path, ": resolves to ", resolved, ", outside every --model-root (", absl::StrJoin(options_.model_roots, ", "), ")"));
+      absl::StrCat(path, ": resolves to ", resolved, ", outside every --model-root (", roots.Describe(), ")"));
 }
 
 std::shared_ptr<ModelGeneration> ModelRegistry::Reusable(const LoadRequest& request, const Catalog& catalog) const {
@@ -121,7 +119,7 @@ absl::StatusOr<ModelRegistry::LoadResult> ModelRegistry::Load(LoadRequest reques
     loading_.erase(request.name);
   };
   if (progress) progress(LoadProgress{});
-  absl::StatusOr<Catalog> catalog = BuildCatalog(request.checkpoint_path);
+  absl::StatusOr<Catalog> catalog = BuildCatalog(request.checkpoint_path, CatalogOptions{&env(), options_.model_roots});
   if (!catalog.ok()) {
     done_loading();
     if (listener_) listener_->OnLoadFailed(request, catalog.status());

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/env.h"
 #include "server/loader.h"
 #include "server/model.h"
 
@@ -41,12 +42,15 @@ class RegistryListener {
 };
 
 struct RegistryOptions {
-  std::vector<std::string> model_roots;  // a load path must resolve under one of these
+  // A load path must resolve under one of these, and so must every file the
+  // catalog opens (checked on the open file: see common/catalog.h).
+  std::vector<std::string> model_roots;
   LoaderOptions loader;
   std::chrono::milliseconds claim_timeout{10000};
   // Reads the host memory budget for admission (server/memory_admission.h);
   // null: the running system. Used unless loader.admission is set.
   HostMemoryAdmission::Probe host_memory_probe;
+  Env* env = nullptr;  // file access for paths and catalogs; null: Env::Default()
 };
 
 class ModelRegistry {
@@ -124,6 +128,7 @@ class ModelRegistry {
   };
 
   absl::StatusOr<std::string> ResolvePath(const std::string& path) const;
+  Env& env() const { return options_.env != nullptr ? *options_.env : *Env::Default(); }
   absl::StatusOr<std::shared_ptr<ModelGeneration>> GetLocked(const std::string& name) const;  // requires mu_
   absl::StatusOr<std::shared_ptr<ModelGeneration>> GetRankLocked(const std::string& name,
                                                                  uint32_t rank) const;  // requires mu_

@@ -36,17 +36,12 @@ absl::Status CompareRange(const RandomAccessFile& file, uint64_t offset, const M
 
 absl::StatusOr<VerifyResult> VerifyAgainstCheckpoint(const MappedModel& model, const std::string& checkpoint_dir) {
   WEIGHTD_ASSIGN_OR_RETURN(Catalog catalog, BuildCatalog(checkpoint_dir));
-  std::vector<std::unique_ptr<RandomAccessFile>> files;
-  for (const CatalogFile& f : catalog.files) {
-    WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<RandomAccessFile> file, Env::Default()->OpenForRead(f.path));
-    files.push_back(std::move(file));
-  }
   VerifyResult result;
   for (const TensorView& view : model.tensors()) {
     const TensorInfo& t = *view.info;
     const CatalogTensor* source = catalog.Find(t.name);
     if (source == nullptr) return absl::NotFoundError(absl::StrCat("tensor '", t.name, "' is not in ", checkpoint_dir));
-    const RandomAccessFile& file = *files[source->file];
+    const RandomAccessFile& file = *catalog.files[source->file].file;  // the file cataloged, not its path again
     if (t.split_dim < 0) {
       if (t.nbytes != source->nbytes) {
         return absl::DataLossError(absl::StrCat("tensor '", t.name, "' has ", t.nbytes, " bytes, the checkpoint ",

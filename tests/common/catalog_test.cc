@@ -293,6 +293,61 @@ TEST_F(GeneratedFolder, FolderWithoutIndexRefusesDanglingLinksAndFifos) {
               StatusIs(absl::StatusCode::kInvalidArgument, "c.safetensors: not a regular file among"));
 }
 
+// Regression (issue 12): an index that exists but is not a regular file
+// silently fell back to "every *.safetensors in the folder".
+TEST_F(GeneratedFolder, IndexThatIsADanglingLinkIsAnErrorNotAFallBack) {
+  Shard("a.safetensors", {"x"});
+  ASSERT_EQ(symlink(dir_.Join("gone.json").c_str(), dir_.Join("model.safetensors.index.json").c_str()), 0);
+  EXPECT_THAT(BuildCatalog(dir_.path()),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "model.safetensors.index.json: dangling symbolic link; an index that exists must be a "
+                       "regular file (no fall-back to every .safetensors file)"));
+}
+
+TEST_F(GeneratedFolder, IndexThatIsADirectoryIsAnErrorNotAFallBack) {
+  Shard("a.safetensors", {"x"});
+  ASSERT_EQ(mkdir(dir_.Join("model.safetensors.index.json").c_str(), 0755), 0);
+  EXPECT_THAT(BuildCatalog(dir_.path()),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "model.safetensors.index.json: not a regular file (directory); an index that exists must be a "
+                       "regular file (no fall-back to every .safetensors file)"));
+}
+
+TEST_F(GeneratedFolder, IndexThatIsAFifoIsAnErrorWithoutBlocking) {
+  Shard("a.safetensors", {"x"});
+  ASSERT_EQ(mkfifo(dir_.Join("model.safetensors.index.json").c_str(), 0644), 0);
+  EXPECT_THAT(BuildCatalog(dir_.path()),
+              StatusIs(absl::StatusCode::kInvalidArgument, "model.safetensors.index.json: not a regular file (FIFO, socket or device); an index that exists"));
+}
+
+// Regression (issue 12): a shard name holding a NUL byte was opened as the name before the NUL.
+TEST_F(GeneratedFolder, RefusesNulByteInShardName) {
+  Shard("a.safetensors", {"x"});
+  Index(R"({"weight_map":{"x":"a.safetensors\u0000.bin"}})");
+  EXPECT_THAT(BuildCatalog(dir_.path()),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "model.safetensors.index.json: weight_map entry 'x' names a shard with a NUL byte: "
+                       "\"a.safetensors\\u0000.bin\""));
+}
+
+// The Hugging Face cache: snapshots/<rev>/<file> -> ../../blobs/<sha>, the
+// index included. Offline too, shards may lead into the repository's blobs.
+TEST_F(GeneratedFolder, HuggingFaceCacheLayoutCatalogs) {
+  const std::string repo = dir_.Join("models--org--tiny");
+  for (const std::string& d : {repo, repo + "/blobs", repo + "/snapshots", repo + "/snapshots/abc"}) {
+    ASSERT_EQ(mkdir(d.c_str(), 0755), 0) << d;
+  }
+  SafetensorsBuilder b;
+  WriteFile(repo + "/blobs/1111", b.Add("x", "U8", {2}, "ab").Build());
+  WriteFile(repo + "/blobs/2222", R"({"weight_map":{"x":"model-00001-of-00001.safetensors"}})");
+  ASSERT_EQ(symlink("../../blobs/1111", (repo + "/snapshots/abc/model-00001-of-00001.safetensors").c_str()), 0);
+  ASSERT_EQ(symlink("../../blobs/2222", (repo + "/snapshots/abc/model.safetensors.index.json").c_str()), 0);
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(Catalog c, BuildCatalog(repo + "/snapshots/abc"));
+  ASSERT_EQ(c.files.size(), 1u);
+  EXPECT_EQ(c.files[0].name, "model-00001-of-00001.safetensors");
+  EXPECT_EQ(c.Find("x")->nbytes, 2u);
+}
+
 TEST_F(GeneratedFolder, FolderWithoutIndexReadsEveryFileSorted) {
   Shard("b.safetensors", {"y"});
   Shard("a.safetensors", {"x"});

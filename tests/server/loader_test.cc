@@ -23,6 +23,7 @@ using ::weightd::testing::Bytes;
 using ::weightd::testing::SafetensorsBuilder;
 using ::weightd::testing::TempDir;
 using ::weightd::testing::WriteFile;
+using ::weightd::testing::Xxh3Hex;
 using Phase = LoadProgress::Phase;
 
 constexpr uint64_t kHostAlignment = 64;  // DESIGN: host tensors are packed at 64-byte alignment
@@ -165,6 +166,29 @@ TEST_F(LoaderTest, FileTruncatedAfterCatalogFailsNamingFileAndLeavesNothing) {
   absl::StatusOr<std::unique_ptr<ModelGeneration>> gen = LoadGeneration(catalog, Request(), Options(4), nullptr);
   EXPECT_THAT(gen, StatusIs(absl::StatusCode::kFailedPrecondition, "model.safetensors: file changed size"));
   EXPECT_EQ(CountWeightdMemfds(), memfds);
+}
+
+// Regression (issue 12): the reader re-opened each file by path and compared
+// only the size, so a checked file swapped for a same-size symlink to a file
+// outside the model roots put that file's bytes into the segment. The
+// catalog's open file is read instead, whatever the path names now.
+TEST_F(LoaderTest, FileSwappedForALinkAfterCatalogIsReadFromTheCatalogedFile) {
+  TempDir outside;
+  const std::string path = dir_.Join("model.safetensors");
+  WriteFile(path, SafetensorsBuilder().Add("w", "U8", {8192}, Bytes(8192, 1)).Build());
+  WriteFile(outside.Join("secret.safetensors"), SafetensorsBuilder().Add("w", "U8", {8192}, Bytes(8192, 2)).Build());
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(Catalog catalog, BuildCatalog(path));
+  ASSERT_EQ(symlink(outside.Join("secret.safetensors").c_str(), dir_.Join("swap").c_str()), 0);
+  ASSERT_EQ(rename(dir_.Join("swap").c_str(), path.c_str()), 0);
+  for (DirectIo mode : {DirectIo::kOff, DirectIo::kOn}) {
+    LoaderOptions options = Options(2);
+    options.direct_io = mode;
+    WEIGHTD_ASSERT_OK_AND_ASSIGN(auto gen, LoadGeneration(catalog, Request(), options, nullptr));
+    const TensorRecord& r = gen->ranks.at(0).tensors.at(0);
+    ASSERT_EQ(r.nbytes, 8192u);
+    const std::string original = Bytes(8192, 1);  // hashes, not 8 KiB of bytes, in a failure message
+    EXPECT_EQ(Xxh3Hex(gen->host_segments[0]->data() + r.offset, r.nbytes), Xxh3Hex(original.data(), original.size()));
+  }
 }
 
 TEST_F(LoaderTest, FileTruncatedWhileReadingFailsNamingFileAndTensor) {

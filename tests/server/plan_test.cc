@@ -9,7 +9,7 @@ namespace {
 
 Catalog MakeCatalog(const std::vector<std::tuple<std::string, DType, std::vector<uint64_t>>>& tensors) {
   Catalog c;
-  c.files.push_back({"m.safetensors", "/m.safetensors", 0, 0, 0, {}});
+  c.files.push_back({"m.safetensors", "/m.safetensors", 0, 0, 0, {}, nullptr});  // planning reads no file
   uint64_t offset = 0;
   for (const auto& [name, dtype, shape] : tensors) {
     uint64_t bits = DTypeBits(dtype);

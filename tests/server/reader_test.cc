@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <map>
 
 #include "absl/strings/str_cat.h"
@@ -25,6 +26,7 @@ namespace {
 using ::weightd::testing::Bytes;
 
 using ::weightd::testing::WriteFile;
+using ::weightd::testing::Xxh3Hex;
 
 // A file in memory. With `align` > 0 it behaves like O_DIRECT: ReadSome
 // refuses (EINVAL) an offset, length or buffer off the alignment and
@@ -58,7 +60,12 @@ class FakeFile final : public RandomAccessFile {
     return absl::OkStatus();
   }
 
+  absl::StatusOr<std::unique_ptr<RandomAccessFile>> ReopenDirect() const override {
+    return reopen_direct ? reopen_direct() : RandomAccessFile::ReopenDirect();
+  }
+
   int reads() const { return reads_; }
+  std::function<absl::StatusOr<std::unique_ptr<RandomAccessFile>>()> reopen_direct;  // unset: refused
 
  private:
   std::string path_, data_;
@@ -77,7 +84,9 @@ class FakeEnv final : public Env {
   int direct_opens = 0;
 
   absl::StatusOr<std::unique_ptr<RandomAccessFile>> OpenForRead(const std::string& path) override {
-    return std::make_unique<FakeFile>(path, files.at(path), 0, cached);
+    auto file = std::make_unique<FakeFile>(path, files.at(path), 0, cached);
+    file->reopen_direct = [this, path] { return OpenForDirectRead(path); };
+    return file;
   }
   absl::StatusOr<std::unique_ptr<RandomAccessFile>> OpenForDirectRead(const std::string& path) override {
     ++direct_opens;
@@ -89,9 +98,12 @@ class FakeEnv final : public Env {
   absl::StatusOr<std::string> RealPath(const std::string& path) override { return path; }
 };
 
-Catalog CatalogOf(const FakeEnv& env) {
+// A catalog holding each file of `env` open, as BuildCatalog leaves it.
+Catalog CatalogOf(FakeEnv& env) {
   Catalog catalog;
-  for (const auto& [path, data] : env.files) catalog.files.push_back({path, path, data.size(), 0, 0, {}});
+  for (const auto& [path, data] : env.files) {
+    catalog.files.push_back({path, path, data.size(), 0, 0, {}, std::move(env.OpenForRead(path)).value()});
+  }
   return catalog;
 }
 
@@ -176,7 +188,7 @@ class CheckpointReaderModes : public ::testing::Test {
     env_.files["/m/b.safetensors"] = Bytes(700, 6);
   }
   std::unique_ptr<CheckpointReader> Open(DirectIo mode) {
-    absl::StatusOr<std::unique_ptr<CheckpointReader>> reader = CheckpointReader::Open(CatalogOf(env_), {mode, &env_});
+    absl::StatusOr<std::unique_ptr<CheckpointReader>> reader = CheckpointReader::Open(CatalogOf(env_), {mode});
     EXPECT_TRUE(reader.ok()) << reader.status();
     return reader.ok() ? std::move(*reader) : nullptr;
   }
@@ -260,6 +272,20 @@ TEST_F(RealDirectFile, DirectReadsEqualPread) {
       EXPECT_EQ(std::string(base + shift, r.n), expected) << "offset " << r.offset << " n " << r.n;
     }
   }
+}
+
+// Issue 12: the O_DIRECT twin is the inode the catalog opened, not its path.
+TEST_F(RealDirectFile, ReopenDirectReadsTheOpenedFileNotThePath) {
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<RandomAccessFile> buffered, Env::Default()->OpenForRead(path_));
+  WriteFile(dir_ + "/other", Bytes(data_.size(), 8));
+  ASSERT_EQ(rename((dir_ + "/other").c_str(), path_.c_str()), 0);
+  absl::StatusOr<std::unique_ptr<RandomAccessFile>> direct = buffered->ReopenDirect();
+  if (absl::IsFailedPrecondition(direct.status())) GTEST_SKIP() << direct.status();
+  WEIGHTD_ASSERT_OK(direct.status());
+  EXPECT_GT((*direct)->direct_alignment(), 0u);
+  ReadBuffer scratch;
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(const char* got, ReadDirectInto(**direct, 0, data_.size(), scratch));
+  EXPECT_EQ(Xxh3Hex(got, data_.size()), Xxh3Hex(data_.data(), data_.size()));
 }
 
 }  // namespace
