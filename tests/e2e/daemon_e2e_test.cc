@@ -321,6 +321,44 @@ TEST(DaemonE2E, SecondDaemonOnTheSameSocketIsRefused) {
   EXPECT_NE(FindModel(Ls(first), "tiny", "READY"), nullptr);  // the first daemon still serves
 }
 
+// Regression: a second daemon with another --socket but the same --fd-socket
+// once unlinked and took over the first one's fd socket, and removed it on
+// exit, so the first daemon's attaches failed for good.
+TEST(DaemonE2E, SecondDaemonSharingOnlyTheFdSocketIsRefused) {
+  DaemonProcess first;
+  MakeDemo(first, "tiny", "tiny");
+  ASSERT_EQ(first.Ctl({"load", "tiny", "tiny"}).code, 0);
+  std::string fd_socket = first.dir().Join("w.fd.sock");
+  testing::TempDir other;
+  Process second({testing::WeightdBinary(), "--socket", other.Join("b.sock"), "--fd-socket", fd_socket,
+                  "--model-root", first.models_dir(), "--metrics-address", ""},
+                 other.path());
+  WaitFor([&] { return !second.Running(); }, 10);
+  second.Signal(SIGTERM);  // a second daemon that started anyway exits, as it would after an operator's stop
+  EXPECT_EQ(second.Wait(), 1);
+  std::string refusal = "another weightd is serving " + fd_socket + " (it holds " + fd_socket +
+                        ".lock); stop it first or use another --fd-socket\n";
+  EXPECT_TRUE(absl::EndsWith(second.Stderr(), refusal)) << second.Stderr();
+  CommandResult attach = first.Ctl({"attach", "tiny"});
+  EXPECT_EQ(attach.code, 0) << attach.err;  // the first daemon still owns its fd socket
+}
+
+// Regression: the fd socket refused with ERR and closed before reading CLAIM,
+// so weightctl usually printed "Connection reset by peer" or "Broken pipe".
+TEST(DaemonE2E, RefusedAttachPrintsTheDaemonsReason) {
+  DaemonProcess d({"--fd-socket-max-connections", "1"});
+  MakeDemo(d, "tiny", "tiny");
+  ASSERT_EQ(d.Ctl({"load", "tiny", "tiny"}).code, 0);
+  testing::TempDir dir;
+  Process holder(d.CtlArgv({"attach", "tiny", "--hold", "60"}), dir.path());
+  WaitFor([&] { return FindModel(Ls(d), "tiny") != nullptr && (*FindModel(Ls(d), "tiny"))["leases"] == 1; }, 10);
+  for (int i = 0; i < 5; ++i) {
+    CommandResult r = d.Ctl({"attach", "tiny"});
+    EXPECT_EQ(r.code, 2) << i;  // a refused request
+    EXPECT_EQ(r.err, "weightctl: fd socket: too many fd-socket connections (1)\n") << i;
+  }
+}
+
 TEST(DaemonE2E, SymlinkLoopIsNamedAsSuch) {
   DaemonProcess d;
   ASSERT_EQ(symlink("loop2", (d.models_dir() + "/loop1").c_str()), 0);
