@@ -14,6 +14,7 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/unix_socket.h"
@@ -97,6 +98,66 @@ TEST(Reliability, ApiAnswersAgainAfterDescriptorsRunOut) {
   EXPECT_TRUE(answered) << "no answer 5 s after the descriptors were released; daemon said:\n" << d.process().Stderr();
   EXPECT_LT(seconds, 5);
   EXPECT_TRUE(absl::StrContains(d.process().Stderr(), "accepting again")) << d.process().Stderr();
+}
+
+int Threads(pid_t pid) {
+  int n = 0;
+  return absl::SimpleAtoi(ProcLine(pid, "status", "Threads:"), &n) ? n : -1;
+}
+
+// GetManifest calls whose client never reads: each handler blocks in Write
+// once the flow-control window is full, holding a server thread.
+class StalledStreams {
+ public:
+  StalledStreams(const std::string& socket, int connections, int streams_per_connection) {
+    for (int c = 0; c < connections; ++c) {
+      grpc::ChannelArguments args;
+      args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // one connection per channel
+      auto stub = v1::Weightd::NewStub(grpc::CreateCustomChannel("unix:" + socket, grpc::InsecureChannelCredentials(), args));
+      for (int s = 0; s < streams_per_connection; ++s) {
+        v1::GetManifestRequest request;
+        request.set_name("many");
+        request.set_page_size(1);
+        contexts_.push_back(std::make_unique<grpc::ClientContext>());
+        readers_.push_back(stub->GetManifest(contexts_.back().get(), request));
+      }
+      stubs_.push_back(std::move(stub));
+    }
+  }
+  ~StalledStreams() {
+    for (auto& context : contexts_) context->TryCancel();
+    for (auto& reader : readers_) (void)reader->Finish();
+  }
+
+ private:
+  std::vector<std::unique_ptr<v1::Weightd::Stub>> stubs_;
+  std::vector<std::unique_ptr<grpc::ClientContext>> contexts_;
+  std::vector<std::unique_ptr<grpc::ClientReader<v1::ManifestPage>>> readers_;
+};
+
+// Regression: 300 stalled streams pinned 313 threads. The defaults bound
+// sync-server threads to 64 (--grpc-max-threads) and streams to 16 per
+// connection (--grpc-max-streams-per-connection).
+TEST(Reliability, StalledStreamsHoldAtMostTheThreadBound) {
+  DaemonProcess d;
+  testing::SafetensorsBuilder builder;
+  for (int i = 0; i < 4000; ++i) {
+    builder.Add(absl::StrCat("model.layers.", i, ".self_attn.q_proj.weight_with_a_long_name"), "F32", {1},
+                std::string(4, 'x'));
+  }
+  testing::WriteFile(d.models_dir() + "/many.safetensors", builder.Build());
+  ASSERT_EQ(d.Ctl({"load", "many", "many.safetensors"}).code, 0);
+  int before = Threads(d.pid());
+  {
+    StalledStreams stalled(d.socket(), 8, 16);  // 128 streams
+    std::this_thread::sleep_for(std::chrono::seconds(3));
+    int during = Threads(d.pid());
+    EXPECT_GE(during, before + 32) << "the streams did not stall, so the test proves nothing";
+    EXPECT_LE(during, before + 64 + 4) << "threads before: " << before;
+    CommandResult health = d.Ctl({"health"});
+    EXPECT_EQ(health.out, "SERVING\n") << health.err;
+  }
+  EXPECT_TRUE(Eventually([&] { return d.Ctl({"ls"}).code == 0; }, 10)) << d.process().Stderr();
 }
 
 }  // namespace
