@@ -100,6 +100,21 @@ TEST(Reliability, ApiAnswersAgainAfterDescriptorsRunOut) {
   EXPECT_TRUE(absl::StrContains(d.process().Stderr(), "accepting again")) << d.process().Stderr();
 }
 
+TEST(Reliability, ConnectionsBeyondTheBoundAreClosedUntilSomeEnd) {
+  DaemonProcess d({"--grpc-max-connections", "4", "--self-check-interval-seconds", "0.2"});
+  std::vector<ScopedFd> held;
+  for (int i = 0; i < 4; ++i) held.push_back(ConnectStream(d.socket()));
+  ASSERT_TRUE(Eventually([&] { return d.Ctl({"ls"}).code != 0; }, 5)) << "a fifth connection was served";
+  EXPECT_TRUE(absl::StrContains(d.process().Stderr(), "gRPC socket " + d.socket() +
+                                                          ": 4 connections open (--grpc-max-connections); closing "
+                                                          "new ones until some end"))
+      << d.process().Stderr();
+  std::this_thread::sleep_for(std::chrono::milliseconds(600));  // three self-checks
+  EXPECT_FALSE(absl::StrContains(d.process().Stderr(), "self-check failed")) << "the daemon's own probe gets in";
+  held.clear();
+  EXPECT_TRUE(Eventually([&] { return d.Ctl({"ls"}).code == 0; }, 5)) << d.process().Stderr();
+}
+
 int Threads(pid_t pid) {
   int n = 0;
   return absl::SimpleAtoi(ProcLine(pid, "status", "Threads:"), &n) ? n : -1;
