@@ -1,8 +1,6 @@
 // PathLock: one holder per "<path>.lock", released when the holder goes.
 #include "server/path_lock.h"
 
-#include <optional>
-
 #include "gtest/gtest.h"
 #include "tests/testing/shared_inputs.h"
 #include "tests/testing/status_matchers.h"
