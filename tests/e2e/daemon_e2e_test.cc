@@ -2,6 +2,7 @@
 // processes, and /proc to check that clients share the daemon's pages.
 #include <dirent.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -356,6 +357,28 @@ TEST(DaemonE2E, RefusedAttachPrintsTheDaemonsReason) {
     CommandResult r = d.Ctl({"attach", "tiny"});
     EXPECT_EQ(r.code, 2) << i;  // a refused request
     EXPECT_EQ(r.err, "weightctl: fd socket: too many fd-socket connections (1)\n") << i;
+  }
+}
+
+// The peer check (ERR 7) seen by a real weightctl of another uid.
+TEST(DaemonE2E, AttachOfAnotherUidPrintsThePeerRefusal) {
+  if (getuid() != 0) GTEST_SKIP() << "needs root to run weightctl as uid 65534 (setpriv)";
+  if (access("/usr/bin/setpriv", X_OK) != 0) GTEST_SKIP() << "/usr/bin/setpriv is absent (util-linux)";
+  DaemonProcess d;
+  MakeDemo(d, "tiny", "tiny");
+  ASSERT_EQ(d.Ctl({"load", "tiny", "tiny"}).code, 0);
+  // Let uid 65534 reach both sockets, so only the fd socket's peer check refuses it.
+  ASSERT_EQ(chmod(d.dir().path().c_str(), 0755), 0);
+  ASSERT_EQ(chmod(d.socket().c_str(), 0666), 0);
+  ASSERT_EQ(chmod(d.dir().Join("w.fd.sock").c_str(), 0666), 0);
+  std::vector<std::string> argv = {"/usr/bin/setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"};
+  std::vector<std::string> ctl = d.CtlArgv({"attach", "tiny"});
+  argv.insert(argv.end(), ctl.begin(), ctl.end());
+  for (int i = 0; i < 3; ++i) {
+    CommandResult r = testing::RunCommand(argv);
+    EXPECT_EQ(r.code, 2) << r.err;
+    EXPECT_TRUE(absl::StartsWith(r.err, "weightctl: fd socket: peer uid 65534 gid 65534 (pid ")) << r.err;
+    EXPECT_TRUE(absl::EndsWith(r.err, ") is neither the daemon's uid or gid nor in the allowed gids\n")) << r.err;
   }
 }
 
