@@ -3,7 +3,6 @@
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
-#include <sys/stat.h>
 #include <systemd/sd-daemon.h>
 #include <unistd.h>
 
@@ -145,7 +144,7 @@ class DaemonImpl final : public Daemon {
     WEIGHTD_RETURN_IF_ERROR(StartGrpc());
     WEIGHTD_RETURN_IF_ERROR(StartHealthPort());
     LogInfo(absl::StrCat("listening on unix:", config_.socket, " (fd socket ", config_.fd_socket, ")",
-                         config_.grpc_address.empty() ? "" : ", " + config_.grpc_address));
+                         config_.grpc_address.empty() ? "" : ", " + BoundAddress(config_.grpc_address, grpc_port_)));
     sd_notify(0, "READY=1\nSTATUS=listening");
     StartSelfCheck();
     preload_thread_ = std::thread([this] { Preload(); });
@@ -194,8 +193,10 @@ class DaemonImpl final : public Daemon {
     CountRpcs(builder, metrics_.get());
     server_ = builder.BuildAndStart();
     if (server_ == nullptr || (!config_.grpc_address.empty() && grpc_port_ == 0)) {
-      return absl::UnavailableError(absl::StrCat("cannot start the gRPC server",
-                                                 config_.grpc_address.empty() ? "" : " on " + config_.grpc_address));
+      // With a TCP listener, failing to bind it is what makes BuildAndStart fail.
+      return absl::UnavailableError(config_.grpc_address.empty()
+                                        ? "cannot start the gRPC server"
+                                        : absl::StrCat("cannot listen on --grpc-address ", config_.grpc_address));
     }
     listener_.AddServer(server_.get());
     WEIGHTD_ASSIGN_OR_RETURN(acceptor_, GrpcAcceptor::Start({config_.socket, 0660,
