@@ -84,7 +84,8 @@ bool GrpcAcceptor::Accept() {
   if (short_of_fds_) LogInfo(absl::StrCat("gRPC socket ", options_.path, ": accepting again"));
   short_of_fds_ = false;
   ScopedFd sock(fd);
-  if (OpenConnections() >= options_.max_connections && !IsSelf(sock.get())) {
+  bool full = OpenConnections() >= options_.max_connections;
+  if (full && !IsSelf(sock.get())) {
     if (!at_limit_) {
       LogWarning(absl::StrCat("gRPC socket ", options_.path, ": ", options_.max_connections,
                               " connections open (--grpc-max-connections); closing new ones until some end"));
@@ -92,7 +93,7 @@ bool GrpcAcceptor::Accept() {
     at_limit_ = true;
     return true;
   }
-  at_limit_ = false;
+  at_limit_ = full;  // the self-check got in; the episode goes on
   handed_.push_back({sock.get(), InodeOf(sock.get())});
   grpc::AddInsecureChannelFromFd(server_, sock.Release());
   return true;
