@@ -106,12 +106,18 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentials(con
   return grpc::SslCredentials(ssl);
 }
 
-// Receives the segment fds for `lease_id` on the fd socket ("OK n" + "MORE"s).
-absl::Status ClaimLease(const std::string& fd_socket, const std::string& lease_id, int timeout_ms, ScopedFd* conn,
-                        std::vector<ScopedFd>* fds) {
-  WEIGHTD_ASSIGN_OR_RETURN(*conn, ConnectSeqpacket(fd_socket));
-  WEIGHTD_RETURN_IF_ERROR(SendMessage(conn->get(), "CLAIM " + lease_id, {}));
-  WEIGHTD_ASSIGN_OR_RETURN(std::string reply, ReceiveMessage(conn->get(), fds, timeout_ms));
+// The daemon's first reply. A daemon that refused the connection may have
+// closed it before reading CLAIM: the kernel then fails the send (EPIPE) or
+// the first receive (ECONNRESET) although the "ERR" line is still queued, so
+// one more look finds the daemon's reason.
+absl::StatusOr<std::string> ReceiveReply(int sock, std::vector<ScopedFd>* fds, int timeout_ms) {
+  absl::StatusOr<std::string> reply = ReceiveMessage(sock, fds, timeout_ms);
+  if (reply.ok()) return reply;
+  absl::StatusOr<std::string> queued = ReceiveMessage(sock, fds, 0);
+  return queued.ok() && absl::StartsWith(*queued, "ERR ") ? queued : reply;
+}
+
+absl::Status ParseClaimReply(const std::string& reply, int sock, int timeout_ms, std::vector<ScopedFd>* fds) {
   if (absl::StartsWith(reply, "ERR ")) {
     std::string rest = reply.substr(4);
     size_t space = rest.find(' ');
@@ -125,11 +131,21 @@ absl::Status ClaimLease(const std::string& fd_socket, const std::string& lease_i
     return absl::InternalError(absl::StrCat("fd socket: unexpected reply '", reply, "'"));
   }
   while (fds->size() < expected) {
-    WEIGHTD_ASSIGN_OR_RETURN(std::string more, ReceiveMessage(conn->get(), fds, timeout_ms));
+    WEIGHTD_ASSIGN_OR_RETURN(std::string more, ReceiveMessage(sock, fds, timeout_ms));
     if (more != "MORE") return absl::InternalError("fd socket: expected MORE");
   }
   if (fds->size() != expected) return absl::InternalError("fd socket: received more fds than announced");
   return absl::OkStatus();
+}
+
+// Receives the segment fds for `lease_id` on the fd socket ("OK n" + "MORE"s).
+absl::Status ClaimLease(const std::string& fd_socket, const std::string& lease_id, int timeout_ms, ScopedFd* conn,
+                        std::vector<ScopedFd>* fds) {
+  WEIGHTD_ASSIGN_OR_RETURN(*conn, ConnectSeqpacket(fd_socket));
+  absl::Status sent = SendMessage(conn->get(), "CLAIM " + lease_id, {});
+  absl::StatusOr<std::string> reply = ReceiveReply(conn->get(), fds, sent.ok() ? timeout_ms : 0);
+  if (!reply.ok()) return sent.ok() ? reply.status() : sent;
+  return ParseClaimReply(*reply, conn->get(), timeout_ms, fds);
 }
 
 }  // namespace

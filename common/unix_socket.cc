@@ -26,6 +26,21 @@ absl::StatusOr<sockaddr_un> Address(const std::string& path) {
   return addr;
 }
 
+// Binds and listens, replacing an existing socket file at `path`.
+absl::StatusOr<ScopedFd> ListenUnix(const std::string& path, int type, const char* type_name, int backlog,
+                                    mode_t mode) {
+  WEIGHTD_ASSIGN_OR_RETURN(sockaddr_un addr, Address(path));
+  ScopedFd sock(socket(AF_UNIX, type | SOCK_CLOEXEC, 0));
+  if (!sock.valid()) return ErrnoToStatus(absl::StrCat("socket(AF_UNIX, ", type_name, ")"), errno);
+  unlink(path.c_str());
+  if (bind(sock.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    return ErrnoToStatus(absl::StrCat("bind ", path), errno);
+  }
+  if (chmod(path.c_str(), mode) != 0) return ErrnoToStatus(absl::StrCat("chmod ", path), errno);
+  if (listen(sock.get(), backlog) != 0) return ErrnoToStatus(absl::StrCat("listen ", path), errno);
+  return sock;
+}
+
 }  // namespace
 
 void ScopedFd::Reset() {
@@ -34,16 +49,11 @@ void ScopedFd::Reset() {
 }
 
 absl::StatusOr<ScopedFd> ListenSeqpacket(const std::string& path, mode_t mode) {
-  WEIGHTD_ASSIGN_OR_RETURN(sockaddr_un addr, Address(path));
-  ScopedFd sock(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
-  if (!sock.valid()) return ErrnoToStatus("socket(AF_UNIX, SOCK_SEQPACKET)", errno);
-  unlink(path.c_str());
-  if (bind(sock.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    return ErrnoToStatus(absl::StrCat("bind ", path), errno);
-  }
-  if (chmod(path.c_str(), mode) != 0) return ErrnoToStatus(absl::StrCat("chmod ", path), errno);
-  if (listen(sock.get(), 128) != 0) return ErrnoToStatus(absl::StrCat("listen ", path), errno);
-  return sock;
+  return ListenUnix(path, SOCK_SEQPACKET, "SOCK_SEQPACKET", 128, mode);
+}
+
+absl::StatusOr<ScopedFd> ListenStream(const std::string& path, mode_t mode) {
+  return ListenUnix(path, SOCK_STREAM, "SOCK_STREAM", SOMAXCONN, mode);
 }
 
 absl::StatusOr<ScopedFd> ConnectSeqpacket(const std::string& path) {

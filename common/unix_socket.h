@@ -44,6 +44,8 @@ class ScopedFd {
 // Binds and listens on a SOCK_SEQPACKET socket at `path` (an existing socket
 // file is replaced) with file mode `mode`.
 absl::StatusOr<ScopedFd> ListenSeqpacket(const std::string& path, mode_t mode);
+// The same for a SOCK_STREAM socket (the gRPC socket), with backlog SOMAXCONN.
+absl::StatusOr<ScopedFd> ListenStream(const std::string& path, mode_t mode);
 // Connects to a SOCK_SEQPACKET socket at `path`.
 absl::StatusOr<ScopedFd> ConnectSeqpacket(const std::string& path);
 

@@ -33,6 +33,11 @@ void ForEachField(Config& c, F&& f) {
   f("load_threads", c.load_threads);
   f("direct_io", c.direct_io);
   f("mlock", c.mlock);
+  f("fd_socket_max_connections", c.fd_socket_max_connections);
+  f("grpc_max_connections", c.grpc_max_connections);
+  f("grpc_max_threads", c.grpc_max_threads);
+  f("grpc_max_streams_per_connection", c.grpc_max_streams_per_connection);
+  f("self_check_interval_seconds", c.self_check_interval_seconds);
 }
 
 // How a flag's text becomes a field's JSON value, by the field's type.
@@ -143,6 +148,25 @@ absl::Status Validate(DaemonConfig& c) {
   if (c.load_threads < 0 || c.load_threads > 256) {
     return absl::InvalidArgumentError(absl::StrCat("--load-threads must be in [0, 256], got ", c.load_threads));
   }
+  if (c.fd_socket_max_connections < 1 || c.fd_socket_max_connections > 1000000) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--fd-socket-max-connections must be in [1, 1000000], got ", c.fd_socket_max_connections));
+  }
+  if (c.grpc_max_connections < 1 || c.grpc_max_connections > 1000000) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--grpc-max-connections must be in [1, 1000000], got ", c.grpc_max_connections));
+  }
+  if (c.grpc_max_threads < 4 || c.grpc_max_threads > 4096) {
+    return absl::InvalidArgumentError(absl::StrCat("--grpc-max-threads must be in [4, 4096], got ", c.grpc_max_threads));
+  }
+  if (c.grpc_max_streams_per_connection < 1 || c.grpc_max_streams_per_connection > 1024) {
+    return absl::InvalidArgumentError(absl::StrCat("--grpc-max-streams-per-connection must be in [1, 1024], got ",
+                                                   c.grpc_max_streams_per_connection));
+  }
+  if (!(c.self_check_interval_seconds >= 0.1 && c.self_check_interval_seconds <= 3600)) {
+    return absl::InvalidArgumentError(absl::StrCat("--self-check-interval-seconds must be in [0.1, 3600], got ",
+                                                   c.self_check_interval_seconds));
+  }
   if (!ParseDirectIo(c.direct_io).ok()) {
     return absl::InvalidArgumentError(absl::StrCat("--direct-io must be auto, on or off, got '", c.direct_io, "'"));
   }
@@ -152,6 +176,7 @@ absl::Status Validate(DaemonConfig& c) {
     std::string stem = absl::EndsWith(c.socket, ".sock") ? c.socket.substr(0, c.socket.size() - 5) : c.socket;
     c.fd_socket = stem + ".fd.sock";
   }
+  if (c.fd_socket == c.socket) return absl::InvalidArgumentError("--fd-socket must differ from --socket");
   return absl::OkStatus();
 }
 
@@ -163,7 +188,9 @@ std::string DaemonUsage() {
          "               [--config FILE.json] [--preload NAME=PATH ...] [--fd-socket PATH] [--grpc-address HOST:PORT]\n"
          "               [--grpc-tls-cert PEM --grpc-tls-key PEM [--grpc-tls-client-ca PEM [--grpc-tcp-admin true]]]\n"
          "               [--allowed-gids GID ...] [--lease-claim-timeout-seconds S] [--load-threads N]\n"
-         "               [--direct-io auto|on|off] [--mlock true|false] [--print-config] [--version]\n";
+         "               [--direct-io auto|on|off] [--mlock true|false] [--fd-socket-max-connections N]\n"
+         "               [--grpc-max-connections N] [--grpc-max-threads N] [--grpc-max-streams-per-connection N]\n"
+         "               [--self-check-interval-seconds S] [--print-config] [--version]\n";
 }
 
 absl::StatusOr<ParsedArgs> ParseDaemonArgs(const std::vector<std::string>& argv) {

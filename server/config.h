@@ -34,6 +34,12 @@ struct DaemonConfig {
   int load_threads = 0;                              // 0: one per core
   std::string direct_io = "auto";                    // auto|on|off: O_DIRECT reads (server/reader.h)
   bool mlock = true;
+  // Reliability bounds (docs/operations.md "Reliability").
+  int fd_socket_max_connections = 4096;              // claimed + pending fd-socket connections
+  int grpc_max_connections = 1024;                  // connections on the gRPC Unix socket
+  int grpc_max_threads = 64;                         // sync-server threads in calls at once, all listeners
+  int grpc_max_streams_per_connection = 16;          // concurrent calls on one gRPC connection
+  double self_check_interval_seconds = 5;            // probe every listener; WATCHDOG=1 only while all answer
 };
 
 struct ParsedArgs {

@@ -3,9 +3,6 @@
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
-#include <fcntl.h>
-#include <sys/file.h>
-#include <sys/stat.h>
 #include <systemd/sd-daemon.h>
 #include <unistd.h>
 
@@ -21,10 +18,14 @@
 #include "common/status.h"
 #include "common/unix_socket.h"
 #include "server/fd_channel.h"
+#include "server/grpc_acceptor.h"
+#include "server/grpc_limits.h"
 #include "server/health_port.h"
 #include "server/metrics_listener.h"
+#include "server/path_lock.h"
 #include "server/registry.h"
 #include "server/rpc_metrics.h"
+#include "server/self_check.h"
 #include "server/service.h"
 #include "server/tcp_listener.h"
 
@@ -100,6 +101,9 @@ class ListenerFanOut final : public RegistryListener {
   std::vector<RegistryListener*> listeners_;
 };
 
+// How long each self-check probe may take.
+constexpr std::chrono::milliseconds kProbeDeadline{2000};
+
 // "0.0.0.0:0" with the port bound -> "0.0.0.0:41234", for the log.
 std::string BoundAddress(const std::string& address, int port) {
   return absl::StrCat(address.substr(0, address.rfind(':')), ":", port);
@@ -111,15 +115,11 @@ class DaemonImpl final : public Daemon {
   ~DaemonImpl() override { Shutdown(); }
 
   absl::Status Init() {
-    // One daemon per socket path: a second one must not unlink and take over
-    // the first one's sockets. The lock lives as long as the process.
-    std::string lock_path = config_.socket + ".lock";
-    lock_fd_ = ScopedFd(open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600));
-    if (!lock_fd_.valid()) return ErrnoToStatus(absl::StrCat("open ", lock_path), errno);
-    if (flock(lock_fd_.get(), LOCK_EX | LOCK_NB) != 0) {
-      return absl::FailedPreconditionError(absl::StrCat("another weightd is serving ", config_.socket, " (it holds ",
-                                                        lock_path, "); stop it first or use another --socket"));
-    }
+    // One daemon per socket path: every path this daemon binds is locked
+    // before it is unlinked or bound, so a second daemon sharing any of them
+    // neither takes over nor removes the first one's sockets.
+    WEIGHTD_RETURN_IF_ERROR(LockPath(config_.socket, "--socket"));
+    WEIGHTD_RETURN_IF_ERROR(LockPath(config_.fd_socket, "--fd-socket"));
     owns_socket_ = true;
     std::string chosen;
     absl::StatusOr<std::unique_ptr<DeviceBackend>> backend = MakeDeviceBackend(config_.device_backend, &chosen);
@@ -135,28 +135,20 @@ class DaemonImpl final : public Daemon {
     options.claim_timeout = std::chrono::milliseconds(static_cast<int64_t>(config_.lease_claim_timeout_seconds * 1000));
     registry_ = std::make_unique<ModelRegistry>(options, &listeners_);
     WEIGHTD_RETURN_IF_ERROR(StartMetrics());
-    absl::StatusOr<std::unique_ptr<FdChannel>> channel = FdChannel::Start({config_.fd_socket, 0660, config_.allowed_gids},
+    absl::StatusOr<std::unique_ptr<FdChannel>> channel = FdChannel::Start({config_.fd_socket, 0660, config_.allowed_gids,
+                                                                          static_cast<size_t>(config_.fd_socket_max_connections)},
                                                                          registry_.get());
     if (!channel.ok()) return channel.status();
     fd_channel_ = std::move(*channel);
     service_ = std::make_unique<WeightdService>(registry_.get(), config_.fd_socket);
     grpc::EnableDefaultHealthCheckService(true);
     grpc::reflection::InitProtoReflectionServerBuilderPlugin();  // every builder from here on; the health port opts out
-    grpc::ServerBuilder builder;
-    unlink(config_.socket.c_str());
-    builder.AddListeningPort("unix:" + config_.socket, grpc::InsecureServerCredentials());
-    builder.RegisterService(service_.get());
-    builder.SetMaxSendMessageSize(-1);
-    CountRpcs(builder, metrics_.get());
-    server_ = builder.BuildAndStart();
-    if (server_ == nullptr) return absl::UnavailableError(absl::StrCat("cannot listen on unix:", config_.socket));
-    chmod(config_.socket.c_str(), 0660);
-    listener_.AddServer(server_.get());
+    WEIGHTD_RETURN_IF_ERROR(StartGrpc());
     LogInfo(absl::StrCat("listening on unix:", config_.socket, " (fd socket ", config_.fd_socket, ")"));
     WEIGHTD_RETURN_IF_ERROR(StartTcpListener());
     WEIGHTD_RETURN_IF_ERROR(StartHealthPort());
     sd_notify(0, "READY=1\nSTATUS=listening");
-    StartWatchdog();
+    StartSelfCheck();
     preload_thread_ = std::thread([this] { Preload(); });
     return absl::OkStatus();
   }
@@ -170,17 +162,42 @@ class DaemonImpl final : public Daemon {
       cv_.notify_all();
     }
     if (registry_) registry_->CancelLoads();  // a load in flight ends now with UNAVAILABLE
+    if (self_check_thread_.joinable()) self_check_thread_.join();
+    acceptor_.reset();  // no new connections
     if (tcp_listener_) tcp_listener_->Shutdown(std::chrono::seconds(10));
     if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(10));
     if (health_port_) health_port_->Shutdown();
     if (preload_thread_.joinable()) preload_thread_.join();
-    if (watchdog_thread_.joinable()) watchdog_thread_.join();
     fd_channel_.reset();
     if (owns_socket_) unlink(config_.socket.c_str());
     LogInfo("stopped");
   }
 
  private:
+  absl::Status LockPath(const std::string& path, const std::string& flag) {
+    WEIGHTD_ASSIGN_OR_RETURN(PathLock lock, PathLock::Acquire(path, flag));
+    locks_.push_back(std::move(lock));
+    return absl::OkStatus();
+  }
+
+  // The gRPC server of the Unix socket, whose connections our own
+  // GrpcAcceptor accepts (gRPC's listener never re-arms after EMFILE);
+  // threads and streams bounded.
+  absl::Status StartGrpc() {
+    grpc::ServerBuilder builder;
+    builder.RegisterService(service_.get());
+    builder.SetMaxSendMessageSize(-1);
+    ApplyGrpcLimits(config_, builder);
+    CountRpcs(builder, metrics_.get());
+    server_ = builder.BuildAndStart();
+    if (server_ == nullptr) return absl::UnavailableError("cannot start the gRPC server");
+    listener_.AddServer(server_.get());
+    WEIGHTD_ASSIGN_OR_RETURN(acceptor_, GrpcAcceptor::Start({config_.socket, 0660,
+                                                             static_cast<size_t>(config_.grpc_max_connections)},
+                                                            server_.get()));
+    return absl::OkStatus();
+  }
+
   absl::Status StartMetrics() {
     WEIGHTD_ASSIGN_OR_RETURN(metrics_, PrometheusMetrics::Create({config_.metrics_address, WEIGHTD_VERSION,
                                                                   [this] { return SampleModels(registry_->List()); }}));
@@ -220,15 +237,41 @@ class DaemonImpl final : public Daemon {
     }
   }
 
-  void StartWatchdog() {
+  // Probes every listener each interval (at most half the watchdog timeout
+  // when systemd asked for one) and sends WATCHDOG=1 only while all answer:
+  // a daemon that stays wedged is restarted by systemd, not left serving
+  // nothing. Logs one line when the check starts failing and one when it
+  // passes again.
+  void StartSelfCheck() {
+    auto interval = std::chrono::duration<double>(config_.self_check_interval_seconds);
     uint64_t usec = 0;
-    if (sd_watchdog_enabled(0, &usec) <= 0) return;
-    watchdog_thread_ = std::thread([this, usec] {
-      std::unique_lock<std::mutex> lock(mu_);
-      while (!cv_.wait_for(lock, std::chrono::microseconds(usec / 2), [this] { return stopping_; })) {
-        sd_notify(0, "WATCHDOG=1");
+    bool watchdog = sd_watchdog_enabled(0, &usec) > 0;
+    if (watchdog) interval = std::min(interval, std::chrono::duration<double>(usec / 2e6));
+    SelfCheckTargets targets{config_.socket, config_.fd_socket, {}};
+    if (tcp_listener_) {
+      std::string target = LocalTarget(config_.grpc_address, tcp_listener_->port());
+      // A TLS listener would refuse the probe's plain handshake: that one is only connected to.
+      (config_.grpc_tls_cert.empty() ? targets.grpc_targets : targets.connect_targets).push_back(target);
+    }
+    if (health_port_) targets.grpc_targets.push_back(LocalTarget(config_.health_address, health_port_->port()));
+    self_check_thread_ = std::thread([this, interval, watchdog, targets] {
+      bool healthy = true;
+      while (!WaitOrStop(interval)) {
+        absl::Status status = ProbeListeners(targets, kProbeDeadline);
+        if (status.ok() != healthy) {
+          healthy = status.ok();
+          if (healthy) LogInfo("self-check passes again");
+          if (!healthy) LogError(absl::StrCat("self-check failed: ", status.message(), watchdog ? "; WATCHDOG=1 withheld" : ""));
+        }
+        if (healthy && watchdog) sd_notify(0, "WATCHDOG=1");
       }
     });
+  }
+
+  // Waits `d`; true when the daemon is stopping.
+  bool WaitOrStop(std::chrono::duration<double> d) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, d, [this] { return stopping_; });
   }
 
   bool Stopping() {
@@ -237,8 +280,8 @@ class DaemonImpl final : public Daemon {
   }
 
   const DaemonConfig config_;
-  ScopedFd lock_fd_;  // flock on <socket>.lock
-  bool owns_socket_ = false;  // the lock is ours: the socket paths may be unlinked
+  std::vector<PathLock> locks_;  // one per bound Unix path, held until exit
+  bool owns_socket_ = false;     // every lock is ours: the socket paths may be unlinked
   DaemonListener listener_;
   ListenerFanOut listeners_;
   std::unique_ptr<DeviceBackend> device_backend_;  // outlives the registry's generations
@@ -248,9 +291,10 @@ class DaemonImpl final : public Daemon {
   std::unique_ptr<FdChannel> fd_channel_;
   std::unique_ptr<WeightdService> service_;
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<GrpcAcceptor> acceptor_;  // destroyed before server_
   std::unique_ptr<TcpListener> tcp_listener_;
   std::unique_ptr<HealthPort> health_port_;
-  std::thread preload_thread_, watchdog_thread_;
+  std::thread preload_thread_, self_check_thread_;
   std::mutex mu_;
   std::condition_variable cv_;
   bool stopping_ = false;

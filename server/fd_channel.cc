@@ -20,6 +20,7 @@ namespace weightd {
 struct FdChannel::Connection {
   ScopedFd sock;
   std::string lease_id;  // empty until claimed
+  bool refused = false;  // ERR sent and writing shut down: drained until the deadline
   std::chrono::steady_clock::time_point deadline;
 };
 
@@ -68,7 +69,7 @@ void FdChannel::Loop() {
       if (revents & (POLLIN | POLLHUP | POLLERR)) {
         alive = Serve(c);
       } else if (c.lease_id.empty()) {
-        alive = now < c.deadline;  // never claimed: give up after the claim timeout
+        alive = now < c.deadline;  // never claimed (or refused): give up after the deadline
       } else {
         alive = registry_->IsLeaseLive(c.lease_id);  // revoked by a forced unload or Detach
       }
@@ -97,19 +98,34 @@ void FdChannel::Accept() {
   ScopedFd sock(fd);
   // Refuse early: a peer that may not claim, or one too many, holds no slot.
   std::string why;
-  if (!PeerAllowed(sock.get(), &why)) {
-    (void)SendMessage(sock.get(), absl::StrCat("ERR ", static_cast<int>(absl::StatusCode::kPermissionDenied), " ", why), {});
-    return;
-  }
-  if (connections_.size() >= kMaxConnections) {
-    (void)SendMessage(sock.get(), absl::StrCat("ERR ", static_cast<int>(absl::StatusCode::kResourceExhausted),
-                                               " too many fd-socket connections (", kMaxConnections, ")"), {});
-    return;
+  if (!PeerAllowed(sock.get(), &why)) return Refuse(std::move(sock), absl::StatusCode::kPermissionDenied, why);
+  if (CountConnections(false) >= options_.max_connections) {
+    return Refuse(std::move(sock), absl::StatusCode::kResourceExhausted,
+                  absl::StrCat("too many fd-socket connections (", options_.max_connections, ")"));
   }
   auto c = std::make_unique<Connection>();
   c->sock = std::move(sock);
   c->deadline = std::chrono::steady_clock::now() + registry_->claim_timeout();
   connections_.push_back(std::move(c));
+}
+
+// Closing a Unix socket whose receive queue holds the client's unread CLAIM
+// resets the connection: the client would see ECONNRESET (or EPIPE) instead
+// of the ERR line. So the refused socket stays in the poll set, write side
+// shut, until the client closes or kRefusalDrain passes.
+void FdChannel::Refuse(ScopedFd sock, absl::StatusCode code, const std::string& why) {
+  (void)SendMessage(sock.get(), absl::StrCat("ERR ", static_cast<int>(code), " ", why), {});
+  shutdown(sock.get(), SHUT_WR);
+  if (CountConnections(true) >= kMaxRefused) return;  // a flood of refusals holds no more fds
+  auto c = std::make_unique<Connection>();
+  c->sock = std::move(sock);
+  c->refused = true;
+  c->deadline = std::chrono::steady_clock::now() + kRefusalDrain;
+  connections_.push_back(std::move(c));
+}
+
+size_t FdChannel::CountConnections(bool refused) const {
+  return std::count_if(connections_.begin(), connections_.end(), [&](const auto& c) { return c->refused == refused; });
 }
 
 bool FdChannel::PeerAllowed(int sock, std::string* why) const {
@@ -130,6 +146,7 @@ bool FdChannel::PeerAllowed(int sock, std::string* why) const {
 bool FdChannel::Serve(Connection& c) {
   absl::StatusOr<std::string> message = ReceiveMessage(c.sock.get(), nullptr, 0);
   if (!message.ok()) return false;  // EOF or error: the lease (if any) ends
+  if (c.refused) return true;            // drained; closed at EOF or the deadline
   if (!c.lease_id.empty()) return true;  // clients send nothing after CLAIM; ignore
   auto refuse = [&](absl::StatusCode code, absl::string_view why) {
     (void)SendMessage(c.sock.get(), absl::StrCat("ERR ", static_cast<int>(code), " ", why), {});

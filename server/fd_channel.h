@@ -8,7 +8,10 @@
 //                      then "MORE" messages carrying the rest, in the order of
 //                      the Attach response's segments, skipping segments
 //                      exported by handle bytes (cuda-legacy-ipc);
-//                  or  "ERR <grpc-code-number> <message>" and the daemon closes.
+//                  or  "ERR <grpc-code-number> <message>", then the daemon shuts
+//                      down its side for writing, reads what the client sent
+//                      (for up to kRefusalDrain) and closes: a refused client
+//                      always reads the reason, never ECONNRESET or EPIPE.
 // The client then keeps the connection open and sends nothing. When it closes
 // (exit, crash, SIGKILL: the kernel closes it), the daemon sees EOF and ends
 // the lease. A connection that does not send CLAIM within the claim timeout
@@ -22,6 +25,7 @@
 
 #include <sys/types.h>
 
+#include <chrono>
 #include <memory>
 #include <string>
 #include <thread>
@@ -37,13 +41,18 @@ struct FdChannelOptions {
   std::string path;                 // e.g. /run/weightd/weightd.fd.sock
   mode_t mode = 0660;
   std::vector<gid_t> allowed_gids;  // besides the daemon's own uid and root
+  // Connections held at once (claimed leases plus pending claims); more are
+  // refused with ERR 8 (RESOURCE_EXHAUSTED).
+  size_t max_connections = 4096;
 };
 
 class FdChannel {
  public:
-  // Connections held at once (claimed leases plus pending claims); more are
-  // refused with ERR 8 (RESOURCE_EXHAUSTED).
-  static constexpr size_t kMaxConnections = 4096;
+  // How long a refused connection is kept to read the client's request
+  // before it is closed, and how many may wait so at once (beyond that they
+  // are closed at once).
+  static constexpr std::chrono::milliseconds kRefusalDrain{1000};
+  static constexpr size_t kMaxRefused = 64;
 
   // Listens on options.path and starts serving. `registry` must outlive this.
   static absl::StatusOr<std::unique_ptr<FdChannel>> Start(FdChannelOptions options, ModelRegistry* registry);
@@ -59,6 +68,9 @@ class FdChannel {
   // Returns false when the connection must be closed.
   bool Serve(Connection& connection);
   bool PeerAllowed(int sock, std::string* why) const;
+  // Sends "ERR <code> <why>" and keeps `sock` to drain until it closes.
+  void Refuse(ScopedFd sock, absl::StatusCode code, const std::string& why);
+  size_t CountConnections(bool refused) const;
 
   FdChannelOptions options_;
   ModelRegistry* registry_;

@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/env.h"
 #include "common/status.h"
+#include "server/grpc_limits.h"
 #include "server/rpc_metrics.h"
 
 namespace weightd {
@@ -62,6 +63,7 @@ absl::StatusOr<std::unique_ptr<TcpListener>> TcpListener::Start(const DaemonConf
     builder.RegisterService(tcp->read_only_.get());
   }
   builder.SetMaxSendMessageSize(-1);
+  ApplyGrpcLimits(config, builder);
   CountRpcs(builder, metrics);
   tcp->server_ = builder.BuildAndStart();
   if (tcp->server_ == nullptr || tcp->port_ == 0) {

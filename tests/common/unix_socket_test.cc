@@ -74,6 +74,20 @@ TEST_F(UnixSocketTest, ListenReplacesAStaleSocketFile) {
   EXPECT_TRUE(client.valid());
 }
 
+TEST(UnixStreamSocket, ListenStreamIsAStreamSocketWithTheRequestedMode) {
+  TempDir dir;
+  std::string path = dir.Join("w.sock");
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(ScopedFd listener, ListenStream(path, 0640));
+  struct stat st {};
+  ASSERT_EQ(stat(path.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0640u);
+  int type = 0;
+  socklen_t len = sizeof(type);
+  ASSERT_EQ(getsockopt(listener.get(), SOL_SOCKET, SO_TYPE, &type, &len), 0);
+  EXPECT_EQ(type, SOCK_STREAM);
+  EXPECT_FALSE(ConnectSeqpacket(path).ok());  // EPROTOTYPE: a stream socket
+}
+
 TEST_F(UnixSocketTest, MessageCarriesPayloadAndThreeFds) {
   const std::vector<std::string> contents = {"alpha", "beta-beta", "gamma gamma gamma"};
   std::vector<ScopedFd> sent;

@@ -2,6 +2,7 @@
 // processes, and /proc to check that clients share the daemon's pages.
 #include <dirent.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -319,6 +320,66 @@ TEST(DaemonE2E, SecondDaemonOnTheSameSocketIsRefused) {
   EXPECT_EQ(second.code, 1);
   EXPECT_TRUE(absl::StrContains(second.err, "another weightd is serving " + first.socket())) << second.err;
   EXPECT_NE(FindModel(Ls(first), "tiny", "READY"), nullptr);  // the first daemon still serves
+}
+
+// Regression: a second daemon with another --socket but the same --fd-socket
+// once unlinked and took over the first one's fd socket, and removed it on
+// exit, so the first daemon's attaches failed for good.
+TEST(DaemonE2E, SecondDaemonSharingOnlyTheFdSocketIsRefused) {
+  DaemonProcess first;
+  MakeDemo(first, "tiny", "tiny");
+  ASSERT_EQ(first.Ctl({"load", "tiny", "tiny"}).code, 0);
+  std::string fd_socket = first.dir().Join("w.fd.sock");
+  testing::TempDir other;
+  Process second({testing::WeightdBinary(), "--socket", other.Join("b.sock"), "--fd-socket", fd_socket,
+                  "--model-root", first.models_dir(), "--metrics-address", ""},
+                 other.path());
+  WaitFor([&] { return !second.Running(); }, 10);
+  second.Signal(SIGTERM);  // a second daemon that started anyway exits, as it would after an operator's stop
+  EXPECT_EQ(second.Wait(), 1);
+  std::string refusal = "another weightd is serving " + fd_socket + " (it holds " + fd_socket +
+                        ".lock); stop it first or use another --fd-socket\n";
+  EXPECT_TRUE(absl::EndsWith(second.Stderr(), refusal)) << second.Stderr();
+  CommandResult attach = first.Ctl({"attach", "tiny"});
+  EXPECT_EQ(attach.code, 0) << attach.err;  // the first daemon still owns its fd socket
+}
+
+// Regression: the fd socket refused with ERR and closed before reading CLAIM,
+// so weightctl usually printed "Connection reset by peer" or "Broken pipe".
+TEST(DaemonE2E, RefusedAttachPrintsTheDaemonsReason) {
+  DaemonProcess d({"--fd-socket-max-connections", "1"});
+  MakeDemo(d, "tiny", "tiny");
+  ASSERT_EQ(d.Ctl({"load", "tiny", "tiny"}).code, 0);
+  testing::TempDir dir;
+  Process holder(d.CtlArgv({"attach", "tiny", "--hold", "60"}), dir.path());
+  WaitFor([&] { return FindModel(Ls(d), "tiny") != nullptr && (*FindModel(Ls(d), "tiny"))["leases"] == 1; }, 10);
+  for (int i = 0; i < 5; ++i) {
+    CommandResult r = d.Ctl({"attach", "tiny"});
+    EXPECT_EQ(r.code, 2) << i;  // a refused request
+    EXPECT_EQ(r.err, "weightctl: fd socket: too many fd-socket connections (1)\n") << i;
+  }
+}
+
+// The peer check (ERR 7) seen by a real weightctl of another uid.
+TEST(DaemonE2E, AttachOfAnotherUidPrintsThePeerRefusal) {
+  if (getuid() != 0) GTEST_SKIP() << "needs root to run weightctl as uid 65534 (setpriv)";
+  if (access("/usr/bin/setpriv", X_OK) != 0) GTEST_SKIP() << "/usr/bin/setpriv is absent (util-linux)";
+  DaemonProcess d;
+  MakeDemo(d, "tiny", "tiny");
+  ASSERT_EQ(d.Ctl({"load", "tiny", "tiny"}).code, 0);
+  // Let uid 65534 reach both sockets, so only the fd socket's peer check refuses it.
+  ASSERT_EQ(chmod(d.dir().path().c_str(), 0755), 0);
+  ASSERT_EQ(chmod(d.socket().c_str(), 0666), 0);
+  ASSERT_EQ(chmod(d.dir().Join("w.fd.sock").c_str(), 0666), 0);
+  std::vector<std::string> argv = {"/usr/bin/setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"};
+  std::vector<std::string> ctl = d.CtlArgv({"attach", "tiny"});
+  argv.insert(argv.end(), ctl.begin(), ctl.end());
+  for (int i = 0; i < 3; ++i) {
+    CommandResult r = testing::RunCommand(argv);
+    EXPECT_EQ(r.code, 2) << r.err;
+    EXPECT_TRUE(absl::StartsWith(r.err, "weightctl: fd socket: peer uid 65534 gid 65534 (pid ")) << r.err;
+    EXPECT_TRUE(absl::EndsWith(r.err, ") is neither the daemon's uid or gid nor in the allowed gids\n")) << r.err;
+  }
 }
 
 TEST(DaemonE2E, SymlinkLoopIsNamedAsSuch) {

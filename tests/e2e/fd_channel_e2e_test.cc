@@ -135,5 +135,30 @@ TEST_F(ShortClaimTimeout, UnclaimedLeaseExpires) {
   EXPECT_EQ(Claim(attach.fd_socket(), attach.lease_id(), &conn, &fds), "ERR 5 unknown or expired lease id");
 }
 
+class OneFdConnection : public FdChannelE2E {
+ protected:
+  OneFdConnection() : FdChannelE2E({"--fd-socket-max-connections", "1"}) {}
+};
+
+// Regression: a refused connection was closed before the daemon read the
+// client's CLAIM, so a CLAIM sent after the refusal failed with EPIPE and one
+// sent before it made the reply read fail with ECONNRESET.
+TEST_F(OneFdConnection, RefusedClientReadsTheReasonThenEndOfFile) {
+  std::string fd_socket = d_.dir().Join("w.fd.sock");
+  absl::StatusOr<ScopedFd> held = ConnectSeqpacket(fd_socket);  // the one connection allowed
+  ASSERT_TRUE(held.ok()) << held.status();
+  for (int delay_ms : {0, 200}) {  // CLAIM before and after the daemon has refused
+    absl::StatusOr<ScopedFd> refused = ConnectSeqpacket(fd_socket);
+    ASSERT_TRUE(refused.ok()) << refused.status();
+    std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+    EXPECT_TRUE(SendMessage(refused->get(), "CLAIM 0123456789abcdef0123456789abcdef", {}).ok()) << delay_ms;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    absl::StatusOr<std::string> reply = ReceiveMessage(refused->get(), nullptr, 5000);
+    EXPECT_EQ(reply.value_or(std::string(reply.status().message())), "ERR 8 too many fd-socket connections (1)");
+    absl::StatusOr<std::string> eof = ReceiveMessage(refused->get(), nullptr, 5000);
+    EXPECT_EQ(eof.status(), absl::UnavailableError("fd socket closed by peer")) << delay_ms;
+  }
+}
+
 }  // namespace
 }  // namespace weightd

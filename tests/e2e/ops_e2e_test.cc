@@ -373,5 +373,37 @@ TEST(OpsSystemd, ReadyArrivesOnlyOnceTheSocketsAcceptThenStatusAndWatchdog) {
   EXPECT_EQ(weightd.Wait(), 0) << weightd.Stderr();
 }
 
+// Regression: the watchdog thread sent WATCHDOG=1 every usec/2 whatever the
+// listeners did, so systemd never restarted a daemon that served nothing.
+TEST(OpsSystemd, WatchdogStopsWhileAListenerDoesNotAnswer) {
+  TempDir dir;
+  mkdir(dir.Join("models").c_str(), 0755);
+  NotifySocket notify(dir.Join("notify.sock"));
+  setenv("NOTIFY_SOCKET", dir.Join("notify.sock").c_str(), 1);
+  setenv("WATCHDOG_USEC", "400000", 1);  // a self-check every 0.2 s
+  Process weightd({testing::WeightdBinary(), "--socket", dir.Join("w.sock"), "--model-root", dir.Join("models"),
+                   "--metrics-address", ""},
+                  dir.path());
+  unsetenv("NOTIFY_SOCKET");
+  unsetenv("WATCHDOG_USEC");
+  std::string message;
+  while (!absl::StrContains(message = notify.Receive(20), "WATCHDOG=1")) {
+    ASSERT_NE(message, "") << "no WATCHDOG=1 within 20 s; weightd said:\n" << weightd.Stderr();
+  }
+  // Wedge the fd socket: clients can no longer reach it.
+  ASSERT_EQ(unlink(dir.Join("w.fd.sock").c_str()), 0);
+  std::string failed = "self-check failed: fd socket " + dir.Join("w.fd.sock") + ": connect to fd socket " +
+                       dir.Join("w.fd.sock") + ": No such file or directory; WATCHDOG=1 withheld";
+  EXPECT_TRUE(Eventually([&] { return absl::StrContains(weightd.Stderr(), failed); }, 5)) << weightd.Stderr();
+  for (int i = 0; i < 10 && !notify.Receive(1).empty(); ++i) {
+  }  // what was queued before the failure was logged
+  int watchdogs = 0;
+  auto until = std::chrono::steady_clock::now() + std::chrono::seconds(2);  // ten self-checks
+  while (std::chrono::steady_clock::now() < until) watchdogs += absl::StrContains(notify.Receive(1), "WATCHDOG=1");
+  EXPECT_EQ(watchdogs, 0) << weightd.Stderr();
+  weightd.Signal(SIGTERM);
+  EXPECT_EQ(weightd.Wait(), 0) << weightd.Stderr();
+}
+
 }  // namespace
 }  // namespace weightd

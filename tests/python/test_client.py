@@ -3,6 +3,7 @@ import gc
 import re
 import resource
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 import weightd
-from conftest import MALFORMED_FILE, REAL_CHECKPOINTS, read_safetensors, real_checkpoint_cases, require_shared
+from conftest import MALFORMED_FILE, REAL_CHECKPOINTS, Daemon, read_safetensors, real_checkpoint_cases, require_shared
 from conftest import write_safetensors
 
 # Same-width integer types, to compare any tensor bit for bit (NaNs included).
@@ -294,6 +295,24 @@ def test_daemon_errors_carry_code_and_message(daemon, tmp_path):
     with pytest.raises(weightd.WeightdError) as e:
         weightd.connect(str(tmp_path / "no-daemon.sock")).list()
     assert e.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_refused_fd_socket_connection_raises_the_daemons_reason(tmp_path, demo_small):
+    """Regression: the daemon wrote ERR and closed before reading CLAIM, so the
+    client usually saw ECONNRESET or EPIPE instead of the reason."""
+    d = Daemon(tmp_path, demo_small.parent, "--fd-socket-max-connections", "1")
+    holder = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        d.client.load("demo-small", demo_small)
+        holder.connect(str(tmp_path / "weightd.fd.sock"))  # the one connection allowed, held
+        for _ in range(5):
+            with pytest.raises(weightd.WeightdError) as e:
+                d.client.attach("demo-small")
+            assert (e.value.code, e.value.message) == (
+                grpc.StatusCode.RESOURCE_EXHAUSTED, "fd socket: too many fd-socket connections (1)")
+    finally:
+        holder.close()
+        assert d.stop() == 0, d.log.read_text()
 
 
 def test_malformed_checkpoint_is_invalid_argument(daemon):

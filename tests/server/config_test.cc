@@ -37,6 +37,11 @@ TEST(DaemonConfig, DefaultsFollowTheDesign) {
   EXPECT_EQ(c.lease_claim_timeout_seconds, 10);
   EXPECT_EQ(c.load_threads, 0);
   EXPECT_TRUE(c.mlock);
+  EXPECT_EQ(c.fd_socket_max_connections, 4096);
+  EXPECT_EQ(c.grpc_max_connections, 1024);
+  EXPECT_EQ(c.grpc_max_threads, 64);
+  EXPECT_EQ(c.grpc_max_streams_per_connection, 16);
+  EXPECT_EQ(c.self_check_interval_seconds, 5);
   EXPECT_FALSE(parsed.help);
   EXPECT_FALSE(parsed.print_config);
 }
@@ -162,6 +167,30 @@ TEST(DaemonConfig, BadValuesAreInvalidArgumentNamingTheFlag) {
               StatusIs(Code::kInvalidArgument, "--load-threads must be in [0, 256], got 1000000"));
   EXPECT_THAT(ParseDaemonArgs({"--allowed-gid", "wheel"}), StatusIs(Code::kInvalidArgument, "expected a numeric gid"));
   EXPECT_THAT(ParseDaemonArgs({"--socket", ""}), StatusIs(Code::kInvalidArgument, "--socket must not be empty"));
+  EXPECT_THAT(ParseDaemonArgs({"--socket", "/r/a.sock", "--fd-socket", "/r/a.sock"}),
+              StatusIs(Code::kInvalidArgument, "--fd-socket must differ from --socket"));
+}
+
+TEST(DaemonConfig, ReliabilityBoundsParseAndRefuseOutOfRange) {
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(
+      ParsedArgs parsed, ParseDaemonArgs({"--fd-socket-max-connections", "2", "--grpc-max-connections", "3", "--grpc-max-threads", "8",
+                                          "--grpc-max-streams-per-connection", "4", "--self-check-interval-seconds",
+                                          "0.5"}));
+  EXPECT_EQ(parsed.config.fd_socket_max_connections, 2);
+  EXPECT_EQ(parsed.config.grpc_max_connections, 3);
+  EXPECT_EQ(parsed.config.grpc_max_threads, 8);
+  EXPECT_EQ(parsed.config.grpc_max_streams_per_connection, 4);
+  EXPECT_EQ(parsed.config.self_check_interval_seconds, 0.5);
+  EXPECT_THAT(ParseDaemonArgs({"--fd-socket-max-connections", "0"}),
+              StatusIs(Code::kInvalidArgument, "--fd-socket-max-connections must be in [1, 1000000], got 0"));
+  EXPECT_THAT(ParseDaemonArgs({"--grpc-max-connections", "-1"}),
+              StatusIs(Code::kInvalidArgument, "--grpc-max-connections must be in [1, 1000000], got -1"));
+  EXPECT_THAT(ParseDaemonArgs({"--grpc-max-threads", "3"}),
+              StatusIs(Code::kInvalidArgument, "--grpc-max-threads must be in [4, 4096], got 3"));
+  EXPECT_THAT(ParseDaemonArgs({"--grpc-max-streams-per-connection", "0"}),
+              StatusIs(Code::kInvalidArgument, "--grpc-max-streams-per-connection must be in [1, 1024], got 0"));
+  EXPECT_THAT(ParseDaemonArgs({"--self-check-interval-seconds", "nan"}),
+              StatusIs(Code::kInvalidArgument, "--self-check-interval-seconds must be in [0.1, 3600], got nan"));
 }
 
 TEST(DaemonConfig, DirectIoDefaultsToAutoAndRefusesOtherWords) {
@@ -219,7 +248,7 @@ TEST(DaemonConfig, ConfigToJsonRoundTripsThroughConfigFile) {
   EXPECT_EQ(reread.config.direct_io, "on");
   EXPECT_TRUE(reread.config.grpc_tcp_admin);
   EXPECT_EQ(reread.config.grpc_tls_client_ca, "/t/ca.pem");
-  EXPECT_EQ(json.size(), 17u);  // every DaemonConfig field, so a new one cannot be forgotten silently
+  EXPECT_EQ(json.size(), 22u);  // every DaemonConfig field, so a new one cannot be forgotten silently
 }
 
 }  // namespace

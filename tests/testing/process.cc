@@ -89,7 +89,7 @@ CommandResult RunCommand(const std::vector<std::string>& argv) {
 std::string WeightdBinary() { return EnvOr("WEIGHTD_BINARY", WEIGHTD_BINARY_PATH); }
 std::string WeightctlBinary() { return EnvOr("WEIGHTCTL_BINARY", WEIGHTCTL_BINARY_PATH); }
 
-DaemonProcess::DaemonProcess(std::vector<std::string> extra_args) {
+DaemonProcess::DaemonProcess(std::vector<std::string> extra_args, std::vector<std::string> launcher) {
   socket_ = dir_.Join("w.sock");
   mkdir(models_dir().c_str(), 0755);
   std::vector<std::string> argv = {WeightdBinary(), "--socket", socket_, "--model-root", models_dir(),
@@ -99,6 +99,7 @@ DaemonProcess::DaemonProcess(std::vector<std::string> extra_args) {
     argv.push_back(*shared);
   }
   argv.insert(argv.end(), extra_args.begin(), extra_args.end());
+  argv.insert(argv.begin(), launcher.begin(), launcher.end());
   process_ = std::make_unique<Process>(argv, dir_.path());
   auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
   while (std::chrono::steady_clock::now() < deadline && process_->Running()) {

@@ -48,10 +48,12 @@ std::string WeightdBinary();
 std::string WeightctlBinary();
 
 // A weightd on <tmp>/w.sock with model roots <tmp>/models and ../shared
-// (when present). Start() waits until the gRPC socket answers.
+// (when present). Start() waits until the gRPC socket answers. `launcher`
+// (e.g. {"/usr/bin/prlimit", "--nofile=64:64", "--"}) runs weightd, and must
+// exec it so that pid() is the daemon's.
 class DaemonProcess {
  public:
-  explicit DaemonProcess(std::vector<std::string> extra_args = {});
+  explicit DaemonProcess(std::vector<std::string> extra_args = {}, std::vector<std::string> launcher = {});
   ~DaemonProcess();
   const std::string& socket() const { return socket_; }
   std::string models_dir() const { return dir_.Join("models"); }

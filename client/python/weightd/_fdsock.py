@@ -46,8 +46,7 @@ def claim(path, lease_id, timeout_seconds):
         except OSError as e:
             raise WeightdError.from_number(14, f"fd socket {path}: {e.strerror or e}") from e
         try:
-            sock.sendall(f"CLAIM {lease_id}".encode())
-            reply = _receive(sock, fds)
+            reply = _send_claim(sock, lease_id, fds)
             more = []
             while len(fds) < _announced(reply):
                 before = len(fds)
@@ -73,6 +72,34 @@ def claim(path, lease_id, timeout_seconds):
             _close_quietly(fd)
         sock.close()
         raise
+
+
+def _send_claim(sock, lease_id, fds):
+    """Sends CLAIM and returns the daemon's first reply.
+
+    A daemon that refused the connection may have closed it before reading
+    CLAIM: the kernel then fails the send (EPIPE) or the first receive
+    (ECONNRESET) although the "ERR" line is still queued, so one more look
+    finds the daemon's reason.
+    """
+    try:
+        sock.sendall(f"CLAIM {lease_id}".encode())
+        return _receive(sock, fds)
+    except (BrokenPipeError, ConnectionResetError):
+        queued = _queued_reply(sock, fds)
+        if queued is None:
+            raise
+        return queued
+
+
+def _queued_reply(sock, fds):
+    """An "ERR ..." message already queued on `sock`, or None."""
+    try:
+        sock.setblocking(False)
+        reply = _receive(sock, fds)
+    except (OSError, WeightdError):
+        return None
+    return reply if reply.startswith("ERR ") else None
 
 
 def _announced(reply):

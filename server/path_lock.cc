@@ -1,0 +1,25 @@
+#include "server/path_lock.h"
+
+#include <fcntl.h>
+#include <sys/file.h>
+
+#include <cerrno>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+
+namespace weightd {
+
+absl::StatusOr<PathLock> PathLock::Acquire(const std::string& path, const std::string& flag) {
+  std::string lock_path = path + ".lock";
+  ScopedFd fd(open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600));
+  if (!fd.valid()) return ErrnoToStatus(absl::StrCat("open ", lock_path), errno);
+  if (flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
+    if (errno != EWOULDBLOCK) return ErrnoToStatus(absl::StrCat("flock ", lock_path), errno);
+    return absl::FailedPreconditionError(absl::StrCat("another weightd is serving ", path, " (it holds ", lock_path,
+                                                      "); stop it first or use another ", flag));
+  }
+  return PathLock(path, std::move(fd));
+}
+
+}  // namespace weightd

@@ -1,0 +1,95 @@
+#include "server/self_check.h"
+
+#include <fcntl.h>
+#include <grpcpp/grpcpp.h>
+#include <netdb.h>
+#include <poll.h>
+#include <sys/socket.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "common/unix_socket.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+
+namespace weightd {
+namespace {
+
+absl::Status ProbeHealth(const std::string& target, std::chrono::milliseconds deadline) {
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // a new connection: the listener must accept it
+  auto stub = grpc::health::v1::Health::NewStub(
+      grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args));
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + deadline);
+  grpc::health::v1::HealthCheckResponse response;
+  grpc::Status status = stub->Check(&context, grpc::health::v1::HealthCheckRequest(), &response);
+  if (!status.ok()) return absl::UnavailableError(absl::StrCat(target, ": health check: ", status.error_message()));
+  if (response.status() != grpc::health::v1::HealthCheckResponse::SERVING) {
+    return absl::UnavailableError(absl::StrCat(target, ": health check says ",
+                                               grpc::health::v1::HealthCheckResponse::ServingStatus_Name(response.status())));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ProbeFdSocket(const std::string& path, std::chrono::milliseconds deadline) {
+  absl::StatusOr<ScopedFd> sock = ConnectSeqpacket(path);
+  absl::Status status = sock.status();
+  if (status.ok()) status = SendMessage(sock->get(), "CLAIM self-check", {});
+  absl::StatusOr<std::string> reply = status.ok() ? ReceiveMessage(sock->get(), nullptr, static_cast<int>(deadline.count()))
+                                                  : absl::StatusOr<std::string>(status);
+  if (reply.ok() && absl::StartsWith(*reply, "ERR ")) return absl::OkStatus();
+  return absl::UnavailableError(
+      absl::StrCat("fd socket ", path, ": ", reply.ok() ? "unexpected reply '" + *reply + "'" : reply.status().message()));
+}
+
+// A TCP connection to "HOST:PORT" ("[::1]:PORT" for IPv6) within `deadline`.
+absl::Status ProbeConnect(const std::string& target, std::chrono::milliseconds deadline) {
+  size_t colon = target.rfind(':');
+  std::string host = target.substr(0, colon), port = target.substr(colon + 1);
+  if (host.size() >= 2 && host.front() == '[') host = host.substr(1, host.size() - 2);
+  addrinfo hints{};
+  hints.ai_flags = AI_NUMERICHOST | AI_NUMERICSERV;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* info = nullptr;
+  if (int rc = getaddrinfo(host.c_str(), port.c_str(), &hints, &info); rc != 0) {
+    return absl::UnavailableError(absl::StrCat("TCP listener ", target, ": ", gai_strerror(rc)));
+  }
+  ScopedFd sock(socket(info->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  int err = sock.valid() ? 0 : errno;
+  if (err == 0 && connect(sock.get(), info->ai_addr, info->ai_addrlen) != 0) err = errno;
+  freeaddrinfo(info);
+  if (err == EINPROGRESS) {
+    pollfd p{sock.get(), POLLOUT, 0};
+    socklen_t len = sizeof err;
+    err = poll(&p, 1, static_cast<int>(deadline.count())) == 1 ? 0 : ETIMEDOUT;
+    if (err == 0 && getsockopt(sock.get(), SOL_SOCKET, SO_ERROR, &err, &len) != 0) err = errno;
+  }
+  if (err == 0) return absl::OkStatus();
+  return absl::UnavailableError(absl::StrCat("TCP listener ", target, ": connect: ", strerror(err)));
+}
+
+}  // namespace
+
+absl::Status ProbeListeners(const SelfCheckTargets& targets, std::chrono::milliseconds deadline) {
+  if (absl::Status s = ProbeHealth("unix:" + targets.grpc_socket, deadline); !s.ok()) return s;
+  if (absl::Status s = ProbeFdSocket(targets.fd_socket, deadline); !s.ok()) return s;
+  for (const std::string& target : targets.grpc_targets) {
+    if (absl::Status s = ProbeHealth(target, deadline); !s.ok()) return s;
+  }
+  for (const std::string& target : targets.connect_targets) {
+    if (absl::Status s = ProbeConnect(target, deadline); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+std::string LocalTarget(const std::string& address, int port) {
+  std::string host = address.substr(0, address.rfind(':'));
+  if (host.empty() || host == "0.0.0.0") host = "127.0.0.1";
+  if (host == "[::]") host = "[::1]";
+  return absl::StrCat(host, ":", port);
+}
+
+}  // namespace weightd
