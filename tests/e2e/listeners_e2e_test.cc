@@ -5,7 +5,9 @@
 #include <grpcpp/grpcpp.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <regex>
+#include <thread>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -184,6 +186,22 @@ TEST(TcpListener, MutualTlsWithoutAdminIsStillReadOnly) {
   CommandResult load = CtlAt(tcp, client, {"load", "m", "m.safetensors"});
   EXPECT_EQ(load.code, 2) << load.err;
   EXPECT_TRUE(absl::StrContains(load.err, kAdminRefusal)) << load.err;
+}
+
+// The watchdog self-check probes a TLS listener by connecting only: a
+// health probe without the clients' certificate would fail its handshake
+// and withhold WATCHDOG=1 forever, restarting a healthy daemon in a loop.
+TEST(TcpListener, SelfCheckPassesWithAMutualTlsListener) {
+  if (access(kOpenssl, X_OK) != 0) GTEST_SKIP() << kOpenssl << " is absent: apt-get install openssl";
+  TempDir pki;
+  std::string log;
+  ASSERT_TRUE(MakeCertificates(pki, &log)) << log;
+  DaemonProcess d(DaemonArgs({"--grpc-tls-cert", pki.Join("server.pem"), "--grpc-tls-key", pki.Join("server.key"),
+                              "--grpc-tls-client-ca", pki.Join("ca.pem"), "--self-check-interval-seconds", "0.1"}));
+  ASSERT_GT(TcpPort(d), 0) << d.process().Stderr();
+  std::this_thread::sleep_for(std::chrono::milliseconds(600));  // several checks
+  EXPECT_EQ(d.Stop(), 0);
+  EXPECT_FALSE(absl::StrContains(d.process().Stderr(), "self-check failed")) << d.process().Stderr();
 }
 
 }  // namespace
