@@ -3,8 +3,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "common/env.h"
-#include "common/status.h"
+#include "common/io/env.h"
+#include "common/base/status.h"
 #include "server/reader.h"
 
 namespace weightd {

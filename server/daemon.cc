@@ -13,10 +13,10 @@
 #include <thread>
 
 #include "absl/strings/str_format.h"
-#include "common/device.h"
-#include "common/log.h"
-#include "common/status.h"
-#include "common/unix_socket.h"
+#include "common/memory/device.h"
+#include "common/base/log.h"
+#include "common/base/status.h"
+#include "common/transport/unix_socket.h"
 #include "server/fd_channel.h"
 #include "server/grpc_acceptor.h"
 #include "server/grpc_limits.h"

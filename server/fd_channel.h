@@ -32,7 +32,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "common/unix_socket.h"
+#include "common/transport/unix_socket.h"
 #include "server/registry.h"
 
 namespace weightd {

@@ -23,7 +23,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "common/unix_socket.h"
+#include "common/transport/unix_socket.h"
 
 namespace weightd {
 

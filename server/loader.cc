@@ -11,7 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "common/status.h"
+#include "common/base/status.h"
 #include "server/reader.h"
 
 namespace weightd {

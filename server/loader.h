@@ -28,7 +28,7 @@
 #include <memory>
 
 #include "absl/status/statusor.h"
-#include "common/catalog.h"
+#include "common/format/catalog.h"
 #include "server/memory_admission.h"
 #include "server/model.h"
 #include "server/plan.h"

@@ -4,7 +4,7 @@
 
 #include <iostream>
 
-#include "common/log.h"
+#include "common/base/log.h"
 #include "server/config.h"
 #include "server/daemon.h"
 

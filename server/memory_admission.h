@@ -1,6 +1,6 @@
 // Admission of loads against host memory: a load's host-resident bytes must
 // fit in what the node and the daemon's cgroup can still give
-// (common/host_memory.h) minus the bytes already promised to loads in
+// (common/io/host_memory.h) minus the bytes already promised to loads in
 // flight, checked before anything is allocated. Two loads that fit alone but
 // not together: the second is refused with RESOURCE_EXHAUSTED rather than
 // meeting the OOM killer, which would take every model and lease with it.
@@ -20,7 +20,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "common/host_memory.h"
+#include "common/io/host_memory.h"
 
 namespace weightd {
 

@@ -11,9 +11,9 @@
 #include <string>
 #include <vector>
 
-#include "common/device.h"
-#include "common/dtype.h"
-#include "common/host_segment.h"
+#include "common/memory/device.h"
+#include "common/format/dtype.h"
+#include "common/memory/host_segment.h"
 
 namespace weightd {
 

@@ -6,7 +6,7 @@
 #include <cerrno>
 
 #include "absl/strings/str_cat.h"
-#include "common/status.h"
+#include "common/base/status.h"
 
 namespace weightd {
 

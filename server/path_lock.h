@@ -11,7 +11,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "common/unix_socket.h"
+#include "common/transport/unix_socket.h"
 
 namespace weightd {
 

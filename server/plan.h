@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "common/catalog.h"
+#include "common/format/catalog.h"
 #include "server/model.h"
 
 namespace weightd {

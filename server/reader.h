@@ -30,8 +30,8 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "common/catalog.h"
-#include "common/env.h"
+#include "common/format/catalog.h"
+#include "common/io/env.h"
 #include "server/model.h"
 
 namespace weightd {

@@ -7,9 +7,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "common/log.h"
-#include "common/model_roots.h"
-#include "common/status.h"
+#include "common/base/log.h"
+#include "common/io/model_roots.h"
+#include "common/base/status.h"
 
 namespace weightd {
 namespace {

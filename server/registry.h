@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "common/env.h"
+#include "common/io/env.h"
 #include "server/loader.h"
 #include "server/model.h"
 
@@ -43,7 +43,7 @@ class RegistryListener {
 
 struct RegistryOptions {
   // A load path must resolve under one of these, and so must every file the
-  // catalog opens (checked on the open file: see common/catalog.h).
+  // catalog opens (checked on the open file: see common/format/catalog.h).
   std::vector<std::string> model_roots;
   LoaderOptions loader;
   std::chrono::milliseconds claim_timeout{10000};

@@ -11,7 +11,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "common/unix_socket.h"
+#include "common/transport/unix_socket.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 
 namespace weightd {

@@ -3,8 +3,8 @@
 #include <chrono>
 
 #include "absl/strings/str_cat.h"
-#include "common/env.h"
-#include "common/status.h"
+#include "common/io/env.h"
+#include "common/base/status.h"
 #include "server/grpc_limits.h"
 #include "server/rpc_metrics.h"
 

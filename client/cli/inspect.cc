@@ -5,7 +5,7 @@
 #include "absl/strings/str_join.h"
 #include "client/cli/commands.h"
 #include "client/cli/output.h"
-#include "common/catalog.h"
+#include "common/format/catalog.h"
 #include "nlohmann/json.hpp"
 
 namespace weightd::cli {

@@ -3,7 +3,7 @@
 #include "absl/strings/str_format.h"
 #include "client/cli/commands.h"
 #include "client/cli/output.h"
-#include "common/demo_checkpoint.h"
+#include "common/format/demo_checkpoint.h"
 
 namespace weightd::cli {
 

@@ -3,8 +3,8 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "common/catalog.h"
-#include "common/status.h"
+#include "common/format/catalog.h"
+#include "common/base/status.h"
 
 namespace weightd::cli {
 namespace {

@@ -7,7 +7,7 @@
 #include <cstdio>
 #include <string>
 
-#include "common/catalog.h"
+#include "common/format/catalog.h"
 #include "tests/bench/bench_util.h"
 #include "tests/bench/subcommands.h"
 

@@ -11,7 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "common/catalog.h"
+#include "common/format/catalog.h"
 #include "tests/bench/bench_util.h"
 #include "tests/bench/subcommands.h"
 #include "weightd/client.h"

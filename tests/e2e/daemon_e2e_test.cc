@@ -13,7 +13,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
-#include "common/demo_checkpoint.h"
+#include "common/format/demo_checkpoint.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/testing/checkpoint_builder.h"

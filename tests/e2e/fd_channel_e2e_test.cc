@@ -7,7 +7,7 @@
 #include <thread>
 
 #include "absl/strings/match.h"
-#include "common/unix_socket.h"
+#include "common/transport/unix_socket.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/testing/process.h"

@@ -14,7 +14,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
-#include "common/host_memory.h"
+#include "common/io/host_memory.h"
 #include "gtest/gtest.h"
 #include "tests/testing/checkpoint_builder.h"
 #include "tests/testing/process.h"

@@ -17,7 +17,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "common/unix_socket.h"
+#include "common/transport/unix_socket.h"
 #include "gtest/gtest.h"
 #include "tests/testing/checkpoint_builder.h"
 #include "tests/testing/process.h"

@@ -7,7 +7,7 @@
 #include <cstdint>
 
 #include "absl/strings/string_view.h"
-#include "common/safetensors.h"
+#include "common/format/safetensors.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   absl::string_view image(reinterpret_cast<const char*>(data), size);

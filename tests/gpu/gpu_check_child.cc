@@ -11,9 +11,9 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "common/cuda_internal.h"
-#include "common/device.h"
-#include "common/unix_socket.h"
+#include "common/memory/cuda/cuda_internal.h"
+#include "common/memory/device.h"
+#include "common/transport/unix_socket.h"
 #include "tests/gpu/gpu_check_protocol.h"
 
 namespace weightd::gpu_checks {

@@ -5,9 +5,9 @@
 #include <atomic>
 #include <cstring>
 
-#include "common/catalog.h"
-#include "common/device.h"
-#include "common/status.h"
+#include "common/format/catalog.h"
+#include "common/memory/device.h"
+#include "common/base/status.h"
 #include "gtest/gtest.h"
 #include "server/loader.h"
 #include "tests/testing/checkpoint_builder.h"

@@ -11,7 +11,7 @@
 #include <set>
 #include <tuple>
 
-#include "common/catalog.h"
+#include "common/format/catalog.h"
 #include "gmock/gmock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"

@@ -15,7 +15,7 @@
 #include <map>
 
 #include "absl/strings/str_cat.h"
-#include "common/status.h"
+#include "common/base/status.h"
 #include "gtest/gtest.h"
 #include "tests/testing/checkpoint_builder.h"
 #include "tests/testing/status_matchers.h"

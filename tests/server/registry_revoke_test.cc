@@ -5,9 +5,9 @@
 
 #include <thread>
 
-#include "common/device.h"
-#include "common/status.h"
-#include "common/unix_socket.h"
+#include "common/memory/device.h"
+#include "common/base/status.h"
+#include "common/transport/unix_socket.h"
 #include "gtest/gtest.h"
 #include "server/fd_channel.h"
 #include "tests/server/registry_fixture.h"

@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "common/device.h"
-#include "common/status.h"
+#include "common/memory/device.h"
+#include "common/base/status.h"
 
 namespace weightd::testing {
 

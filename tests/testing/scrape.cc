@@ -9,8 +9,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "common/status.h"
-#include "common/unix_socket.h"
+#include "common/base/status.h"
+#include "common/transport/unix_socket.h"
 
 namespace weightd::testing {
 namespace {

@@ -25,7 +25,7 @@
 #include <memory>
 #include <vector>
 
-#include "common/device.h"
+#include "common/memory/device.h"
 
 namespace py = pybind11;
 
@@ -111,7 +111,7 @@ class Segment {
     base_ = static_cast<char*>(addr);
     mapped_ = true;
   }
-  // Imports a device arena with the backend that exported it (common/device.h:
+  // Imports a device arena with the backend that exported it (common/memory/device.h:
   // CUDA VMM, legacy IPC, or emulated). `fd` is duplicated, not taken; -1 for
   // handle-exported arenas. Raises RuntimeError with the backend's message.
   static std::unique_ptr<Segment> ImportDevice(const std::string& backend, const std::string& gpu_uuid, uint64_t size,

@@ -1,0 +1,63 @@
+// The built-in demo checkpoint: synthetic, deterministic, Llama-shaped BF16
+// weights, sharded with a `model.safetensors.index.json` like real
+// checkpoints, so every part of weightd can be exercised without downloads.
+//
+// Value rule (documented so any reader can check bytes without the file):
+//   h    = FNV-1a 32-bit hash of the tensor name's UTF-8 bytes
+//   u    = (h + i * 2654435761) mod 2^32        for element index i (row-major)
+//   bits = 0x3C00 | ((u >> 16) & 0x807F)        the BF16 bit pattern, stored little-endian
+// i.e. a sign bit, a fixed exponent (2^-7) and 7 varying mantissa bits:
+// values in +-[0.0078125, 0.015564].
+#ifndef WEIGHTD_COMMON_FORMAT_DEMO_CHECKPOINT_H_
+#define WEIGHTD_COMMON_FORMAT_DEMO_CHECKPOINT_H_
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include "absl/strings/string_view.h"
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace weightd {
+
+struct DemoPreset {
+  std::string name;
+  uint64_t vocab = 0;
+  uint64_t hidden = 0;
+  uint64_t intermediate = 0;
+  uint64_t layers = 0;
+  uint64_t heads = 0;
+  uint64_t kv_heads = 0;
+  uint64_t max_shard_bytes = 0;
+};
+
+struct DemoTensor {
+  std::string name;
+  std::vector<uint64_t> shape;
+  uint64_t nbytes() const;  // BF16: 2 bytes per element
+};
+
+// "tiny" (~7 MiB), "small" (~260 MiB) or "llama-1b" (~2.4 GiB); NOT_FOUND otherwise.
+absl::StatusOr<DemoPreset> FindDemoPreset(absl::string_view name);
+std::vector<std::string> DemoPresetNames();
+// The tensors of a preset, in file order.
+std::vector<DemoTensor> DemoTensors(const DemoPreset& preset);
+
+uint32_t DemoNameHash(absl::string_view name);
+inline uint16_t DemoValueBits(uint32_t name_hash, uint64_t index) {
+  uint32_t u = name_hash + static_cast<uint32_t>(index) * 2654435761u;
+  return static_cast<uint16_t>(0x3C00u | ((u >> 16) & 0x807Fu));
+}
+// Writes `count` elements starting at element `first` as little-endian BF16 bytes.
+void FillDemoValues(uint32_t name_hash, uint64_t first, uint64_t count, char* out);
+
+// Writes the preset into `dir` (created if missing): shards, index and
+// config.json. `progress(bytes_done, bytes_total)` is called after each chunk.
+// Errors keep errno's text and name the file.
+absl::Status WriteDemoCheckpoint(const std::string& dir, const DemoPreset& preset,
+                                 const std::function<void(uint64_t, uint64_t)>& progress = nullptr);
+
+}  // namespace weightd
+
+#endif  // WEIGHTD_COMMON_FORMAT_DEMO_CHECKPOINT_H_

@@ -1,0 +1,106 @@
+// All file-system access of the catalog and the load pipeline goes through
+// `Env`, so tests can inject EIO, short reads or missing files without root
+// or a broken disk (the leveldb `Env` pattern).
+#ifndef WEIGHTD_COMMON_IO_ENV_H_
+#define WEIGHTD_COMMON_IO_ENV_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace weightd {
+
+// An open, read-only file. Thread-safe: ReadAt may be called concurrently.
+class RandomAccessFile {
+ public:
+  virtual ~RandomAccessFile() = default;
+  // The path it was opened with (used in error messages).
+  virtual const std::string& path() const = 0;
+  // Size in bytes at open time.
+  virtual uint64_t size() const = 0;
+  // Reads exactly `n` bytes at byte `offset` into `dst` (caller owns dst).
+  // A read past the end (the file shrank) is OUT_OF_RANGE; I/O errors keep
+  // errno's text. Retries EINTR and short reads.
+  virtual absl::Status ReadAt(uint64_t offset, size_t n, char* dst) const = 0;
+  // One read of at most `n` bytes at `offset` (EINTR retried): the count,
+  // 0 at end of file, possibly short. A file opened by OpenForDirectRead
+  // needs `offset`, `n` and `dst` aligned to direct_alignment() (EINVAL
+  // otherwise). Used for O_DIRECT spans that may run past the end.
+  virtual absl::StatusOr<size_t> ReadSome(uint64_t offset, size_t n, char* dst) const = 0;
+  // The file descriptor for zero-copy paths (sendfile, O_DIRECT), or -1.
+  virtual int fd() const = 0;
+  // 0 for a buffered file; for an O_DIRECT one the alignment its reads need
+  // (offset, length and buffer): statx(STATX_DIOALIGN) or 4096.
+  virtual uint64_t direct_alignment() const = 0;
+  // The fraction [0, 1] of the file's pages now in the page cache, from
+  // mincore(2) over 64 windows of 1 MiB spread across the file; an empty
+  // file counts as cached.
+  virtual absl::StatusOr<double> CachedFraction() const = 0;
+  // posix_fadvise(2) over the whole file; `advice` is POSIX_FADV_*. Advisory:
+  // errors are returned but callers may ignore them.
+  virtual absl::Status Advise(int advice) const = 0;
+  // Last modification time in nanoseconds since the epoch, at open time
+  // (used to tell a rewritten checkpoint from the one already loaded).
+  virtual int64_t mtime_ns() const = 0;
+
+  // The methods below let callers keep using the file they opened instead of
+  // opening its path again (which may name another file by then). Their
+  // defaults fail closed, so a fake that does not implement them is never
+  // taken for a checked file.
+
+  // The absolute path, without symlinks, at which the opened file lies now:
+  // readlink(2) of /proc/self/fd/N (proc(5)), confirmed by stat(2) of that
+  // path having the open file's st_dev and st_ino. An error when it cannot
+  // be told (no /proc; the file was deleted or moved meanwhile).
+  virtual absl::StatusOr<std::string> ResolvedPath() const {
+    return absl::UnimplementedError(path() + ": cannot tell where the opened file lies");
+  }
+  // A second, O_DIRECT open of the same inode (not of the path): open(2) of
+  // /proc/self/fd/N. FAILED_PRECONDITION when the file system refuses
+  // O_DIRECT. The caller owns the result.
+  virtual absl::StatusOr<std::unique_ptr<RandomAccessFile>> ReopenDirect() const {
+    return absl::FailedPreconditionError(path() + ": cannot be reopened with O_DIRECT");
+  }
+  // The size now (fstat(2)), to notice a file changed in place after open.
+  virtual absl::StatusOr<uint64_t> CurrentSize() const { return size(); }
+};
+
+enum class FileKind { kMissing, kRegular, kDirectory, kOther };
+
+class Env {
+ public:
+  virtual ~Env() = default;
+  // The process-wide POSIX implementation; never null, never freed.
+  static Env* Default();
+
+  // Opens a regular file for reading. The path is first opened with O_PATH
+  // (open(2)), so a FIFO, socket, device or directory is refused
+  // (INVALID_ARGUMENT "<path>: not a regular file (FIFO)") without being
+  // opened for reading; a regular file is then reopened through
+  // /proc/self/fd/N: the inode already found, not the path again.
+  virtual absl::StatusOr<std::unique_ptr<RandomAccessFile>> OpenForRead(const std::string& path) = 0;
+  // The same with O_DIRECT (reads bypass the page cache). A file system that
+  // refuses O_DIRECT (tmpfs, some overlays) is FAILED_PRECONDITION naming the
+  // path and errno's text.
+  virtual absl::StatusOr<std::unique_ptr<RandomAccessFile>> OpenForDirectRead(const std::string& path) = 0;
+  // kMissing when the path does not exist; errors only for other failures.
+  virtual absl::StatusOr<FileKind> Stat(const std::string& path) = 0;
+  // Names (not paths) of the entries of a directory, sorted, without "." "..".
+  virtual absl::StatusOr<std::vector<std::string>> ListDir(const std::string& path) = 0;
+  // realpath(3): resolves symlinks, "." and "..".
+  virtual absl::StatusOr<std::string> RealPath(const std::string& path) = 0;
+};
+
+// Reads a whole small file (an index or config), refusing files larger than
+// `max_bytes` before allocating anything.
+absl::StatusOr<std::string> ReadSmallFile(Env& env, const std::string& path, uint64_t max_bytes);
+// The same for a file already open.
+absl::StatusOr<std::string> ReadSmallFile(const RandomAccessFile& file, uint64_t max_bytes);
+
+}  // namespace weightd
+
+#endif  // WEIGHTD_COMMON_IO_ENV_H_

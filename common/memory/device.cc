@@ -1,0 +1,72 @@
+#include "common/memory/device.h"
+
+#include <mutex>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace weightd {
+
+absl::StatusOr<std::unique_ptr<DeviceBackend>> MakeDeviceBackend(const std::string& name, std::string* chosen) {
+  auto say = [&](std::string line) {
+    if (chosen != nullptr) *chosen = std::move(line);
+  };
+  if (name == "none") {
+    say("device backend: none (every tensor on the host)");
+    return std::unique_ptr<DeviceBackend>();
+  }
+  if (name == "emulated") {
+    say("device backend: emulated (memfd-backed devices GPU-emulated-0..7; for tests, no GPU is used)");
+    return MakeEmulatedBackend();
+  }
+  if (name == "cuda" || name == "cuda-legacy-ipc") {
+    absl::StatusOr<std::unique_ptr<DeviceBackend>> cuda = MakeCudaBackend(name == "cuda-legacy-ipc");
+    if (!cuda.ok()) return cuda.status();
+    absl::StatusOr<std::vector<DeviceInfo>> devices = (*cuda)->Devices();
+    if (!devices.ok()) return devices.status();
+    std::vector<std::string> uuids;
+    for (const DeviceInfo& d : *devices) uuids.push_back(absl::StrCat(d.ordinal, "=", d.uuid));
+    say(absl::StrCat("device backend: ", name, " with ", devices->size(), " GPU(s): ", absl::StrJoin(uuids, ", ")));
+    return cuda;
+  }
+  if (name != "auto") return absl::InvalidArgumentError(absl::StrCat("unknown device backend '", name, "'"));
+  absl::StatusOr<std::unique_ptr<DeviceBackend>> cuda = MakeCudaBackend(false);
+  if (cuda.ok()) {
+    absl::StatusOr<std::vector<DeviceInfo>> devices = (*cuda)->Devices();
+    if (devices.ok() && !devices->empty()) {
+      std::vector<std::string> uuids;
+      for (const DeviceInfo& d : *devices) uuids.push_back(absl::StrCat(d.ordinal, "=", d.uuid));
+      say(absl::StrCat("device backend auto: found ", devices->size(), " GPU(s) (", absl::StrJoin(uuids, ", "),
+                       "); using cuda (VMM)"));
+      return cuda;
+    }
+    say(absl::StrCat("device backend auto: CUDA driver loaded but no GPU (",
+                     devices.ok() ? "0 devices" : std::string(devices.status().message()), "); host only"));
+    return std::unique_ptr<DeviceBackend>();
+  }
+  say(absl::StrCat("device backend auto: no GPU (", cuda.status().message(), "); host only"));
+  return std::unique_ptr<DeviceBackend>();
+}
+
+absl::StatusOr<DeviceBackend*> ClientBackendFor(const std::string& backend_name) {
+  static std::mutex mu;
+  static std::unique_ptr<DeviceBackend> emulated, cuda, legacy;
+  std::lock_guard<std::mutex> lock(mu);
+  if (backend_name == "emulated") {
+    if (!emulated) emulated = MakeEmulatedBackend();
+    return emulated.get();
+  }
+  if (backend_name == "cuda-vmm" || backend_name == "cuda" || backend_name == "cuda-legacy-ipc") {
+    bool is_legacy = backend_name == "cuda-legacy-ipc";
+    std::unique_ptr<DeviceBackend>& slot = is_legacy ? legacy : cuda;
+    if (!slot) {
+      absl::StatusOr<std::unique_ptr<DeviceBackend>> made = MakeCudaBackend(is_legacy);
+      if (!made.ok()) return made.status();
+      slot = std::move(*made);
+    }
+    return slot.get();
+  }
+  return absl::InvalidArgumentError(absl::StrCat("unknown segment backend '", backend_name, "'"));
+}
+
+}  // namespace weightd

@@ -1,0 +1,168 @@
+#include "common/memory/host_segment.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "common/io/proc_files.h"
+#include "common/base/status.h"
+
+namespace weightd {
+
+namespace {
+
+constexpr uint64_t kHugePageBytes = 2ull << 20;
+
+// Free bytes in the default huge page pool (HugePages_Free x Hugepagesize).
+uint64_t FreeHugePoolBytes() {
+  std::optional<uint64_t> free_pages = MeminfoValue("HugePages_Free");
+  std::optional<uint64_t> page_bytes = MeminfoValue("Hugepagesize");
+  if (!free_pages || page_bytes != kHugePageBytes) return 0;
+  return *free_pages * kHugePageBytes;
+}
+
+// A sealable MFD_HUGETLB memfd of `size` bytes mapped read-write, or -1
+// (and no resources held) when the pool or the kernel refuses.
+int CreateHuge(const std::string& memfd_name, uint64_t size, char** base) {
+  int fd = memfd_create(memfd_name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING | MFD_HUGETLB);
+  if (fd < 0) return -1;
+  // mmap reserves the huge pages: it fails with ENOMEM when the pool ran short.
+  void* map = ftruncate(fd, static_cast<off_t>(size)) == 0
+                  ? mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+                  : MAP_FAILED;
+  if (map == MAP_FAILED) {
+    close(fd);
+    return -1;
+  }
+  *base = static_cast<char*>(map);
+  return fd;
+}
+
+// A read-only mapping of `fd` through a new O_RDONLY descriptor (its
+// VMA lacks VM_MAYWRITE, so it does not block F_SEAL_WRITE); null when
+// /proc is unavailable.
+char* MapReadOnlyCopy(int fd, uint64_t size) {
+  int ro = open(absl::StrCat("/proc/self/fd/", fd).c_str(), O_RDONLY | O_CLOEXEC);
+  if (ro < 0) return nullptr;
+  void* map = mmap(nullptr, size, PROT_READ, MAP_SHARED, ro, 0);
+  close(ro);  // the mapping keeps the file
+  return map == MAP_FAILED ? nullptr : static_cast<char*>(map);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<HostSegment>> HostSegment::Create(const std::string& name, uint64_t size,
+                                                                 HugePages huge) {
+  std::string memfd_name = absl::StrCat("weightd:", name).substr(0, 249);  // memfd names are at most 249 bytes
+  if (huge == HugePages::kWhenPoolAllows && size >= kHugeSegmentMinBytes) {
+    uint64_t rounded = (size + kHugePageBytes - 1) / kHugePageBytes * kHugePageBytes;
+    char* base = nullptr;
+    int fd = rounded <= FreeHugePoolBytes() ? CreateHuge(memfd_name, rounded, &base) : -1;
+    if (fd >= 0) return std::unique_ptr<HostSegment>(new HostSegment(fd, base, rounded, true));
+  }
+  int fd = memfd_create(memfd_name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (fd < 0) return ErrnoToStatus("memfd_create", errno);
+  if (ftruncate(fd, static_cast<off_t>(size)) != 0) {
+    int err = errno;
+    close(fd);
+    return ErrnoToStatus(absl::StrCat("ftruncate memfd to ", size, " bytes"), err);
+  }
+  char* base = nullptr;
+  if (size > 0) {
+    void* map = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (map == MAP_FAILED) {
+      int err = errno;
+      close(fd);
+      return ErrnoToStatus(absl::StrCat("mmap ", size, "-byte memfd"), err);
+    }
+    // Large segments: ask for transparent huge pages (shmem THP is honoured
+    // when /sys/kernel/mm/transparent_hugepage/shmem_enabled allows advise).
+    if (size >= kHugeSegmentMinBytes) madvise(map, size, MADV_HUGEPAGE);
+    base = static_cast<char*>(map);
+  }
+  return std::unique_ptr<HostSegment>(new HostSegment(fd, base, size, false));
+}
+
+absl::Status HostSegment::Write(uint64_t offset, const char* src, uint64_t n) {
+  if (sealed_) return absl::FailedPreconditionError("segment already sealed");
+  if (offset > size_ || n > size_ - offset) {
+    return absl::OutOfRangeError(absl::StrCat("write of ", n, " bytes at ", offset, " past a ", size_, "-byte segment"));
+  }
+  if (huge_) {
+    std::memcpy(base_ + offset, src, n);
+    return absl::OkStatus();
+  }
+  while (n > 0) {
+    ssize_t put = pwrite(fd_, src, n, static_cast<off_t>(offset));
+    if (put < 0 && errno == EINTR) continue;
+    if (put <= 0) return ErrnoToStatus(absl::StrCat("pwrite to memfd at byte ", offset), put < 0 ? errno : ENOSPC);
+    src += put;
+    offset += static_cast<uint64_t>(put);
+    n -= static_cast<uint64_t>(put);
+  }
+  return absl::OkStatus();
+}
+
+HostSegment::HostSegment(int fd, char* base, uint64_t size, bool huge)
+    : fd_(fd), base_(base), size_(size), huge_(huge) {
+  if (size_ == 0) return;
+  read_only_ = MapReadOnlyCopy(fd_, size_);
+  page_bytes_ = huge_ ? kHugePageBytes : static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  pages_ = (size_ + page_bytes_ - 1) / page_bytes_;
+  lock_bits_ = std::make_unique<std::atomic<uint64_t>[]>((pages_ + 63) / 64);
+}
+
+HostSegment::~HostSegment() {
+  if (base_ != nullptr) munmap(base_, size_);
+  if (read_only_ != nullptr && read_only_ != base_) munmap(read_only_, size_);
+  close(fd_);
+}
+
+void HostSegment::Lock(uint64_t offset, uint64_t n) {
+  if (sealed_ || read_only_ == nullptr || n == 0 || offset >= size_ || fill_lock_errno_.load() != 0) return;
+  uint64_t first = offset / page_bytes_, end = std::min((offset + n + page_bytes_ - 1) / page_bytes_, pages_);
+  if (mlock(read_only_ + first * page_bytes_, std::min(end * page_bytes_, size_) - first * page_bytes_) != 0) {
+    fill_lock_errno_ = errno;
+    return;
+  }
+  for (uint64_t p = first; p < end; ++p) {
+    uint64_t bit = uint64_t{1} << (p % 64);
+    if ((lock_bits_[p / 64].fetch_or(bit) & bit) == 0) pages_locked_.fetch_add(1);
+  }
+}
+
+absl::Status HostSegment::Seal(bool lock) {
+  if (sealed_) return absl::FailedPreconditionError("segment already sealed");
+  if (base_ != nullptr && munmap(base_, size_) != 0) return ErrnoToStatus("munmap writable segment", errno);
+  base_ = nullptr;
+  if (fcntl(fd_, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL) != 0) {
+    return ErrnoToStatus("fcntl(F_ADD_SEALS)", errno);
+  }
+  sealed_ = true;
+  if (size_ == 0) return absl::OkStatus();
+  if (read_only_ == nullptr) {
+    void* map = mmap(nullptr, size_, PROT_READ, MAP_SHARED, fd_, 0);
+    if (map == MAP_FAILED) return ErrnoToStatus("mmap sealed segment read-only", errno);
+    read_only_ = static_cast<char*>(map);
+  }
+  base_ = read_only_;
+  if (!lock) return absl::OkStatus();
+  if (pages_locked_.load() == pages_) {
+    locked_ = true;
+  } else if (fill_lock_errno_.load() != 0) {
+    lock_errno_ = fill_lock_errno_.load();
+  } else if (mlock(base_, size_) == 0) {
+    locked_ = true;
+  } else {
+    lock_errno_ = errno;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace weightd
