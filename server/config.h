@@ -36,9 +36,10 @@ struct DaemonConfig {
   bool mlock = true;
   // Reliability bounds (docs/operations.md "Reliability").
   int fd_socket_max_connections = 4096;              // claimed + pending fd-socket connections
-  int grpc_max_connections = 1024;                  // connections on the gRPC Unix socket
+  int grpc_max_connections = 1024;                  // connections on the gRPC Unix socket, and on a plain-TCP grpc_address
   int grpc_max_threads = 64;                         // sync-server threads in calls at once, all listeners
   int grpc_max_streams_per_connection = 16;          // concurrent calls on one gRPC connection
+  double grpc_first_bytes_timeout_seconds = 10;     // a gRPC connection silent this long is closed (server/grpc_acceptor.h)
   double self_check_interval_seconds = 5;            // probe every listener; WATCHDOG=1 only while all answer
 };
 

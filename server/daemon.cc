@@ -15,6 +15,8 @@
 #include "absl/strings/str_format.h"
 #include "common/memory/device.h"
 #include "common/base/log.h"
+#include "common/io/host_memory.h"
+#include "common/io/model_roots.h"
 #include "common/base/status.h"
 #include "common/transport/unix_socket.h"
 #include "server/fd_channel.h"
@@ -128,12 +130,18 @@ class DaemonImpl final : public Daemon {
     LogInfo(chosen);
     RegistryOptions options;
     options.loader.device_backend = device_backend_.get();
+    std::vector<std::string> root_warnings;
+    WEIGHTD_RETURN_IF_ERROR(ModelRoots::Validate(*Env::Default(), config_.model_root, &root_warnings));
+    for (const std::string& w : root_warnings) LogWarning(w);
     options.model_roots = config_.model_root;
     options.loader.threads = config_.load_threads;
     options.loader.mlock = config_.mlock;
     options.loader.direct_io = ParseDirectIo(config_.direct_io).value_or(DirectIo::kAuto);  // validated by config
     options.claim_timeout = std::chrono::milliseconds(static_cast<int64_t>(config_.lease_claim_timeout_seconds * 1000));
     registry_ = std::make_unique<ModelRegistry>(options, &listeners_);
+    if (absl::StatusOr<HostMemoryBudget> budget = ReadHostMemoryBudget(); budget.ok()) {
+      LogInfo(absl::StrCat("host memory for loads: ", budget->available, " bytes, bounded by ", budget->source));
+    }
     WEIGHTD_RETURN_IF_ERROR(StartMetrics());
     absl::StatusOr<std::unique_ptr<FdChannel>> channel = FdChannel::Start({config_.fd_socket, 0660, config_.allowed_gids,
                                                                           static_cast<size_t>(config_.fd_socket_max_connections)},
@@ -192,9 +200,11 @@ class DaemonImpl final : public Daemon {
     server_ = builder.BuildAndStart();
     if (server_ == nullptr) return absl::UnavailableError("cannot start the gRPC server");
     listener_.AddServer(server_.get());
-    WEIGHTD_ASSIGN_OR_RETURN(acceptor_, GrpcAcceptor::Start({config_.socket, 0660,
-                                                             static_cast<size_t>(config_.grpc_max_connections)},
-                                                            server_.get()));
+    GrpcAcceptorOptions accept;
+    accept.path = config_.socket;
+    accept.max_connections = static_cast<size_t>(config_.grpc_max_connections);
+    accept.first_bytes_timeout = FirstBytesTimeout(config_);
+    WEIGHTD_ASSIGN_OR_RETURN(acceptor_, GrpcAcceptor::Start(std::move(accept), server_.get()));
     return absl::OkStatus();
   }
 
@@ -248,22 +258,21 @@ class DaemonImpl final : public Daemon {
     bool watchdog = sd_watchdog_enabled(0, &usec) > 0;
     if (watchdog) interval = std::min(interval, std::chrono::duration<double>(usec / 2e6));
     SelfCheckTargets targets{config_.socket, config_.fd_socket, {}};
-    if (tcp_listener_) {
-      std::string target = LocalTarget(config_.grpc_address, tcp_listener_->port());
-      // A TLS listener would refuse the probe's plain handshake: that one is only connected to.
-      (config_.grpc_tls_cert.empty() ? targets.grpc_targets : targets.connect_targets).push_back(target);
+    if (tcp_listener_) targets.accepting.push_back(LocalTarget(config_.grpc_address, tcp_listener_->port()));
+    if (health_port_) {
+      targets.grpc_targets.push_back(LocalTarget(config_.health_address, health_port_->port()));
+      targets.accepting.push_back(LocalTarget(config_.health_address, health_port_->port()));
     }
-    if (health_port_) targets.grpc_targets.push_back(LocalTarget(config_.health_address, health_port_->port()));
     self_check_thread_ = std::thread([this, interval, watchdog, targets] {
-      bool healthy = true;
+      absl::Status last;  // logged once per change: failing, failing for another reason, passing again
       while (!WaitOrStop(interval)) {
         absl::Status status = ProbeListeners(targets, kProbeDeadline);
-        if (status.ok() != healthy) {
-          healthy = status.ok();
-          if (healthy) LogInfo("self-check passes again");
-          if (!healthy) LogError(absl::StrCat("self-check failed: ", status.message(), watchdog ? "; WATCHDOG=1 withheld" : ""));
+        if (status != last) {
+          if (status.ok()) LogInfo("self-check passes again");
+          if (!status.ok()) LogError(absl::StrCat("self-check failed: ", status.message(), watchdog ? "; WATCHDOG=1 withheld" : ""));
+          last = status;
         }
-        if (healthy && watchdog) sd_notify(0, "WATCHDOG=1");
+        if (status.ok() && watchdog) sd_notify(0, "WATCHDOG=1");
       }
     });
   }

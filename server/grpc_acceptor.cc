@@ -34,8 +34,16 @@ bool IsSelf(int sock) {
 
 }  // namespace
 
+std::chrono::milliseconds FirstBytesTimeout(const DaemonConfig& config) {
+  return std::chrono::milliseconds(static_cast<int64_t>(config.grpc_first_bytes_timeout_seconds * 1000));
+}
+
 absl::StatusOr<std::unique_ptr<GrpcAcceptor>> GrpcAcceptor::Start(GrpcAcceptorOptions options, grpc::Server* server) {
-  WEIGHTD_ASSIGN_OR_RETURN(ScopedFd listener, ListenStream(options.path, options.mode));
+  ScopedFd listener = std::move(options.listener);
+  if (!listener.valid()) {
+    WEIGHTD_ASSIGN_OR_RETURN(listener, ListenStream(options.path, options.mode));
+  }
+  if (options.name.empty()) options.name = "gRPC socket " + options.path;
   if (fcntl(listener.get(), F_SETFL, O_NONBLOCK) != 0) return ErrnoToStatus("fcntl O_NONBLOCK", errno);
   int pipe_fds[2];
   if (pipe2(pipe_fds, O_CLOEXEC | O_NONBLOCK) != 0) return ErrnoToStatus("pipe2", errno);
@@ -62,12 +70,45 @@ GrpcAcceptor::~GrpcAcceptor() {
 void GrpcAcceptor::Loop() {
   bool backoff = false;
   while (true) {
-    pollfd fds[2] = {{wake_read_.get(), POLLIN, 0}, {listener_.get(), static_cast<short>(backoff ? 0 : POLLIN), 0}};
-    int ready = poll(fds, 2, backoff ? kBackoffMs : -1);
+    std::vector<pollfd> fds = {{wake_read_.get(), POLLIN, 0},
+                               {listener_.get(), static_cast<short>(backoff ? 0 : POLLIN), 0}};
+    for (const Pending& p : pending_) fds.push_back({p.sock.get(), POLLIN, 0});
+    int ready = poll(fds.data(), fds.size(), PollTimeoutMs(backoff));
     if (ready < 0 && errno != EINTR) return;
     if (fds[0].revents) return;
-    backoff = !Accept();  // after a backoff, retry even if poll saw nothing new
+    std::vector<bool> spoke(pending_.size());
+    for (size_t i = 0; i < pending_.size(); ++i) spoke[i] = fds[i + 2].revents != 0;
+    ServePending(spoke);
+    if (backoff || (fds[1].revents & POLLIN)) backoff = !Accept();  // after a backoff, retry even if poll saw nothing
   }
+}
+
+int GrpcAcceptor::PollTimeoutMs(bool backoff) const {
+  int64_t ms = backoff ? kBackoffMs : -1;
+  auto now = std::chrono::steady_clock::now();
+  for (const Pending& p : pending_) {
+    int64_t left = std::max<int64_t>(0, std::chrono::duration_cast<std::chrono::milliseconds>(p.deadline - now).count());
+    ms = ms < 0 ? left + 1 : std::min<int64_t>(ms, left + 1);
+  }
+  return static_cast<int>(ms);
+}
+
+void GrpcAcceptor::ServePending(const std::vector<bool>& spoke) {
+  auto now = std::chrono::steady_clock::now();
+  std::vector<Pending> waiting;
+  for (size_t i = 0; i < pending_.size(); ++i) {
+    Pending& p = pending_[i];
+    if (spoke[i]) {
+      char byte;
+      if (recv(p.sock.get(), &byte, 1, MSG_PEEK | MSG_DONTWAIT) > 0) {  // gRPC reads the bytes itself
+        handed_.push_back({p.sock.get(), InodeOf(p.sock.get())});
+        grpc::AddInsecureChannelFromFd(server_, p.sock.Release());
+      }
+      continue;  // handed over, or hung up / failed: closed
+    }
+    if (now < p.deadline) waiting.push_back(std::move(p));  // else silent for too long: closed
+  }
+  pending_ = std::move(waiting);
 }
 
 bool GrpcAcceptor::Accept() {
@@ -75,27 +116,23 @@ bool GrpcAcceptor::Accept() {
   if (fd < 0) {
     if (!ShortOfResources(errno)) return true;  // EAGAIN, ECONNABORTED, EINTR: nothing to do
     if (!short_of_fds_) {
-      LogWarning(absl::StrCat("gRPC socket ", options_.path, ": accept: ", strerror(errno),
-                              "; retrying every ", kBackoffMs, " ms until descriptors are free"));
+      LogWarning(absl::StrCat(options_.name, ": accept: ", strerror(errno), "; retrying every ", kBackoffMs,
+                              " ms until descriptors are free"));
     }
     short_of_fds_ = true;
     return false;
   }
-  if (short_of_fds_) LogInfo(absl::StrCat("gRPC socket ", options_.path, ": accepting again"));
+  if (short_of_fds_) LogInfo(absl::StrCat(options_.name, ": accepting again"));
   short_of_fds_ = false;
   ScopedFd sock(fd);
-  bool full = OpenConnections() >= options_.max_connections;
-  if (full && !IsSelf(sock.get())) {
-    if (!at_limit_) {
-      LogWarning(absl::StrCat("gRPC socket ", options_.path, ": ", options_.max_connections,
-                              " connections open (--grpc-max-connections); closing new ones until some end"));
-    }
-    at_limit_ = true;
-    return true;
+  bool full = OpenConnections() + pending_.size() >= options_.max_connections;
+  if (full && !at_limit_) {
+    LogWarning(absl::StrCat(options_.name, ": ", options_.max_connections,
+                            " connections open (--grpc-max-connections); closing new ones until some end"));
   }
-  at_limit_ = full;  // the self-check got in; the episode goes on
-  handed_.push_back({sock.get(), InodeOf(sock.get())});
-  grpc::AddInsecureChannelFromFd(server_, sock.Release());
+  at_limit_ = full;
+  if (full && !IsSelf(sock.get())) return true;
+  pending_.push_back({std::move(sock), std::chrono::steady_clock::now() + options_.first_bytes_timeout});
   return true;
 }
 

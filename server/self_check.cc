@@ -1,16 +1,23 @@
 #include "server/self_check.h"
 
+#include <dirent.h>
 #include <fcntl.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <grpcpp/grpcpp.h>
 #include <netdb.h>
 #include <poll.h>
 #include <sys/socket.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
+#include <thread>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/base/status.h"
 #include "common/transport/unix_socket.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 
@@ -45,8 +52,33 @@ absl::Status ProbeFdSocket(const std::string& path, std::chrono::milliseconds de
       absl::StrCat("fd socket ", path, ": ", reply.ok() ? "unexpected reply '" + *reply + "'" : reply.status().message()));
 }
 
-// A TCP connection to "HOST:PORT" ("[::1]:PORT" for IPv6) within `deadline`.
-absl::Status ProbeConnect(const std::string& target, std::chrono::milliseconds deadline) {
+// The accept queue length of this process's listening TCP socket on `port`
+// (tcpi_unacked of TCP_INFO for a socket in LISTEN), or NOT_FOUND.
+absl::StatusOr<uint32_t> AcceptQueueLength(int port) {
+  DIR* dir = opendir("/proc/self/fd");
+  if (dir == nullptr) return ErrnoToStatus("/proc/self/fd", errno);
+  std::unique_ptr<DIR, decltype(&closedir)> owned(dir, &closedir);
+  while (dirent* entry = readdir(dir)) {
+    int fd = atoi(entry->d_name);
+    int listening = 0;
+    socklen_t len = sizeof listening;
+    if (getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &len) != 0 || !listening) continue;
+    sockaddr_storage addr{};
+    len = sizeof addr;
+    if (getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) continue;
+    int bound = addr.ss_family == AF_INET    ? ntohs(reinterpret_cast<sockaddr_in*>(&addr)->sin_port)
+                : addr.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port)
+                                             : -1;
+    tcp_info info{};
+    len = sizeof info;
+    if (bound == port && getsockopt(fd, IPPROTO_TCP, TCP_INFO, &info, &len) == 0) return info.tcpi_unacked;
+  }
+  return absl::NotFoundError(absl::StrCat("no listening socket on port ", port));
+}
+
+// Connects to "HOST:PORT" and waits, up to `deadline`, for the listener to
+// take the connection off its accept queue.
+absl::Status ProbeAccepting(const std::string& target, std::chrono::milliseconds deadline) {
   size_t colon = target.rfind(':');
   std::string host = target.substr(0, colon), port = target.substr(colon + 1);
   if (host.size() >= 2 && host.front() == '[') host = host.substr(1, host.size() - 2);
@@ -57,9 +89,10 @@ absl::Status ProbeConnect(const std::string& target, std::chrono::milliseconds d
   if (int rc = getaddrinfo(host.c_str(), port.c_str(), &hints, &info); rc != 0) {
     return absl::UnavailableError(absl::StrCat("TCP listener ", target, ": ", gai_strerror(rc)));
   }
+  // Non-blocking: a listener whose accept queue is full drops the SYN, and a
+  // blocking connect would wait out the kernel's retries (minutes).
   ScopedFd sock(socket(info->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
-  int err = sock.valid() ? 0 : errno;
-  if (err == 0 && connect(sock.get(), info->ai_addr, info->ai_addrlen) != 0) err = errno;
+  int err = !sock.valid() ? errno : connect(sock.get(), info->ai_addr, info->ai_addrlen) == 0 ? 0 : errno;
   freeaddrinfo(info);
   if (err == EINPROGRESS) {
     pollfd p{sock.get(), POLLOUT, 0};
@@ -67,8 +100,18 @@ absl::Status ProbeConnect(const std::string& target, std::chrono::milliseconds d
     err = poll(&p, 1, static_cast<int>(deadline.count())) == 1 ? 0 : ETIMEDOUT;
     if (err == 0 && getsockopt(sock.get(), SOL_SOCKET, SO_ERROR, &err, &len) != 0) err = errno;
   }
-  if (err == 0) return absl::OkStatus();
-  return absl::UnavailableError(absl::StrCat("TCP listener ", target, ": connect: ", strerror(err)));
+  if (err != 0) return absl::UnavailableError(absl::StrCat("TCP listener ", target, ": connect: ", strerror(err)));
+  auto give_up = std::chrono::steady_clock::now() + deadline;
+  for (;;) {
+    absl::StatusOr<uint32_t> queued = AcceptQueueLength(atoi(port.c_str()));
+    if (!queued.ok()) return absl::UnavailableError(absl::StrCat("TCP listener ", target, ": ", queued.status().message()));
+    if (*queued == 0) return absl::OkStatus();
+    if (std::chrono::steady_clock::now() >= give_up) {
+      return absl::UnavailableError(
+          absl::StrCat("TCP listener ", target, " does not accept: connections stay in its accept queue"));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
 }
 
 }  // namespace
@@ -79,8 +122,8 @@ absl::Status ProbeListeners(const SelfCheckTargets& targets, std::chrono::millis
   for (const std::string& target : targets.grpc_targets) {
     if (absl::Status s = ProbeHealth(target, deadline); !s.ok()) return s;
   }
-  for (const std::string& target : targets.connect_targets) {
-    if (absl::Status s = ProbeConnect(target, deadline); !s.ok()) return s;
+  for (const std::string& target : targets.accepting) {
+    if (absl::Status s = ProbeAccepting(target, deadline); !s.ok()) return s;
   }
   return absl::OkStatus();
 }

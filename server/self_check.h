@@ -3,7 +3,9 @@
 //
 //   gRPC Unix socket, plain TCP listener, health port: a fresh connection
 //     (never a cached one) and a grpc.health.v1 Check("") that must say SERVING;
-//   TLS TCP listener: a TCP connection that must be accepted;
+//   every TCP listener: a TCP connection, and the listening socket's accept
+//     queue (TCP_INFO tcpi_unacked of a LISTEN socket, tcp(7); ss's Recv-Q)
+//     must become empty within the deadline;
 //   fd socket: a fresh connection, "CLAIM self-check", and any "ERR ..." reply
 //     (the poll thread read and answered it).
 //
@@ -22,10 +24,14 @@ namespace weightd {
 struct SelfCheckTargets {
   std::string grpc_socket;                // path of the gRPC Unix socket
   std::string fd_socket;                  // path of the fd socket
-  std::vector<std::string> grpc_targets;  // "HOST:PORT" of each plain TCP gRPC listener
-  // "HOST:PORT" of each TLS listener: only connected to (a plain probe would
-  // fail its handshake), which shows that it still accepts.
-  std::vector<std::string> connect_targets;
+  std::vector<std::string> grpc_targets;  // "HOST:PORT" of each TCP listener to health-check (the health port)
+  // "HOST:PORT" of each TCP listener of this process whose accepting is
+  // checked: a connection is made and the socket's accept queue must empty
+  // within the deadline. A TLS listener cannot be health-checked without a
+  // client certificate, and one at its connection limit closes the probe,
+  // but either still accepts: what wedges (gRPC's listener after EMFILE)
+  // is accepting, and the queue shows it.
+  std::vector<std::string> accepting;
 };
 
 // OK when every listener answered within `deadline` (each); otherwise

@@ -1,5 +1,9 @@
 #include "server/tcp_listener.h"
 
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
 #include <chrono>
 
 #include "absl/strings/str_cat.h"
@@ -41,6 +45,35 @@ std::string Mode(const DaemonConfig& c) {
   return absl::StrCat(transport, c.grpc_tcp_admin ? ", admin" : ", read-only");
 }
 
+// A TCP socket bound to "HOST:PORT" (IPv4, "[IPv6]", or a name; port 0
+// picks one) and listening; the bound port in *port.
+absl::StatusOr<ScopedFd> ListenTcp(const std::string& address, int* port) {
+  size_t colon = address.rfind(':');
+  if (colon == std::string::npos) return absl::InvalidArgumentError(absl::StrCat("--grpc-address ", address, ": no port"));
+  std::string host = address.substr(0, colon), service = address.substr(colon + 1);
+  if (host.size() >= 2 && host.front() == '[') host = host.substr(1, host.size() - 2);
+  addrinfo hints{};
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* info = nullptr;
+  if (int rc = getaddrinfo(host.empty() ? nullptr : host.c_str(), service.c_str(), &hints, &info); rc != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--grpc-address ", address, ": ", gai_strerror(rc)));
+  }
+  std::unique_ptr<addrinfo, decltype(&freeaddrinfo)> owned(info, &freeaddrinfo);
+  ScopedFd sock(socket(info->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  int one = 1;
+  if (!sock.valid() || setsockopt(sock.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one) != 0 ||
+      bind(sock.get(), info->ai_addr, info->ai_addrlen) != 0 || listen(sock.get(), SOMAXCONN) != 0) {
+    return ErrnoToStatus(absl::StrCat("cannot listen on --grpc-address ", address), errno);
+  }
+  sockaddr_storage bound{};
+  socklen_t len = sizeof bound;
+  getsockname(sock.get(), reinterpret_cast<sockaddr*>(&bound), &len);
+  *port = ntohs(bound.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
+                                            : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+  return sock;
+}
+
 }  // namespace
 
 TcpListener::~TcpListener() { Shutdown(); }
@@ -55,7 +88,16 @@ absl::StatusOr<std::unique_ptr<TcpListener>> TcpListener::Start(const DaemonConf
   tcp->mode_ = Mode(config);
   tcp->full_ = std::make_unique<WeightdService>(registry, config.fd_socket);
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(config.grpc_address, credentials, &tcp->port_);
+  // Plain TCP is accepted by our own GrpcAcceptor (bounded, recovers after
+  // EMFILE); TLS only by gRPC's listener, which cannot take TLS connections
+  // from an fd (grpc/grpc_posix.h), so the self-check watches its accept queue.
+  bool plain = config.grpc_tls_cert.empty();
+  ScopedFd plain_listener;
+  if (plain) {
+    WEIGHTD_ASSIGN_OR_RETURN(plain_listener, ListenTcp(config.grpc_address, &tcp->port_));
+  } else {
+    builder.AddListeningPort(config.grpc_address, credentials, &tcp->port_);
+  }
   if (config.grpc_tcp_admin) {
     builder.RegisterService(tcp->full_.get());
   } else {
@@ -69,10 +111,19 @@ absl::StatusOr<std::unique_ptr<TcpListener>> TcpListener::Start(const DaemonConf
   if (tcp->server_ == nullptr || tcp->port_ == 0) {
     return absl::UnavailableError(absl::StrCat("cannot listen on --grpc-address ", config.grpc_address));
   }
+  if (plain) {
+    GrpcAcceptorOptions accept;
+    accept.listener = std::move(plain_listener);
+    accept.name = absl::StrCat("gRPC TCP listener ", config.grpc_address);
+    accept.max_connections = static_cast<size_t>(config.grpc_max_connections);
+    accept.first_bytes_timeout = FirstBytesTimeout(config);
+    WEIGHTD_ASSIGN_OR_RETURN(tcp->acceptor_, GrpcAcceptor::Start(std::move(accept), tcp->server_.get()));
+  }
   return tcp;
 }
 
 void TcpListener::Shutdown(std::chrono::milliseconds grace) {
+  acceptor_.reset();  // no new connections
   if (server_) server_->Shutdown(std::chrono::system_clock::now() + grace);
 }
 

@@ -23,6 +23,7 @@
 
 #include "absl/status/statusor.h"
 #include "server/config.h"
+#include "server/grpc_acceptor.h"
 #include "server/metrics.h"
 #include "server/service.h"
 
@@ -51,6 +52,7 @@ class TcpListener {
   std::unique_ptr<WeightdService> full_;
   std::unique_ptr<ReadOnlyWeightdService> read_only_;  // null when admin
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<GrpcAcceptor> acceptor_;  // plain TCP only; stopped before server_ shuts down
   int port_ = 0;
   std::string mode_;
 };

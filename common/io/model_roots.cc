@@ -20,6 +20,24 @@ ModelRoots ModelRoots::Resolve(Env& env, const std::vector<std::string>& roots) 
   return out;
 }
 
+absl::Status ModelRoots::Validate(Env& env, const std::vector<std::string>& roots, std::vector<std::string>* warnings) {
+  for (const std::string& root : roots) {
+    if (root.empty()) return absl::InvalidArgumentError("--model-root must not be empty");
+    absl::StatusOr<std::string> real = env.RealPath(root);
+    if (real.ok() && *real == "/") {
+      return absl::InvalidArgumentError(absl::StrCat("--model-root ", root,
+                                                     " resolves to /: the whole file system cannot be a model root"));
+    }
+    absl::StatusOr<FileKind> kind = real.ok() ? env.Stat(*real) : absl::StatusOr<FileKind>(real.status());
+    if (!kind.ok() || *kind != FileKind::kDirectory) {
+      warnings->push_back(absl::StrCat("--model-root ", root, " is not a directory now (",
+                                       kind.ok() ? "not a folder" : kind.status().message(),
+                                       "): nothing under it can be loaded until it is"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 bool ModelRoots::Contains(const std::string& resolved) const {
   for (const std::string& root : real_) {
     if (PathUnder(resolved, root)) return true;

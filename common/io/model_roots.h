@@ -42,6 +42,13 @@ class ModelRoots {
   // The roots as configured, ", "-separated, for messages.
   std::string Describe() const;
 
+  // The daemon's start-up check of its configured roots: INVALID_ARGUMENT
+  // for an empty root or one that resolves to "/" (the whole file system
+  // would pass the rule above, which is then no rule); a root that does not
+  // resolve to a directory (missing, a file, an unmounted share) is allowed,
+  // since it may appear later, and described in `warnings`.
+  static absl::Status Validate(Env& env, const std::vector<std::string>& roots, std::vector<std::string>* warnings);
+
  private:
   std::vector<std::string> given_;
   std::vector<std::string> real_;

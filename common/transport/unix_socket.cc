@@ -26,13 +26,22 @@ absl::StatusOr<sockaddr_un> Address(const std::string& path) {
   return addr;
 }
 
-// Binds and listens, replacing an existing socket file at `path`.
+// Binds and listens, replacing an existing socket (never another kind of file) at `path`.
 absl::StatusOr<ScopedFd> ListenUnix(const std::string& path, int type, const char* type_name, int backlog,
                                     mode_t mode) {
   WEIGHTD_ASSIGN_OR_RETURN(sockaddr_un addr, Address(path));
   ScopedFd sock(socket(AF_UNIX, type | SOCK_CLOEXEC, 0));
   if (!sock.valid()) return ErrnoToStatus(absl::StrCat("socket(AF_UNIX, ", type_name, ")"), errno);
-  unlink(path.c_str());
+  // Replace only a socket: a regular file or anything else at the path is
+  // someone's data, and a misconfigured --socket must not delete it.
+  struct stat st;
+  if (lstat(path.c_str(), &st) == 0) {
+    if (!S_ISSOCK(st.st_mode)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(path, ": exists and is not a socket; refusing to replace it (choose another path)"));
+    }
+    unlink(path.c_str());
+  }
   if (bind(sock.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
     return ErrnoToStatus(absl::StrCat("bind ", path), errno);
   }

@@ -3,6 +3,8 @@
 // daemon refuses to start with an admin-capable TCP listener without it.
 // A real weightd and real weightctl processes, on loopback port 0.
 #include <grpcpp/grpcpp.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -13,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "common/base/scoped_fd.h"
 #include "tests/testing/checkpoint_builder.h"
 #include "tests/testing/process.h"
 #include "weightd/v1/weightd.grpc.pb.h"
@@ -202,6 +205,44 @@ TEST(TcpListener, SelfCheckPassesWithAMutualTlsListener) {
   std::this_thread::sleep_for(std::chrono::milliseconds(600));  // several checks
   EXPECT_EQ(d.Stop(), 0);
   EXPECT_FALSE(absl::StrContains(d.process().Stderr(), "self-check failed")) << d.process().Stderr();
+}
+
+// Regression (review of issue 12): gRPC's own TLS listener stops accepting
+// for good after one EMFILE, and the self-check, which only connected, kept
+// passing (the kernel completes a connect from the accept queue).
+TEST(TcpListener, AWedgedTlsListenerFailsTheSelfCheck) {
+  if (access(kOpenssl, X_OK) != 0) GTEST_SKIP() << kOpenssl << " is absent: apt-get install openssl";
+  if (access("/usr/bin/prlimit", X_OK) != 0) GTEST_SKIP() << "/usr/bin/prlimit is absent (util-linux)";
+  TempDir pki;
+  std::string log;
+  ASSERT_TRUE(MakeCertificates(pki, &log)) << log;
+  DaemonProcess d(DaemonArgs({"--grpc-tls-cert", pki.Join("server.pem"), "--grpc-tls-key", pki.Join("server.key"),
+                              "--self-check-interval-seconds", "0.2"}),
+                  {"/usr/bin/prlimit", "--nofile=96:96", "--"});
+  int port = TcpPort(d);
+  ASSERT_GT(port, 0) << d.process().Stderr();
+  std::vector<ScopedFd> held;
+  for (int i = 0; i < 300 && !absl::StrContains(d.process().Stderr(), "Too many open files"); ++i) {
+    ScopedFd sock(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (connect(sock.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) break;
+    held.push_back(std::move(sock));
+    if (i % 20 == 19) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  if (!absl::StrContains(d.process().Stderr(), "Too many open files")) {
+    GTEST_SKIP() << held.size() << " connections did not exhaust a 96-descriptor limit here";
+  }
+  held.clear();
+  std::string failed = absl::StrCat("self-check failed: TCP listener 127.0.0.1:", port, " does not accept");
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!absl::StrContains(d.process().Stderr(), failed) && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_TRUE(absl::StrContains(d.process().Stderr(), failed)) << d.process().Stderr();
 }
 
 }  // namespace

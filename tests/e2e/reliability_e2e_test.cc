@@ -5,8 +5,11 @@
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
 
 #include <chrono>
+#include <regex>
 #include <fstream>
 #include <functional>
 #include <sstream>
@@ -113,6 +116,66 @@ TEST(Reliability, ConnectionsBeyondTheBoundAreClosedUntilSomeEnd) {
   EXPECT_FALSE(absl::StrContains(d.process().Stderr(), "self-check failed")) << "the daemon's own probe gets in";
   held.clear();
   EXPECT_TRUE(Eventually([&] { return d.Ctl({"ls"}).code == 0; }, 5)) << d.process().Stderr();
+}
+
+// Regression (review of issue 12): connections that never sent a byte held
+// every slot of --grpc-max-connections forever.
+TEST(Reliability, SilentConnectionsAreClosedAfterTheFirstBytesTimeout) {
+  DaemonProcess d({"--grpc-max-connections", "3", "--grpc-first-bytes-timeout-seconds", "0.5"});
+  std::vector<ScopedFd> silent;
+  for (int i = 0; i < 3; ++i) silent.push_back(ConnectStream(d.socket()));
+  // Still held open by this test; the daemon gives up on them.
+  EXPECT_TRUE(Eventually([&] { return d.Ctl({"ls"}).code == 0; }, 5)) << d.process().Stderr();
+  char byte;
+  for (ScopedFd& s : silent) EXPECT_EQ(recv(s.get(), &byte, 1, 0), 0) << "the daemon closed it";
+}
+
+ScopedFd ConnectTcp(int port) {
+  ScopedFd sock(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(sock.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) return ScopedFd();
+  return sock;
+}
+
+int TcpPortOf(DaemonProcess& d) {
+  std::smatch m;
+  std::string log = d.process().Stderr();
+  if (!std::regex_search(log, m, std::regex(R"(gRPC TCP listener on 127\.0\.0\.1:(\d+))"))) return 0;
+  return std::stoi(m[1]);
+}
+
+// Opens TCP connections to `port` until the daemon logs `sign` or 400 are open.
+std::vector<ScopedFd> ExhaustWithTcp(DaemonProcess& d, int port, const std::string& sign) {
+  std::vector<ScopedFd> connections;
+  for (int i = 0; i < 400 && !absl::StrContains(d.process().Stderr(), sign); ++i) {
+    ScopedFd c = ConnectTcp(port);
+    if (!c.valid()) break;
+    connections.push_back(std::move(c));
+    if (i % 20 == 19) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  return connections;
+}
+
+// Regression (review of issue 12): the plain-TCP listener was gRPC's own,
+// which never accepts again after EMFILE, and had no connection bound.
+TEST(Reliability, PlainTcpListenerAnswersAgainAfterDescriptorsRunOut) {
+  if (access(kPrlimit, X_OK) != 0) GTEST_SKIP() << kPrlimit << " is absent (util-linux)";
+  DaemonProcess d({"--grpc-address", "127.0.0.1:0"}, {kPrlimit, "--nofile=96:96", "--"});
+  int port = TcpPortOf(d);
+  ASSERT_GT(port, 0) << d.process().Stderr();
+  std::string tcp = absl::StrCat("127.0.0.1:", port);
+  std::vector<ScopedFd> connections = ExhaustWithTcp(d, port, "Too many open files");
+  if (!Eventually([&] { return absl::StrContains(d.process().Stderr(), "Too many open files"); }, 10)) {
+    GTEST_SKIP() << connections.size() << " connections did not exhaust a 96-descriptor limit here";
+  }
+  connections.clear();
+  auto ls = [&] { return testing::RunCommand({testing::WeightctlBinary(), "--socket", tcp, "ls"}).code == 0; };
+  EXPECT_TRUE(Eventually(ls, 5)) << "the TCP listener stayed dead; daemon said:\n" << d.process().Stderr();
+  EXPECT_TRUE(absl::StrContains(d.process().Stderr(), "gRPC TCP listener 127.0.0.1:0: accepting again"))
+      << d.process().Stderr();
 }
 
 int Threads(pid_t pid) {

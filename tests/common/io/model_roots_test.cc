@@ -52,5 +52,31 @@ TEST(ModelRoots, NoRootsHoldNothing) {
   EXPECT_FALSE(none.Contains("/"));
 }
 
+// Regression (review of issue 12): --model-root / (or a symlink to it)
+// passed every file, so the containment rule was silently off.
+TEST(ModelRoots, TheWholeFileSystemIsNoModelRoot) {
+  testing::TempDir dir;
+  ASSERT_EQ(symlink("/", dir.Join("slash").c_str()), 0);
+  std::vector<std::string> warnings;
+  EXPECT_EQ(ModelRoots::Validate(*Env::Default(), {"/"}, &warnings),
+            absl::InvalidArgumentError("--model-root / resolves to /: the whole file system cannot be a model root"));
+  EXPECT_EQ(ModelRoots::Validate(*Env::Default(), {dir.path(), dir.Join("slash")}, &warnings).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ModelRoots::Validate(*Env::Default(), {""}, &warnings),
+            absl::InvalidArgumentError("--model-root must not be empty"));
+  EXPECT_TRUE(warnings.empty());
+}
+
+TEST(ModelRoots, AMissingRootIsAllowedWithAWarning) {
+  testing::TempDir dir;
+  testing::WriteFile(dir.Join("file"), "x");
+  std::vector<std::string> warnings;
+  WEIGHTD_EXPECT_OK(ModelRoots::Validate(*Env::Default(), {dir.path(), dir.Join("later"), dir.Join("file")}, &warnings));
+  ASSERT_EQ(warnings.size(), 2u);
+  EXPECT_EQ(warnings[0].rfind("--model-root " + dir.Join("later") + " is not a directory now (", 0), 0u) << warnings[0];
+  EXPECT_EQ(warnings[1], "--model-root " + dir.Join("file") +
+                             " is not a directory now (not a folder): nothing under it can be loaded until it is");
+}
+
 }  // namespace
 }  // namespace weightd

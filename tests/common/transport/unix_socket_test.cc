@@ -177,6 +177,23 @@ TEST_F(UnixSocketTest, PeerCredentialsAreThisProcess) {
   EXPECT_EQ(from_client.uid, getuid());
 }
 
+// Regression (review of issue 12): `weightd --socket data.txt` deleted data.txt.
+TEST(UnixSocket, ListenNeverReplacesAFileThatIsNotASocket) {
+  testing::TempDir dir;
+  std::string path = dir.Join("data.txt");
+  int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0600);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(write(fd, "IMPORTANT", 9), 9);
+  close(fd);
+  EXPECT_EQ(ListenStream(path, 0660).status(),
+            absl::FailedPreconditionError(path + ": exists and is not a socket; refusing to replace it (choose another path)"));
+  EXPECT_EQ(ListenSeqpacket(path, 0660).status().code(), absl::StatusCode::kFailedPrecondition);
+  struct stat st;
+  ASSERT_EQ(stat(path.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISREG(st.st_mode));
+  EXPECT_EQ(st.st_size, 9);
+}
+
 TEST(UnixSocket, SocketPathTooLongIsInvalidArgument) {
   std::string path = "/tmp/" + std::string(200, 'p') + ".sock";
   EXPECT_THAT(ListenSeqpacket(path, 0660), StatusIs(absl::StatusCode::kInvalidArgument, "107-byte limit"));
