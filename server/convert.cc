@@ -1,13 +1,16 @@
 #include "server/convert.h"
 
 #include "absl/strings/str_format.h"
+#include "common/base/status.h"
 
 namespace weightd {
 
 grpc::Status ToGrpcStatus(const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;
-  // absl and gRPC share the canonical code numbering.
-  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
+  // absl and gRPC share the canonical code numbering. The message is capped:
+  // a longer one would exceed the client's metadata limit and arrive as
+  // RESOURCE_EXHAUSTED "received initial metadata size exceeds limit".
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), CapMessage(status.message()));
 }
 
 LoadRequest FromProto(const v1::LoadModelRequest& r) {

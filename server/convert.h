@@ -12,6 +12,8 @@
 
 namespace weightd {
 
+// Same code; the message capped at kMaxStatusMessageBytes (common/base/status.h) with a
+// visible marker, so that it always reaches the client. Payloads stay behind.
 grpc::Status ToGrpcStatus(const absl::Status& status);
 LoadRequest FromProto(const v1::LoadModelRequest& request);
 void ToProto(const ModelGeneration& model, v1::ModelInfo* out);

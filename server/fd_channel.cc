@@ -114,7 +114,7 @@ void FdChannel::Accept() {
 // of the ERR line. So the refused socket stays in the poll set, write side
 // shut, until the client closes or kRefusalDrain passes.
 void FdChannel::Refuse(ScopedFd sock, absl::StatusCode code, const std::string& why) {
-  (void)SendMessage(sock.get(), absl::StrCat("ERR ", static_cast<int>(code), " ", why), {});
+  (void)SendMessage(sock.get(), absl::StrCat("ERR ", static_cast<int>(code), " ", CapMessage(why)), {});
   shutdown(sock.get(), SHUT_WR);
   if (CountConnections(true) >= kMaxRefused) return;  // a flood of refusals holds no more fds
   auto c = std::make_unique<Connection>();
@@ -149,7 +149,7 @@ bool FdChannel::Serve(Connection& c) {
   if (c.refused) return true;            // drained; closed at EOF or the deadline
   if (!c.lease_id.empty()) return true;  // clients send nothing after CLAIM; ignore
   auto refuse = [&](absl::StatusCode code, absl::string_view why) {
-    (void)SendMessage(c.sock.get(), absl::StrCat("ERR ", static_cast<int>(code), " ", why), {});
+    (void)SendMessage(c.sock.get(), absl::StrCat("ERR ", static_cast<int>(code), " ", CapMessage(why)), {});
     return false;
   };
   if (!absl::StartsWith(*message, "CLAIM ")) return refuse(absl::StatusCode::kInvalidArgument, "expected 'CLAIM <lease_id>'");

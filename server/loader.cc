@@ -66,7 +66,7 @@ absl::StatusOr<std::vector<DeviceInfo>> ResolveDevices(const LoadRequest& reques
     if (it == available.end()) {
       std::vector<std::string> names;
       for (const DeviceInfo& d : available) names.push_back(absl::StrCat(d.ordinal, "=", d.uuid));
-      return absl::InvalidArgumentError(absl::StrCat("no device '", want, "' on the ", backend->name(),
+      return absl::InvalidArgumentError(absl::StrCat("no device ", QuoteName(want), " on the ", backend->name(),
                                                      " backend (available: ", absl::StrJoin(names, ", "), ")"));
     }
     out.push_back(*it);
@@ -228,7 +228,7 @@ class ReadJob {
       const ReadTask& task = tasks_[i];
       const CatalogTensor& t = catalog_.tensors[task.tensor];
       const TensorPlan& tp = plan_.tensors[task.tensor];
-      auto where = [&] { return absl::StrCat(catalog_.files[t.file].name, ": tensor '", t.name, "'"); };
+      auto where = [&] { return absl::StrCat(ElideName(catalog_.files[t.file].name), ": tensor ", QuoteName(t.name)); };
       if (tp.placement == Placement::kHost && !alloc_.host->huge_pages()) {
         absl::StatusOr<uint64_t> hash = WriteHost(task, t, tp.host_offset + task.start, scratch, *hasher);
         if (!hash.ok()) return Fail(Annotate(hash.status(), where()));

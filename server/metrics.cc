@@ -11,54 +11,18 @@
 #include <exception>
 #include <utility>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/format/format_error.h"
 
 namespace weightd {
 namespace {
 
-// Checked in order against the error message: the first phrase found names
-// the reason. The phrases are those of common/safetensors.cc and
-// common/catalog.cc; tests/server/metrics_test.cc pins every ../shared case.
-struct ReasonRule {
-  absl::string_view phrase;
-  absl::string_view reason;
-};
-constexpr ReasonRule kReasonRules[] = {
-    {"shorter than the 8-byte header length prefix", "file_too_short"},
-    {"-byte limit of the safetensors format", "header_too_large"},
-    {"exceeds file size", "header_past_eof"},
-    {"git-LFS pointer", "git_lfs_pointer"},
-    {"not a safetensors file", "foreign_format"},
-    {"ill-formed UTF-8", "header_not_utf8"},
-    {"header holds a NUL byte", "header_not_json"},
-    {"byte-order mark", "header_not_json"},
-    {"header is not valid JSON", "header_not_json"},
-    {"not a JSON object", "header_not_json"},
-    {"truncated: ", "truncated"},
-    {"trailing bytes after the last tensor", "trailing_bytes"},
-    {"overlap at data bytes", "overlapping_tensors"},
-    {"belong to no tensor", "hole_between_tensors"},
-    {"data starts at offset", "offsets_not_from_zero"},
-    {"end before they begin", "bad_data_offsets"},
-    {"unknown dtype", "unknown_dtype"},
-    {"overflows 64 bits", "shape_overflow"},
-    {"not a whole number of bytes", "sub_byte_size"},
-    {"bytes but data_offsets", "size_mismatch"},
-    {"is negative", "negative_value"},
-    {"appears twice", "duplicate_key"},
-    {"is stored in both", "duplicate_tensor"},
-    {"__metadata__", "bad_metadata"},
-    {"which does not exist", "missing_shard"},
-    {"whose header does not hold it", "tensor_absent_from_shard"},
-    {"leaves the checkpoint folder", "shard_outside_checkpoint"},
-    {"outside the checkpoint folder", "shard_outside_checkpoint"},
-    {"model.safetensors.index.json", "bad_index"},
-};
+// The reasons of failures that carry no CheckpointRule, by status code.
+constexpr absl::string_view kCodeReasons[] = {"not_found", "permission_denied", "resource_exhausted", "io", "other"};
 
 std::string ReasonByCode(absl::StatusCode code) {
   switch (code) {
-    case absl::StatusCode::kInvalidArgument: return "invalid_checkpoint";
+    case absl::StatusCode::kInvalidArgument: return std::string(CheckpointRuleName(CheckpointRule::kInvalid));
     case absl::StatusCode::kNotFound: return "not_found";
     case absl::StatusCode::kPermissionDenied: return "permission_denied";
     case absl::StatusCode::kResourceExhausted: return "resource_exhausted";
@@ -141,10 +105,15 @@ ModelsSample SampleModels(const std::vector<std::shared_ptr<ModelGeneration>>& m
 }
 
 std::string CheckpointErrorReason(const absl::Status& status) {
-  for (const ReasonRule& rule : kReasonRules) {
-    if (absl::StrContains(status.message(), rule.phrase)) return std::string(rule.reason);
-  }
+  if (std::optional<CheckpointRule> rule = CheckpointRuleOf(status)) return std::string(CheckpointRuleName(*rule));
   return ReasonByCode(status.code());
+}
+
+std::vector<std::string> CheckpointErrorReasons() {
+  std::vector<std::string> reasons;
+  for (CheckpointRule rule : AllCheckpointRules()) reasons.emplace_back(CheckpointRuleName(rule));
+  for (absl::string_view reason : kCodeReasons) reasons.emplace_back(reason);
+  return reasons;
 }
 
 // ---------------------------------------------------------------- Prometheus
@@ -183,6 +152,7 @@ struct PrometheusMetrics::State {
                            .Add({}, AttachBuckets());
     checkpoint_errors = &BuildCounter().Name("weightd_checkpoint_errors_total")
                              .Help("Failed loads, by reason.").Register(r);
+    for (const std::string& reason : CheckpointErrorReasons()) checkpoint_errors->Add({{"reason", reason}});
     rpc_requests = &BuildCounter().Name("weightd_rpc_requests_total")
                         .Help("Finished gRPC calls, by method and status code.").Register(r);
     rpc_duration = &BuildHistogram().Name("weightd_rpc_duration_seconds")

@@ -51,10 +51,14 @@ ModelsSample SampleModels(const std::vector<std::shared_ptr<ModelGeneration>>& m
 using ModelsSampler = std::function<ModelsSample()>;
 
 // A short, stable slug for a failed load, for weightd_checkpoint_errors_total
-// {reason}: "header_too_large", "truncated", "git_lfs_pointer", ...; by
-// status code ("not_found", "permission_denied", "resource_exhausted", "io")
-// when the message names no known checkpoint rule; "other" otherwise.
+// {reason}: the name of the CheckpointRule the status carries
+// (common/format/format_error.h: "header_too_large", "truncated", ...), whatever
+// its message says; without one, by status code ("invalid_checkpoint",
+// "not_found", "permission_denied", "resource_exhausted", "io"), else "other".
 std::string CheckpointErrorReason(const absl::Status& status);
+// Every value CheckpointErrorReason can return: the rules, then the
+// status-code reasons. Each has its series, at 0 until it happens.
+std::vector<std::string> CheckpointErrorReasons();
 
 struct PrometheusOptions {
   std::string address;   // "HOST:PORT" to serve /metrics on (port 0: any); "" serves nothing

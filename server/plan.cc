@@ -4,6 +4,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/base/status.h"
+#include "common/format/format_error.h"
 
 namespace weightd {
 namespace {
@@ -27,8 +28,8 @@ const TpRule* RuleFor(const std::string& name, const std::vector<TpRule>& rules)
 }
 
 absl::Status PlanSplit(const CatalogTensor& t, const TpRule& rule, uint32_t tp_size, TensorPlan& plan) {
-  std::string where = absl::StrCat("tensor '", t.name, "' of shape ", Shape(t.shape), ", TP rule '", rule.pattern,
-                                   ":", rule.dim, "' with tp_size ", tp_size);
+  std::string where = absl::StrCat("tensor ", QuoteName(t.name), " of shape ", Shape(t.shape), ", TP rule ",
+                                   QuoteName(absl::StrCat(rule.pattern, ":", rule.dim)), " with tp_size ", tp_size);
   if (rule.dim >= t.shape.size()) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": dim ", rule.dim, " is out of range for rank ", t.shape.size()));
   }
@@ -40,8 +41,8 @@ absl::Status PlanSplit(const CatalogTensor& t, const TpRule& rule, uint32_t tp_s
   for (size_t d = rule.dim + 1; d < t.shape.size(); ++d) inner *= t.shape[d];
   uint64_t bits = inner * static_cast<uint64_t>(DTypeBits(t.dtype));
   if (bits % 8 != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": a slice row of ", inner, " x ", DTypeName(t.dtype),
-                                                   " is not a whole number of bytes"));
+    return CheckpointError(CheckpointRule::kSubByteSize, absl::StrCat(where, ": a slice row of ", inner, " x ",
+                                                                      DTypeName(t.dtype), " is not a whole number of bytes"));
   }
   plan.split_dim = static_cast<int32_t>(rule.dim);
   plan.slice_elements = t.shape[rule.dim] / tp_size;

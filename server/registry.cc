@@ -84,12 +84,12 @@ absl::StatusOr<std::string> ModelRegistry::ResolvePath(const std::string& path) 
   }
   if (resolved.empty()) {
     if (last.code() != absl::StatusCode::kNotFound) return last;
-    return absl::NotFoundError(absl::StrCat(path, ": no such checkpoint file or folder"));
+    return absl::NotFoundError(absl::StrCat(ElideName(path), ": no such checkpoint file or folder"));
   }
   ModelRoots roots = ModelRoots::Resolve(env(), options_.model_roots);
   if (roots.Contains(resolved)) return resolved;
   return absl::PermissionDeniedError(
-      absl::StrCat(path, ": resolves to ", resolved, ", outside every --model-root (", roots.Describe(), ")"));
+      absl::StrCat(ElideName(path), ": resolves to ", resolved, ", outside every --model-root (", roots.Describe(), ")"));
 }
 
 std::shared_ptr<ModelGeneration> ModelRegistry::Reusable(const LoadRequest& request, const Catalog& catalog) const {

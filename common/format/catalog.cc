@@ -10,6 +10,7 @@
 #include "common/io/model_roots.h"
 #include "common/format/safetensors.h"
 #include "common/base/status.h"
+#include "common/format/format_error.h"
 #include "nlohmann/json.hpp"
 
 namespace weightd {
@@ -69,28 +70,31 @@ absl::Status CheckUniqueNames(const Catalog& catalog) {
   for (const CatalogTensor& t : catalog.tensors) {
     auto [it, inserted] = seen.emplace(t.name, t.file);
     if (!inserted) {
-      return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name, "' is stored in both ",
-                                                     catalog.files[it->second].name, " and ",
-                                                     catalog.files[t.file].name));
+      return CheckpointError(CheckpointRule::kDuplicateTensor,
+                             absl::StrCat("tensor ", QuoteName(t.name), " is stored in both ",
+                                          ElideName(catalog.files[it->second].name), " and ",
+                                          ElideName(catalog.files[t.file].name)));
     }
   }
   return absl::OkStatus();
 }
 
 absl::Status CheckShardName(Env& env, const std::string& dir, const std::string& shard) {
+  using enum CheckpointRule;
   bool dotdot = false;
   for (absl::string_view part : absl::StrSplit(shard, '/')) dotdot |= part == "..";
   if (shard.empty() || shard[0] == '/' || dotdot) {
-    return absl::InvalidArgumentError(absl::StrCat(kIndexFileName, ": shard path '", shard, "' leaves the checkpoint folder"));
+    return CheckpointError(kShardOutsideCheckpoint,
+                           absl::StrCat(kIndexFileName, ": shard path ", QuoteName(shard), " leaves the checkpoint folder"));
   }
   WEIGHTD_ASSIGN_OR_RETURN(FileKind kind, env.Stat(Join(dir, shard)));
   if (kind == FileKind::kMissing) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(kIndexFileName, ": names shard file '", shard, "', which does not exist"));
+    return CheckpointError(kMissingShard,
+                           absl::StrCat(kIndexFileName, ": names shard file ", QuoteName(shard), ", which does not exist"));
   }
   if (kind != FileKind::kRegular) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(kIndexFileName, ": names shard file '", shard, "', which is not a regular file"));
+    return CheckpointError(kBadIndex, absl::StrCat(kIndexFileName, ": names shard file ", QuoteName(shard),
+                                                   ", which is not a regular file"));
   }
   return absl::OkStatus();
 }
@@ -110,8 +114,9 @@ absl::Status AddShard(Walk& w, const std::string& dir, const std::string& bounda
   WEIGHTD_ASSIGN_OR_RETURN(FilePtr file, OpenChecked(w, Join(dir, shard), shard));
   WEIGHTD_ASSIGN_OR_RETURN(std::string real, file->ResolvedPath());
   if (!PathUnder(real, boundary)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(kIndexFileName, ": shard path '", shard, "' resolves to ", real, ", outside the checkpoint folder"));
+    return CheckpointError(CheckpointRule::kShardOutsideCheckpoint,
+                           absl::StrCat(kIndexFileName, ": shard path ", QuoteName(shard), " resolves to ",
+                                        real, ", outside the checkpoint folder"));
   }
   return AddFile(w, std::move(file), Join(dir, shard), shard);
 }
@@ -132,6 +137,7 @@ struct Index {
   std::optional<uint64_t> total_size;
 };
 
+// Every error is kBadIndex (CatalogIndexed attaches it).
 absl::StatusOr<Index> ParseIndex(const std::string& text) {
   json doc;
   try {
@@ -146,12 +152,12 @@ absl::StatusOr<Index> ParseIndex(const std::string& text) {
   for (auto& [tensor, shard] : doc["weight_map"].items()) {
     if (!shard.is_string()) {
       return absl::InvalidArgumentError(
-          absl::StrCat(kIndexFileName, ": weight_map entry '", tensor, "' must be a file name string"));
+          absl::StrCat(kIndexFileName, ": weight_map entry ", QuoteName(tensor), " must be a file name string"));
     }
     std::string name = shard.get<std::string>();
     if (name.find('\0') != std::string::npos) {
-      return absl::InvalidArgumentError(absl::StrCat(kIndexFileName, ": weight_map entry '", tensor,
-                                                     "' names a shard with a NUL byte: ", shard.dump()));
+      return absl::InvalidArgumentError(absl::StrCat(kIndexFileName, ": weight_map entry ", QuoteName(tensor),
+                                                     " names a shard with a NUL byte: ", ElideName(shard.dump())));
     }
     index.weight_map.emplace_back(tensor, std::move(name));
   }
@@ -178,12 +184,20 @@ absl::Status CheckIndexKind(Env& env, const std::string& index_path) {
       kIndexFileName, ": ", what, "; an index that exists must be a regular file (no fall-back to every .safetensors file)"));
 }
 
-absl::Status CatalogIndexed(Walk& w, const std::string& dir) {
-  Catalog& catalog = w.catalog;
+// Opens, reads and parses the index; any error there is kBadIndex, whatever
+// its code (as an index outside the model roots, or one that cannot be read).
+absl::StatusOr<Index> ReadIndex(const Walk& w, const std::string& dir) {
   WEIGHTD_RETURN_IF_ERROR(CheckIndexKind(w.env, Join(dir, kIndexFileName)));
   WEIGHTD_ASSIGN_OR_RETURN(FilePtr index_file, OpenChecked(w, Join(dir, kIndexFileName), kIndexFileName));
   WEIGHTD_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(*index_file, kMaxHeaderBytes));
-  WEIGHTD_ASSIGN_OR_RETURN(Index index, ParseIndex(text));
+  return ParseIndex(text);
+}
+
+absl::Status CatalogIndexed(Walk& w, const std::string& dir) {
+  Catalog& catalog = w.catalog;
+  absl::StatusOr<Index> read = ReadIndex(w, dir);
+  if (!read.ok()) return WithCheckpointRule(read.status(), CheckpointRule::kBadIndex);
+  Index& index = *read;
   WEIGHTD_ASSIGN_OR_RETURN(std::string dir_real, w.env.RealPath(dir));
   const std::string boundary = ShardBoundary(dir_real);
   std::set<std::string> shards;
@@ -194,8 +208,9 @@ absl::Status CatalogIndexed(Walk& w, const std::string& dir) {
   for (const auto& [tensor, shard] : index.weight_map) {
     const CatalogTensor* t = catalog.Find(tensor);
     if (t == nullptr || catalog.files[t->file].name != shard) {
-      return absl::InvalidArgumentError(absl::StrCat(kIndexFileName, ": places tensor '", tensor, "' in ", shard,
-                                                     ", whose header does not hold it"));
+      return CheckpointError(CheckpointRule::kTensorAbsentFromShard,
+                             absl::StrCat(kIndexFileName, ": places tensor ", QuoteName(tensor), " in ",
+                                          ElideName(shard), ", whose header does not hold it"));
     }
   }
   if (catalog.tensors.size() > index.weight_map.size()) {
@@ -218,9 +233,10 @@ absl::Status CatalogFolder(Walk& w, const std::string& dir, const std::vector<st
     WEIGHTD_ASSIGN_OR_RETURN(FileKind kind, w.env.Stat(Join(dir, name)));
     // A dangling link or a FIFO among the weights would silently load a partial model.
     if (kind != FileKind::kRegular) {
-      return absl::InvalidArgumentError(absl::StrCat(name, ": ",
-                                                     kind == FileKind::kMissing ? "dangling symbolic link" : "not a regular file",
-                                                     " among the checkpoint's .safetensors files"));
+      return CheckpointError(CheckpointRule::kInvalid,
+                             absl::StrCat(ElideName(name), ": ",
+                                          kind == FileKind::kMissing ? "dangling symbolic link" : "not a regular file",
+                                          " among the checkpoint's .safetensors files"));
     }
     WEIGHTD_ASSIGN_OR_RETURN(FilePtr file, OpenChecked(w, Join(dir, name), name));
     WEIGHTD_RETURN_IF_ERROR(AddFile(w, std::move(file), Join(dir, name), name));
@@ -272,7 +288,7 @@ absl::StatusOr<Catalog> BuildCatalog(const std::string& path, const CatalogOptio
       return catalog;
     }
     default:
-      return absl::InvalidArgumentError(absl::StrCat(path, ": not a file or folder"));
+      return CheckpointError(CheckpointRule::kInvalid, absl::StrCat(path, ": not a file or folder"));
   }
 }
 

@@ -6,10 +6,12 @@
 #include <optional>
 
 #include "absl/container/flat_hash_set.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/base/status.h"
+#include "common/format/format_error.h"
 #include "nlohmann/json.hpp"
 
 namespace weightd {
@@ -23,20 +25,23 @@ class HeaderHandler {
  public:
   explicit HeaderHandler(SafetensorsHeader* out) : out_(out) {}
 
-  const std::string& error() const { return error_; }
+  // The first rule broken; OK when the handler saw nothing wrong.
+  absl::Status error() const { return error_.empty() ? absl::OkStatus() : CheckpointError(error_rule_, error_); }
 
   bool null() { return Scalar("null"); }
   bool boolean(bool) { return Scalar("a boolean"); }
   bool binary(json::binary_t&) { return Scalar("binary"); }
   bool number_float(double, const std::string& text) {
     if (where_ == Where::kShape || where_ == Where::kOffsets) {
-      return Fail(absl::StrCat(TensorRef(), FieldName(), " holds ", text, ", not an integer in [0, 2^64)"));
+      return Fail(kInvalid, absl::StrCat(TensorRef(), FieldName(), " holds ", text, ", not an integer in [0, 2^64)"));
     }
     return Scalar("a number");
   }
   bool number_integer(int64_t value) {
-    if (where_ == Where::kShape) return Fail(absl::StrCat(TensorRef(), "dimension ", value, " is negative"));
-    if (where_ == Where::kOffsets) return Fail(absl::StrCat(TensorRef(), "data offset ", value, " is negative"));
+    if (where_ == Where::kShape) return Fail(kNegativeValue, absl::StrCat(TensorRef(), "dimension ", value, " is negative"));
+    if (where_ == Where::kOffsets) {
+      return Fail(kNegativeValue, absl::StrCat(TensorRef(), "data offset ", value, " is negative"));
+    }
     return Scalar("a number");
   }
   bool number_unsigned(uint64_t value) {
@@ -46,7 +51,7 @@ class HeaderHandler {
       return true;
     }
     if (where_ == Where::kOffsets) {
-      if (++offset_count_ > 2) return Fail(absl::StrCat(TensorRef(), "data_offsets must hold exactly 2 integers"));
+      if (++offset_count_ > 2) return Fail(kInvalid, absl::StrCat(TensorRef(), "data_offsets must hold exactly 2 integers"));
       (offset_count_ == 1 ? draft_.begin : draft_.end) = value;
       return true;
     }
@@ -60,7 +65,7 @@ class HeaderHandler {
     }
     if (where_ == Where::kTensor && field_ == Field::kDtype) {
       std::optional<DType> dtype = ParseDType(value);
-      if (!dtype) return Fail(absl::StrCat(TensorRef(), "unknown dtype '", value, "'"));
+      if (!dtype) return Fail(kUnknownDtype, absl::StrCat(TensorRef(), "unknown dtype ", QuoteName(value)));
       draft_.dtype = *dtype;
       return true;
     }
@@ -76,11 +81,12 @@ class HeaderHandler {
         return BeginEntry();
       case Where::kTensor:
         if (field_ == Field::kUnknown) return ++skip_, true;
-        return Fail(absl::StrCat(TensorRef(), FieldName(), " must not be an object"));
+        return Fail(kInvalid, absl::StrCat(TensorRef(), FieldName(), " must not be an object"));
       case Where::kMetadata:
-        return Fail(absl::StrCat("__metadata__ value of '", pending_key_, "' must be a string, not an object"));
+        return Fail(kBadMetadata,
+                    absl::StrCat("__metadata__ value of ", QuoteName(pending_key_), " must be a string, not an object"));
       default:
-        return Fail(absl::StrCat(TensorRef(), FieldName(), " must hold integers, not objects"));
+        return Fail(kInvalid, absl::StrCat(TensorRef(), FieldName(), " must hold integers, not objects"));
     }
   }
   bool end_object() {
@@ -92,21 +98,22 @@ class HeaderHandler {
   }
   bool start_array(std::size_t) {
     if (skip_ > 0) return ++skip_, true;
-    if (where_ == Where::kStart) return Fail("header is a JSON array, not an object");
-    if (where_ == Where::kTop) return Fail(absl::StrCat("entry '", pending_key_, "' must be an object"));
+    if (where_ == Where::kStart) return Fail(kInvalid, "header is a JSON array, not an object");
+    if (where_ == Where::kTop) return Fail(EntryRule(), absl::StrCat("entry ", QuoteName(pending_key_), " must be an object"));
     if (where_ == Where::kMetadata) {
-      return Fail(absl::StrCat("__metadata__ value of '", pending_key_, "' must be a string, not an array"));
+      return Fail(kBadMetadata,
+                  absl::StrCat("__metadata__ value of ", QuoteName(pending_key_), " must be a string, not an array"));
     }
-    if (where_ != Where::kTensor) return Fail(absl::StrCat(TensorRef(), FieldName(), " must not nest arrays"));
+    if (where_ != Where::kTensor) return Fail(kInvalid, absl::StrCat(TensorRef(), FieldName(), " must not nest arrays"));
     if (field_ == Field::kShape) return where_ = Where::kShape, true;
     if (field_ == Field::kOffsets) return where_ = Where::kOffsets, true;
     if (field_ == Field::kUnknown) return ++skip_, true;
-    return Fail(absl::StrCat(TensorRef(), "dtype must be a string"));
+    return Fail(kInvalid, absl::StrCat(TensorRef(), "dtype must be a string"));
   }
   bool end_array() {
     if (skip_ > 0) return --skip_, true;
     if (where_ == Where::kOffsets && offset_count_ != 2) {
-      return Fail(absl::StrCat(TensorRef(), "data_offsets must hold exactly 2 integers"));
+      return Fail(kInvalid, absl::StrCat(TensorRef(), "data_offsets must hold exactly 2 integers"));
     }
     where_ = Where::kTensor;
     return true;
@@ -118,7 +125,9 @@ class HeaderHandler {
       return true;
     }
     if (where_ == Where::kMetadata) {
-      if (out_->metadata.count(name) != 0) return Fail(absl::StrCat("__metadata__ key '", name, "' appears twice"));
+      if (out_->metadata.count(name) != 0) {
+        return Fail(kDuplicateKey, absl::StrCat("__metadata__ key ", QuoteName(name), " appears twice"));
+      }
       pending_key_ = std::move(name);
       return true;
     }
@@ -129,36 +138,45 @@ class HeaderHandler {
     absl::string_view what = ex.what();
     size_t colon = what.find(": ");
     absl::string_view detail = colon == absl::string_view::npos ? what : what.substr(colon + 2);
-    return Fail(absl::StrCat("header is not valid JSON at header byte ", position, ": ", detail));
+    // nlohmann's lexer is what checks UTF-8, and says so only in its text
+    // (before "; last read: ...", which quotes the header itself).
+    absl::string_view lexer_says = detail.substr(0, detail.find("; last read"));
+    CheckpointRule rule = absl::StrContains(lexer_says, "ill-formed UTF-8") ? kHeaderNotUtf8 : kHeaderNotJson;
+    return Fail(rule, absl::StrCat("header is not valid JSON at header byte ", position, ": ", detail));
   }
 
  private:
   enum class Where { kStart, kTop, kTensor, kShape, kOffsets, kMetadata, kDone };
   enum class Field { kNone, kDtype, kShape, kOffsets, kUnknown };
 
-  bool Fail(std::string message) {
-    if (error_.empty()) error_ = std::move(message);
+  using enum CheckpointRule;
+
+  bool Fail(CheckpointRule rule, std::string message) {
+    if (error_.empty()) error_ = std::move(message), error_rule_ = rule;
     return false;
   }
+  // A top-level entry that is not an object: __metadata__ or a tensor.
+  CheckpointRule EntryRule() const { return pending_key_ == "__metadata__" ? kBadMetadata : kInvalid; }
   bool Scalar(absl::string_view what) {
     if (skip_ > 0) return true;
     switch (where_) {
       case Where::kStart:
-        return Fail(absl::StrCat("header is ", what, ", not a JSON object"));
+        return Fail(kHeaderNotJson, absl::StrCat("header is ", what, ", not a JSON object"));
       case Where::kTop:
-        return Fail(absl::StrCat("entry '", pending_key_, "' must be an object, not ", what));
+        return Fail(EntryRule(), absl::StrCat("entry ", QuoteName(pending_key_), " must be an object, not ", what));
       case Where::kMetadata:
-        return Fail(absl::StrCat("__metadata__ value of '", pending_key_, "' must be a string, not ", what));
+        return Fail(kBadMetadata,
+                    absl::StrCat("__metadata__ value of ", QuoteName(pending_key_), " must be a string, not ", what));
       case Where::kTensor:
         if (field_ == Field::kUnknown) return true;
-        return Fail(absl::StrCat(TensorRef(), FieldName(), " must not be ", what));
+        return Fail(kInvalid, absl::StrCat(TensorRef(), FieldName(), " must not be ", what));
       default:
-        return Fail(absl::StrCat(TensorRef(), FieldName(), " must hold non-negative integers, not ", what));
+        return Fail(kInvalid, absl::StrCat(TensorRef(), FieldName(), " must hold non-negative integers, not ", what));
     }
   }
   bool BeginEntry() {
     if (pending_key_ == "__metadata__") {
-      if (seen_metadata_) return Fail("__metadata__ appears twice");
+      if (seen_metadata_) return Fail(kDuplicateKey, "__metadata__ appears twice");
       seen_metadata_ = true;
       where_ = Where::kMetadata;
       return true;
@@ -168,10 +186,12 @@ class HeaderHandler {
       if (c < 0x20 || c == 0x7F) {
         // Stricter than the reference: such names break one-line errors,
         // logs and tables, and the fingerprint's line format.
-        return Fail(absl::StrFormat("tensor name holds control character 0x%02X at byte %d", c, i));
+        return Fail(kInvalid, absl::StrFormat("tensor name holds control character 0x%02X at byte %d", c, i));
       }
     }
-    if (!names_.insert(pending_key_).second) return Fail(absl::StrCat("tensor name '", pending_key_, "' appears twice"));
+    if (!names_.insert(pending_key_).second) {
+      return Fail(kDuplicateKey, absl::StrCat("tensor name ", QuoteName(pending_key_), " appears twice"));
+    }
     draft_ = TensorHeader{};
     draft_.name = std::move(pending_key_);
     seen_fields_ = 0;
@@ -191,21 +211,23 @@ class HeaderHandler {
       field_ = Field::kUnknown;  // ignored, as serde does for unknown fields
       return true;
     }
-    if (seen_fields_ & bit) return Fail(absl::StrCat(TensorRef(), "field '", name, "' appears twice"));
+    if (seen_fields_ & bit) return Fail(kDuplicateKey, absl::StrCat(TensorRef(), "field '", name, "' appears twice"));
     seen_fields_ |= bit;
     return true;
   }
   bool EndTensor() {
     static constexpr absl::string_view kFieldNames[] = {"dtype", "shape", "data_offsets"};
     for (int i = 0; i < 3; ++i) {
-      if (!(seen_fields_ & (1 << i))) return Fail(absl::StrCat(TensorRef(), "missing field '", kFieldNames[i], "'"));
+      if (!(seen_fields_ & (1 << i))) {
+        return Fail(kInvalid, absl::StrCat(TensorRef(), "missing field '", kFieldNames[i], "'"));
+      }
     }
     out_->tensors.push_back(std::move(draft_));
     where_ = Where::kTop;
     field_ = Field::kNone;
     return true;
   }
-  std::string TensorRef() const { return absl::StrCat("tensor '", draft_.name, "': "); }
+  std::string TensorRef() const { return absl::StrCat("tensor ", QuoteName(draft_.name), ": "); }
   absl::string_view FieldName() const {
     switch (field_) {
       case Field::kDtype: return "dtype";
@@ -226,77 +248,86 @@ class HeaderHandler {
   TensorHeader draft_;
   absl::flat_hash_set<std::string> names_;
   std::string error_;
+  CheckpointRule error_rule_ = kInvalid;
 };
 
 std::string ShapeString(const std::vector<uint64_t>& shape) { return absl::StrCat("[", absl::StrJoin(shape, ", "), "]"); }
 
 absl::Status CheckTensorSize(const TensorHeader& t) {
+  using enum CheckpointRule;
+  std::string tensor = absl::StrCat("tensor ", QuoteName(t.name), ": ");
   std::optional<uint64_t> elements = ElementCount(t.shape);
   if (!elements) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("tensor '", t.name, "': element count of shape ", ShapeString(t.shape), " overflows 64 bits"));
+    return CheckpointError(kShapeOverflow,
+                           absl::StrCat(tensor, "element count of shape ", ShapeString(t.shape), " overflows 64 bits"));
   }
   uint64_t bits;
   if (__builtin_mul_overflow(*elements, static_cast<uint64_t>(DTypeBits(t.dtype)), &bits)) {
-    return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name, "': byte size of ", *elements, " x ",
-                                                   DTypeName(t.dtype), " overflows 64 bits"));
+    return CheckpointError(kShapeOverflow, absl::StrCat(tensor, "byte size of ", *elements, " x ", DTypeName(t.dtype),
+                                                        " overflows 64 bits"));
   }
   if (bits % 8 != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name, "': ", *elements, " x ", DTypeName(t.dtype),
-                                                   " is ", bits, " bits, not a whole number of bytes"));
+    return CheckpointError(kSubByteSize, absl::StrCat(tensor, *elements, " x ", DTypeName(t.dtype), " is ", bits,
+                                                      " bits, not a whole number of bytes"));
   }
   if (t.end < t.begin) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("tensor '", t.name, "': data_offsets [", t.begin, ", ", t.end, "] end before they begin"));
+    return CheckpointError(kBadDataOffsets,
+                           absl::StrCat(tensor, "data_offsets [", t.begin, ", ", t.end, "] end before they begin"));
   }
   if (t.end - t.begin != bits / 8) {
-    return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name, "': shape ", ShapeString(t.shape), " x ",
-                                                   DTypeName(t.dtype), " needs ", bits / 8, " bytes but data_offsets [",
-                                                   t.begin, ", ", t.end, "] give ", t.end - t.begin));
+    return CheckpointError(kSizeMismatch, absl::StrCat(tensor, "shape ", ShapeString(t.shape), " x ",
+                                                       DTypeName(t.dtype), " needs ", bits / 8,
+                                                       " bytes but data_offsets [", t.begin, ", ", t.end, "] give ",
+                                                       t.end - t.begin));
   }
   return absl::OkStatus();
 }
 
 absl::Status CheckLayout(const SafetensorsHeader& h) {
+  using enum CheckpointRule;
   uint64_t expected = 0;
   const TensorHeader* previous = nullptr;
   for (const TensorHeader& t : h.tensors) {
+    if (t.begin > expected && previous == nullptr) {
+      return CheckpointError(kOffsetsNotFromZero,
+                             absl::StrCat("tensor ", QuoteName(t.name), ": data starts at offset ", t.begin, ", not 0"));
+    }
     if (t.begin > expected) {
-      return absl::InvalidArgumentError(
-          previous == nullptr
-              ? absl::StrCat("tensor '", t.name, "': data starts at offset ", t.begin, ", not 0")
-              : absl::StrCat("bytes [", expected, ", ", t.begin, ") between tensors '", previous->name, "' and '",
-                             t.name, "' belong to no tensor"));
+      return CheckpointError(kHoleBetweenTensors,
+                             absl::StrCat("bytes [", expected, ", ", t.begin, ") between tensors ",
+                                          QuoteName(previous->name), " and ", QuoteName(t.name), " belong to no tensor"));
     }
     if (t.begin < expected) {
-      return absl::InvalidArgumentError(absl::StrCat("tensors '", previous->name, "' and '", t.name,
-                                                     "' overlap at data bytes [", t.begin, ", ", expected, ")"));
+      return CheckpointError(kOverlappingTensors, absl::StrCat("tensors ", QuoteName(previous->name), " and ",
+                                                               QuoteName(t.name), " overlap at data bytes [", t.begin,
+                                                               ", ", expected, ")"));
     }
     expected = t.end;
     previous = &t;
   }
   if (expected > h.data_length) {
-    return absl::InvalidArgumentError(absl::StrCat("truncated: tensor '", previous->name, "' ends at data byte ",
-                                                   expected, " but the data section holds ", h.data_length,
-                                                   " bytes"));
+    return CheckpointError(kTruncated, absl::StrCat("truncated: tensor ", QuoteName(previous->name),
+                                                    " ends at data byte ", expected, " but the data section holds ",
+                                                    h.data_length, " bytes"));
   }
   if (expected < h.data_length) {
-    return absl::InvalidArgumentError(absl::StrCat(h.data_length - expected, " trailing bytes after the last tensor (data section is ",
-                                                   h.data_length, " bytes, tensors end at ", expected, ")"));
+    return CheckpointError(kTrailingBytes,
+                           absl::StrCat(h.data_length - expected, " trailing bytes after the last tensor (data section is ",
+                                        h.data_length, " bytes, tensors end at ", expected, ")"));
   }
   return absl::OkStatus();
 }
 
 absl::StatusOr<SafetensorsHeader> ParseUnlabelled(absl::string_view text, uint64_t header_length, uint64_t file_size) {
   if (text.size() >= 3 && std::memcmp(text.data(), "\xEF\xBB\xBF", 3) == 0) {
-    return absl::InvalidArgumentError("header starts with a UTF-8 byte-order mark, which is not JSON");
+    return CheckpointError(CheckpointRule::kHeaderNotJson, "header starts with a UTF-8 byte-order mark, which is not JSON");
   }
   // nlohmann's lexer takes NUL for end of input, so NUL padding would pass;
   // NUL can never appear in JSON text (inside strings it must be escaped).
   if (const void* nul = std::memchr(text.data(), '\0', text.size())) {
-    return absl::InvalidArgumentError(absl::StrCat("header holds a NUL byte at header byte ",
-                                                   static_cast<const char*>(nul) - text.data(),
-                                                   "; only JSON whitespace may pad it"));
+    return CheckpointError(CheckpointRule::kHeaderNotJson,
+                           absl::StrCat("header holds a NUL byte at header byte ",
+                                        static_cast<const char*>(nul) - text.data(), "; only JSON whitespace may pad it"));
   }
   SafetensorsHeader header;
   header.header_length = header_length;
@@ -305,7 +336,8 @@ absl::StatusOr<SafetensorsHeader> ParseUnlabelled(absl::string_view text, uint64
   HeaderHandler handler(&header);
   bool ok = json::sax_parse(text.begin(), text.end(), &handler, json::input_format_t::json, /*strict=*/true);
   if (!ok) {
-    return absl::InvalidArgumentError(handler.error().empty() ? "header is not valid JSON" : handler.error());
+    absl::Status error = handler.error();
+    return error.ok() ? CheckpointError(CheckpointRule::kHeaderNotJson, "header is not valid JSON") : error;
   }
   for (const TensorHeader& t : header.tensors) WEIGHTD_RETURN_IF_ERROR(CheckTensorSize(t));
   std::stable_sort(header.tensors.begin(), header.tensors.end(), [](const TensorHeader& a, const TensorHeader& b) {
@@ -323,13 +355,16 @@ uint64_t LittleEndian64(const unsigned char* p) {
 
 // Recognises files that are commonly mistaken for safetensors, so the error
 // says what the file is instead of "header too large".
-std::optional<std::string> SniffForeignFormat(absl::string_view prefix) {
-  if (prefix.substr(0, 24) == "version https://git-lfs.") return "git-LFS pointer, not a safetensors file (run `git lfs pull`)";
+std::optional<absl::Status> SniffForeignFormat(absl::string_view prefix) {
+  using enum CheckpointRule;
+  if (prefix.substr(0, 24) == "version https://git-lfs.") {
+    return CheckpointError(kGitLfsPointer, "git-LFS pointer, not a safetensors file (run `git lfs pull`)");
+  }
   if (prefix.substr(0, 4) == absl::string_view("PK\x03\x04", 4)) {
-    return "zip archive (a PyTorch .bin/.pt checkpoint?), not a safetensors file";
+    return CheckpointError(kForeignFormat, "zip archive (a PyTorch .bin/.pt checkpoint?), not a safetensors file");
   }
   if (prefix.size() >= 2 && static_cast<unsigned char>(prefix[0]) == 0x80 && prefix[1] >= 2 && prefix[1] <= 5) {
-    return "Python pickle, not a safetensors file";
+    return CheckpointError(kForeignFormat, "Python pickle, not a safetensors file");
   }
   return std::nullopt;
 }
@@ -338,16 +373,18 @@ std::optional<std::string> SniffForeignFormat(absl::string_view prefix) {
 // limit and the file size.
 absl::StatusOr<uint64_t> HeaderLength(absl::string_view prefix, uint64_t file_size) {
   if (file_size < 8) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("file is ", file_size, " bytes, shorter than the 8-byte header length prefix"));
+    return CheckpointError(CheckpointRule::kFileTooShort,
+                           absl::StrCat("file is ", file_size, " bytes, shorter than the 8-byte header length prefix"));
   }
   uint64_t n = LittleEndian64(reinterpret_cast<const unsigned char*>(prefix.data()));
   if (n > kMaxHeaderBytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("header length ", n, " exceeds the ", kMaxHeaderBytes, "-byte limit of the safetensors format"));
+    return CheckpointError(CheckpointRule::kHeaderTooLarge, absl::StrCat("header length ", n, " exceeds the ",
+                                                                         kMaxHeaderBytes,
+                                                                         "-byte limit of the safetensors format"));
   }
   if (n > file_size - 8) {
-    return absl::InvalidArgumentError(absl::StrCat("header length ", n, " exceeds file size ", file_size));
+    return CheckpointError(CheckpointRule::kHeaderPastEof,
+                           absl::StrCat("header length ", n, " exceeds file size ", file_size));
   }
   return n;
 }
@@ -358,7 +395,7 @@ absl::StatusOr<SafetensorsHeader> ParsePrefixed(absl::string_view prefix, uint64
   if (!n.ok()) {
     // Sniffed only when the prefix is no usable length: a valid file whose
     // header is 640 bytes begins 80 02 00 .., exactly like a pickle.
-    if (std::optional<std::string> foreign = SniffForeignFormat(prefix)) return absl::InvalidArgumentError(*foreign);
+    if (std::optional<absl::Status> foreign = SniffForeignFormat(prefix)) return *foreign;
     return n.status();
   }
   WEIGHTD_ASSIGN_OR_RETURN(std::string text, read_header(*n));
@@ -378,7 +415,7 @@ std::optional<uint64_t> ElementCount(const std::vector<uint64_t>& shape) {
 absl::StatusOr<SafetensorsHeader> ParseHeaderJson(absl::string_view json_text, uint64_t header_length,
                                                   uint64_t file_size, absl::string_view file_label) {
   absl::StatusOr<SafetensorsHeader> header = ParseUnlabelled(json_text, header_length, file_size);
-  if (!header.ok()) return Annotate(header.status(), file_label);
+  if (!header.ok()) return Annotate(header.status(), ElideName(file_label));
   return header;
 }
 
@@ -386,20 +423,20 @@ absl::StatusOr<SafetensorsHeader> ParseFileImage(absl::string_view image, absl::
   auto header = ParsePrefixed(image.substr(0, 64), image.size(), [&](uint64_t n) -> absl::StatusOr<std::string> {
     return std::string(image.substr(8, n));
   });
-  if (!header.ok()) return Annotate(header.status(), file_label);
+  if (!header.ok()) return Annotate(header.status(), ElideName(file_label));
   return header;
 }
 
 absl::StatusOr<SafetensorsHeader> ReadHeader(const RandomAccessFile& file, absl::string_view file_label) {
   std::string prefix(std::min<uint64_t>(file.size(), 64), '\0');
   absl::Status read = file.ReadAt(0, prefix.size(), prefix.data());
-  if (!read.ok()) return Annotate(read, file_label);
+  if (!read.ok()) return Annotate(read, ElideName(file_label));
   auto header = ParsePrefixed(prefix, file.size(), [&](uint64_t n) -> absl::StatusOr<std::string> {
     std::string text(n, '\0');
     WEIGHTD_RETURN_IF_ERROR(file.ReadAt(8, n, text.data()));
     return text;
   });
-  if (!header.ok()) return Annotate(header.status(), file_label);
+  if (!header.ok()) return Annotate(header.status(), ElideName(file_label));
   return header;
 }
 

@@ -3,6 +3,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/base/status.h"
 
 namespace weightd {
 
@@ -49,11 +50,11 @@ absl::Status ModelRoots::Check(const RandomAccessFile& file, const std::string& 
   absl::StatusOr<std::string> resolved = file.ResolvedPath();
   if (!resolved.ok()) {
     return absl::PermissionDeniedError(
-        absl::StrCat(name, ": cannot tell whether it lies under a --model-root: ", resolved.status().message()));
+        absl::StrCat(ElideName(name), ": cannot tell whether it lies under a --model-root: ", resolved.status().message()));
   }
   if (Contains(*resolved)) return absl::OkStatus();
   return absl::PermissionDeniedError(
-      absl::StrCat(name, ": resolves to ", *resolved, ", outside every --model-root (", Describe(), ")"));
+      absl::StrCat(ElideName(name), ": resolves to ", *resolved, ", outside every --model-root (", Describe(), ")"));
 }
 
 std::string ModelRoots::Describe() const { return absl::StrJoin(given_, ", "); }

@@ -166,6 +166,29 @@ TEST(OpsMetrics, EachMetricMovesAsLoadsAndAttachesHappen) {
   EXPECT_EQ(SampleValue(unloaded, "weightd_host_resident_bytes"), dev["host_bytes"].get<double>());
 }
 
+// Prometheus practice: no missing series. Every reason a failed load can be
+// counted under is exposed at 0 by a fresh daemon, so rate() and alerts work
+// before the first error. The labels are those dashboards select on.
+TEST(OpsMetrics, EveryCheckpointErrorReasonIsZeroOnAFreshDaemon) {
+  OpsDaemon o;
+  std::string scrape = o.Scrape();
+  const char* reasons[] = {
+      "file_too_short", "header_too_large", "header_past_eof", "git_lfs_pointer", "foreign_format",
+      "header_not_utf8", "header_not_json", "truncated", "trailing_bytes", "overlapping_tensors",
+      "hole_between_tensors", "offsets_not_from_zero", "bad_data_offsets", "unknown_dtype", "shape_overflow",
+      "sub_byte_size", "size_mismatch", "negative_value", "duplicate_key", "duplicate_tensor",
+      "bad_metadata", "missing_shard", "tensor_absent_from_shard", "shard_outside_checkpoint", "bad_index",
+      "invalid_checkpoint", "not_found", "permission_denied", "resource_exhausted", "io",
+      "other"};
+  for (const char* reason : reasons) {
+    EXPECT_EQ(SampleValue(scrape, absl::StrCat(R"(weightd_checkpoint_errors_total{reason=")", reason, R"("})")), 0)
+        << reason;
+  }
+  size_t series = 0;
+  for (size_t at = 0; (at = scrape.find("\nweightd_checkpoint_errors_total{", at)) != std::string::npos; ++at) ++series;
+  EXPECT_EQ(series, std::size(reasons));
+}
+
 TEST(OpsMetrics, RealScrapePassesPromtool) {
   if (access(kPromtool, X_OK) != 0) GTEST_SKIP() << kPromtool << " is absent: apt-get install prometheus";
   OpsDaemon o;

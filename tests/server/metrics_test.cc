@@ -5,6 +5,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
 #include <fstream>
 #include <map>
 #include <mutex>
@@ -12,6 +13,7 @@
 #include <tuple>
 
 #include "common/format/catalog.h"
+#include "common/format/format_error.h"
 #include "gmock/gmock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
@@ -153,6 +155,32 @@ TEST(CheckpointErrorReason, FallsBackToTheStatusCode) {
   EXPECT_EQ(CheckpointErrorReason(absl::CancelledError("stop")), "other");
 }
 
+// Regression: the reason was found by phrases of the message, so rewording a
+// message relabelled its metric.
+TEST(CheckpointErrorReason, FollowsTheRuleWhateverTheMessageSays) {
+  EXPECT_EQ(CheckpointErrorReason(CheckpointError(CheckpointRule::kTruncated, "the data ran out early")), "truncated");
+  EXPECT_EQ(CheckpointErrorReason(CheckpointError(CheckpointRule::kGitLfsPointer, "tensor 'x' appears twice")),
+            "git_lfs_pointer");
+  // The old phrases alone no longer name a rule.
+  EXPECT_EQ(CheckpointErrorReason(absl::InvalidArgumentError("truncated: tensor 'b' ends at data byte 32")),
+            "invalid_checkpoint");
+  // A rule on a status of another code wins over the code.
+  EXPECT_EQ(CheckpointErrorReason(WithCheckpointRule(absl::PermissionDeniedError("x"), CheckpointRule::kBadIndex)),
+            "bad_index");
+}
+
+TEST(CheckpointErrorReason, ListsEveryReasonOnce) {
+  std::vector<std::string> reasons = CheckpointErrorReasons();
+  EXPECT_EQ(reasons.size(), 31u);
+  EXPECT_EQ(std::set<std::string>(reasons.begin(), reasons.end()).size(), reasons.size());
+  for (const auto& [name, reason] : ExpectedReasons()) {
+    EXPECT_NE(std::find(reasons.begin(), reasons.end(), reason), reasons.end()) << reason;
+  }
+  for (const char* reason : {"invalid_checkpoint", "not_found", "permission_denied", "resource_exhausted", "io", "other"}) {
+    EXPECT_NE(std::find(reasons.begin(), reasons.end(), reason), reasons.end()) << reason;
+  }
+}
+
 // --- SampleModels ---
 
 std::shared_ptr<ModelGeneration> Generation(const std::string& name, ModelState state, int leases,
@@ -194,7 +222,7 @@ TEST(PrometheusMetrics, ExposesEveryEventWithItsValue) {
   auto metrics = Prometheus([] { return SampleModels({Generation("llama", ModelState::kReady, 2, {{"GPU-a", 64}})}); });
   metrics->LoadFinished(3000, 2.0);
   metrics->LoadFinished(1000, 0.5);
-  metrics->LoadFailed(absl::InvalidArgumentError("/m/x.safetensors: truncated: tensor 'b' ends at data byte 32"));
+  metrics->LoadFailed(CheckpointError(CheckpointRule::kTruncated, "/m/x.safetensors: truncated: tensor 'b' ends at data byte 32"));
   metrics->HostMemory(8192, 4096);
   metrics->AttachFinished(0.003);
   metrics->RpcFinished("weightd.v1.Weightd/Attach", "OK", 0.003);
@@ -222,6 +250,15 @@ TEST(PrometheusMetrics, ExposesEveryEventWithItsValue) {
   EXPECT_EQ(SampleValue(text, R"(weightd_leases_active{model="llama"})"), 2);
   EXPECT_EQ(SampleValue(text, R"(weightd_device_bytes{gpu_uuid="GPU-a"})"), 64);
   EXPECT_EQ(SampleValue(text, R"(weightd_build_info{version="1.2.3"})"), 1);
+}
+
+// Prometheus practice: no missing series. A rate() or an alert on a reason
+// works before its first error.
+TEST(PrometheusMetrics, ExposesEveryCheckpointErrorReasonAtZeroBeforeAnyError) {
+  std::string text = Prometheus()->Exposition();
+  for (const std::string& reason : CheckpointErrorReasons()) {
+    EXPECT_EQ(SampleValue(text, R"(weightd_checkpoint_errors_total{reason=")" + reason + R"("})"), 0) << reason;
+  }
 }
 
 TEST(PrometheusMetrics, ServesTheExpositionOverHttp) {

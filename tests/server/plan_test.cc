@@ -1,6 +1,7 @@
 // Placement and TP plans (server/plan.h), without reading any tensor bytes.
 #include "server/plan.h"
 
+#include "common/format/format_error.h"
 #include "gtest/gtest.h"
 #include "tests/testing/status_matchers.h"
 
@@ -104,6 +105,24 @@ TEST(LoadPlan, RefusesSubByteSliceRows) {
   Catalog c = MakeCatalog({{"q", DType::kF4, {2, 2, 3}}});  // a row along dim 1 is 3 F4 = 12 bits
   EXPECT_THAT(MakeLoadPlan(c, Tp2({{"q", 1}}), 2),
               StatusIs(absl::StatusCode::kInvalidArgument, "a slice row of 3 x F4 is not a whole number of bytes"));
+}
+
+// The metric's label for this refusal is "sub_byte_size", as for a tensor
+// that is not a whole number of bytes.
+TEST(LoadPlan, SubByteSliceRowsCarryTheSubByteRule) {
+  Catalog c = MakeCatalog({{"q", DType::kF4, {2, 2, 3}}});
+  EXPECT_EQ(CheckpointRuleOf(MakeLoadPlan(c, Tp2({{"q", 1}}), 2).status()), CheckpointRule::kSubByteSize);
+}
+
+// A TP rule pattern (user input, any length) and a tensor name are quoted elided.
+TEST(LoadPlan, QuotesALongPatternAndTensorNameElided) {
+  std::string name(300, 'w');
+  Catalog c = MakeCatalog({{name, DType::kF32, {4, 4}}});
+  EXPECT_THAT(MakeLoadPlan(c, Tp2({{name, 2}}), 2),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "tensor '" + std::string(96, 'w') + "…(300 bytes)…" + std::string(96, 'w') +
+                           "' of shape [4, 4], TP rule '" + std::string(96, 'w') + "…(302 bytes)…" +
+                           std::string(94, 'w') + ":2' with tp_size 2: dim 2 is out of range for rank 2"));
 }
 
 TEST(LoadPlan, RefusesDeviceCountThatDisagreesWithTpSize) {

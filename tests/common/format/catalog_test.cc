@@ -9,6 +9,7 @@
 #include <fstream>
 #include <map>
 
+#include "common/format/format_error.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/testing/checkpoint_builder.h"
@@ -260,6 +261,43 @@ TEST_F(GeneratedFolder, RefusesMalformedIndex) {
   EXPECT_THAT(BuildCatalog(dir_.path()), StatusIs(absl::StatusCode::kInvalidArgument, "missing the \"weight_map\" object"));
   Index(R"({"weight_map":{"x":3}})");
   EXPECT_THAT(BuildCatalog(dir_.path()), StatusIs(absl::StatusCode::kInvalidArgument, "weight_map entry 'x' must be a file name"));
+}
+
+// The reason (the metric's label) is attached where each catalog rule is
+// checked, with the label it had when labels were found by phrase.
+TEST_F(GeneratedFolder, EveryRefusalCarriesTheRuleItBroke) {
+  auto rule = [&] { return CheckpointRuleOf(BuildCatalog(dir_.path()).status()); };
+  Shard("a.safetensors", {"x"});
+  Shard("b.safetensors", {"x", "y"});
+  EXPECT_EQ(rule(), CheckpointRule::kDuplicateTensor);  // no index: every file
+  Index(R"({"weight_map":{"x":"a.safetensors","y":"b.safetensors"}})");
+  EXPECT_EQ(rule(), CheckpointRule::kDuplicateTensor);
+  Index(R"({"weight_map":{"x":"../a.safetensors"}})");
+  EXPECT_EQ(rule(), CheckpointRule::kShardOutsideCheckpoint);
+  Index(R"({"weight_map":{"x":"gone.safetensors"}})");
+  EXPECT_EQ(rule(), CheckpointRule::kMissingShard);
+  Index(R"({"weight_map":{"q":"a.safetensors"}})");
+  EXPECT_EQ(rule(), CheckpointRule::kTensorAbsentFromShard);
+  Index("{\"weight_map\": [}");
+  EXPECT_EQ(rule(), CheckpointRule::kBadIndex);
+  Index("{\"weight_map\": {\"\xff\": 1}}");  // not UTF-8: still the index's fault
+  EXPECT_EQ(rule(), CheckpointRule::kBadIndex);
+  Index(R"({"weight_map":{"x":3}})");
+  EXPECT_EQ(rule(), CheckpointRule::kBadIndex);
+  ASSERT_EQ(unlink(dir_.Join("model.safetensors.index.json").c_str()), 0);
+  ASSERT_EQ(mkdir(dir_.Join("model.safetensors.index.json").c_str(), 0755), 0);
+  EXPECT_EQ(rule(), CheckpointRule::kBadIndex);
+  EXPECT_EQ(CheckpointRuleOf(BuildCatalog(dir_.Join("nothing-here")).status()), std::nullopt);  // NOT_FOUND by its code
+}
+
+// A shard name longer than 200 bytes is elided where it is quoted.
+TEST_F(GeneratedFolder, QuotesALongShardNameElided) {
+  std::string shard = std::string(100, 's') + "/" + std::string(100, 't') + "/" + std::string(50, 'u') + ".safetensors";
+  Index(R"({"weight_map":{"x":")" + shard + R"("}})");
+  EXPECT_THAT(BuildCatalog(dir_.path()),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "model.safetensors.index.json: names shard file '" + std::string(96, 's') + "…(264 bytes)…" +
+                           std::string(33, 't') + "/" + std::string(50, 'u') + ".safetensors', which does not exist"));
 }
 
 // Regression: a FIFO named as a shard once hung the load (open blocked).

@@ -4,6 +4,7 @@
 
 #include <string>
 
+#include "common/format/format_error.h"
 #include "gtest/gtest.h"
 #include "tests/testing/checkpoint_builder.h"
 #include "tests/testing/status_matchers.h"
@@ -301,6 +302,65 @@ TEST(Safetensors, ElementCountOfRankZeroIsOne) {
   EXPECT_EQ(ElementCount({}), 1u);
   EXPECT_EQ(ElementCount({3, 0, 5}), 0u);
   EXPECT_EQ(ElementCount({1ull << 32, 1ull << 32}), std::nullopt);
+}
+
+// Regression (issue 11): a duplicate tensor name of 20,000 characters was
+// quoted whole, and the message no longer fitted through gRPC's metadata.
+TEST(Safetensors, QuotesALongDuplicateNameElided) {
+  std::string name = std::string(96, 'a') + std::string(19'808, 'm') + std::string(96, 'z');
+  std::string header = "{\"" + name + "\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]},\"" + name +
+                       "\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[1,2]}}";
+  absl::StatusOr<SafetensorsHeader> parsed = Parse(FileImage(header, "ab"));
+  EXPECT_EQ(parsed.status().message(), "x.safetensors: tensor name '" + std::string(96, 'a') + "…(20000 bytes)…" +
+                                           std::string(96, 'z') + "' appears twice");
+  EXPECT_EQ(CheckpointRuleOf(parsed.status()), CheckpointRule::kDuplicateKey);
+}
+
+TEST(Safetensors, QuotesLongNamesElidedInEveryTensorMessage) {
+  std::string name(300, 'n');
+  std::string quoted = "'" + std::string(96, 'n') + "…(300 bytes)…" + std::string(96, 'n') + "'";
+  EXPECT_THAT(Parse(FileImage("{\"" + name + "\":{\"dtype\":\"U8\",\"shape\":[4],\"data_offsets\":[0,4]}}", "ab")),
+              StatusIs(absl::StatusCode::kInvalidArgument, "x.safetensors: truncated: tensor " + quoted + " ends at"));
+  EXPECT_THAT(Parse(FileImage("{\"a\":{\"dtype\":\"" + name + "\",\"shape\":[1],\"data_offsets\":[0,1]}}", "a")),
+              StatusIs(absl::StatusCode::kInvalidArgument, "x.safetensors: tensor 'a': unknown dtype " + quoted));
+}
+
+// The reason (the metric's label) is attached where each rule is checked;
+// these are the rules tests/server/metrics_test.cc does not reach through
+// ../shared, each with the label it had when labels were found by phrase.
+TEST(Safetensors, EveryRefusalCarriesTheRuleItBroke) {
+  using enum CheckpointRule;
+  struct Case {
+    std::string header, data;
+    CheckpointRule rule;
+  };
+  std::vector<Case> cases = {
+      {"3", "", kHeaderNotJson},
+      {"\xEF\xBB\xBF{}   ", "", kHeaderNotJson},
+      {"{\"\xff\":1}", "", kHeaderNotUtf8},
+      {"{not json", "", kHeaderNotJson},
+      {"[1,2]", "", kInvalid},
+      {"{\"__metadata__\":\"x\"}", "", kBadMetadata},
+      {"{\"__metadata__\":[1]}", "", kBadMetadata},
+      {"{\"__metadata__\":{\"a\":{}}}", "", kBadMetadata},
+      {"{\"__metadata__\":{},\"__metadata__\":{}}", "", kDuplicateKey},
+      {"{\"__metadata__\":{\"k\":\"1\",\"k\":\"2\"}}", "", kDuplicateKey},
+      {"{\"a\":{\"dtype\":\"U8\",\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]}}", "a", kDuplicateKey},
+      {"{\"a\":1}", "", kInvalid},
+      {"{\"a\":{\"dtype\":\"U8\",\"shape\":[1]}}", "", kInvalid},
+      {"{\"a\":{\"dtype\":\"U8\",\"shape\":[1.5],\"data_offsets\":[0,1]}}", "a", kInvalid},
+      {"{\"a\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1,2]}}", "a", kInvalid},
+      {"{\"a\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[-1,1]}}", "a", kNegativeValue},
+      {"{\"a\\u0001\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]}}", "a", kInvalid},
+      {OneTensor("U8", "[4294967296,4294967296]", "[0,1]"), "a", kShapeOverflow},
+      {OneTensor("F64", "[2305843009213693952]", "[0,1]"), "a", kShapeOverflow},
+      {OneTensor("U8", "[1]", "[1,2]"), "ab", kOffsetsNotFromZero},
+  };
+  for (const Case& c : cases) {
+    absl::StatusOr<SafetensorsHeader> parsed = Parse(FileImage(c.header, c.data));
+    ASSERT_FALSE(parsed.ok()) << c.header;
+    EXPECT_EQ(CheckpointRuleOf(parsed.status()), c.rule) << c.header << ": " << parsed.status();
+  }
 }
 
 }  // namespace
