@@ -12,11 +12,9 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/fd_channel_codec.h"  // kMaxFdsPerMessage, kMaxMessageBytes
 
 namespace weightd {
-
-inline constexpr size_t kMaxFdsPerMessage = 250;
-inline constexpr size_t kMaxMessageBytes = 4096;
 
 // Owns a file descriptor; closes it on destruction. Move-only.
 class ScopedFd {
