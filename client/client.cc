@@ -8,13 +8,12 @@
 #include <chrono>
 
 #include "absl/container/flat_hash_map.h"
-#include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/memory/device.h"
 #include "common/io/env.h"
 #include "common/base/status.h"
 #include "common/transport/unix_socket.h"
+#include "common/transport/fd_channel_codec.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "weightd/v1/weightd.grpc.pb.h"
 
@@ -73,7 +72,7 @@ TensorInfo FromProto(const v1::TensorEntry& t) {
 
 SegmentInfo FromProto(const v1::SegmentDescriptor& s) {
   return {s.placement() == v1::DEVICE ? Location::kDevice : Location::kHost, s.size(), s.backend(), s.gpu_uuid(),
-          s.ipc_handle()};
+          s.ipc_handle(), s.export_kind() == v1::SegmentDescriptor::EXPORT_FD};
 }
 
 std::string NormalizeTarget(const std::string& target) {
@@ -114,27 +113,32 @@ absl::StatusOr<std::string> ReceiveReply(int sock, std::vector<ScopedFd>* fds, i
   absl::StatusOr<std::string> reply = ReceiveMessage(sock, fds, timeout_ms);
   if (reply.ok()) return reply;
   absl::StatusOr<std::string> queued = ReceiveMessage(sock, fds, 0);
-  return queued.ok() && absl::StartsWith(*queued, "ERR ") ? queued : reply;
+  if (!queued.ok()) return reply;
+  absl::StatusOr<FdChannelMessage> parsed = ParseFdChannelMessage(*queued);
+  return parsed.ok() && parsed->kind == FdChannelMessage::Kind::kErr ? queued : reply;
+}
+
+// One message of `kind` or INTERNAL quoting `payload`; an ERR is the daemon's status.
+absl::StatusOr<FdChannelMessage> ExpectMessage(const std::string& payload, FdChannelMessage::Kind kind) {
+  absl::StatusOr<FdChannelMessage> m = ParseFdChannelMessage(payload);
+  if (m.ok() && m->kind == FdChannelMessage::Kind::kErr) {
+    return absl::Status(m->error.code(), absl::StrCat("fd socket: ", m->error.message()));
+  }
+  if (!m.ok() || m->kind != kind) {
+    return absl::InternalError(absl::StrCat("fd socket: unexpected reply '", payload, "'"));
+  }
+  return m;
 }
 
 absl::Status ParseClaimReply(const std::string& reply, int sock, int timeout_ms, std::vector<ScopedFd>* fds) {
-  if (absl::StartsWith(reply, "ERR ")) {
-    std::string rest = reply.substr(4);
-    size_t space = rest.find(' ');
-    int code = 13;
-    (void)absl::SimpleAtoi(rest.substr(0, space), &code);
-    return absl::Status(static_cast<absl::StatusCode>(code),
-                        absl::StrCat("fd socket: ", space == std::string::npos ? "" : rest.substr(space + 1)));
-  }
-  size_t expected = 0;
-  if (!absl::StartsWith(reply, "OK ") || !absl::SimpleAtoi(reply.substr(3), &expected)) {
-    return absl::InternalError(absl::StrCat("fd socket: unexpected reply '", reply, "'"));
-  }
-  while (fds->size() < expected) {
+  WEIGHTD_ASSIGN_OR_RETURN(FdChannelMessage ok, ExpectMessage(reply, FdChannelMessage::Kind::kOk));
+  while (fds->size() < ok.fd_count) {
     WEIGHTD_ASSIGN_OR_RETURN(std::string more, ReceiveMessage(sock, fds, timeout_ms));
-    if (more != "MORE") return absl::InternalError("fd socket: expected MORE");
+    if (!ExpectMessage(more, FdChannelMessage::Kind::kMore).ok()) {
+      return absl::InternalError("fd socket: expected MORE");
+    }
   }
-  if (fds->size() != expected) return absl::InternalError("fd socket: received more fds than announced");
+  if (fds->size() != ok.fd_count) return absl::InternalError("fd socket: received more fds than announced");
   return absl::OkStatus();
 }
 
@@ -142,7 +146,7 @@ absl::Status ParseClaimReply(const std::string& reply, int sock, int timeout_ms,
 absl::Status ClaimLease(const std::string& fd_socket, const std::string& lease_id, int timeout_ms, ScopedFd* conn,
                         std::vector<ScopedFd>* fds) {
   WEIGHTD_ASSIGN_OR_RETURN(*conn, ConnectSeqpacket(fd_socket));
-  absl::Status sent = SendMessage(conn->get(), "CLAIM " + lease_id, {});
+  absl::Status sent = SendMessage(conn->get(), EncodeClaim(lease_id), {});
   absl::StatusOr<std::string> reply = ReceiveReply(conn->get(), fds, sent.ok() ? timeout_ms : 0);
   if (!reply.ok()) return sent.ok() ? reply.status() : sent;
   return ParseClaimReply(*reply, conn->get(), timeout_ms, fds);
@@ -173,6 +177,103 @@ struct MappedModel::State {
     for (auto& [addr, size] : mappings) munmap(addr, size);
   }
 };
+
+namespace {
+
+// ------------------------------------------------ Attach, step by step
+
+Manifest ManifestOf(const v1::AttachResponse& response) {
+  Manifest m;
+  m.model = response.model();
+  m.generation = response.generation();
+  m.rank = response.rank();
+  m.fingerprint = response.fingerprint();
+  for (const auto& s : response.segments()) m.segments.push_back(FromProto(s));
+  m.tensors.reserve(response.tensors_size());
+  for (const auto& t : response.tensors()) m.tensors.push_back(FromProto(t));
+  return m;
+}
+
+std::string FdSocketPath(const v1::AttachResponse& response) {
+  const char* fd_socket_override = std::getenv("WEIGHTD_FD_SOCKET");
+  return fd_socket_override != nullptr ? fd_socket_override : response.fd_socket();
+}
+
+int ClaimTimeoutMs(const v1::AttachResponse& response) {
+  double seconds = response.claim_timeout_seconds();
+  return seconds > 0 && seconds <= 86400 ? static_cast<int>(seconds * 1000) : 10000;
+}
+
+// The received fds, one per segment exported by fd, in segment order; an
+// invalid ScopedFd for segments exported by handle bytes.
+absl::StatusOr<std::vector<ScopedFd>> MatchFdsToSegments(std::vector<ScopedFd> fds, const Manifest& m) {
+  auto with_fd = [](const SegmentInfo& s) { return s.fd_attached; };
+  if (fds.size() != static_cast<size_t>(std::count_if(m.segments.begin(), m.segments.end(), with_fd))) {
+    return absl::InternalError(
+        absl::StrCat("received ", fds.size(), " segment fds for ", m.segments.size(), " segments"));
+  }
+  std::vector<ScopedFd> by_segment(m.segments.size());
+  auto next = fds.begin();
+  for (size_t i = 0; i < m.segments.size(); ++i) {
+    if (m.segments[i].fd_attached) by_segment[i] = std::move(*next++);
+  }
+  return by_segment;
+}
+
+// Imports device segment `i` with the backend that exported it; its base.
+absl::StatusOr<const char*> ImportSegment(size_t i, MappedModel::State& state) {
+  const SegmentInfo& segment = state.manifest.segments[i];
+  WEIGHTD_ASSIGN_OR_RETURN(DeviceBackend * backend, ClientBackendFor(segment.backend));
+  absl::StatusOr<std::unique_ptr<ImportedArena>> imported = backend->Import(
+      {segment.backend, segment.gpu_uuid, segment.size, segment.handle, std::move(state.segment_fds[i])});
+  if (!imported.ok()) {
+    return Annotate(imported.status(), absl::StrCat("importing segment ", i, " on ", segment.gpu_uuid));
+  }
+  state.imports[i] = std::move(*imported);
+  return static_cast<const char*>(state.imports[i]->device_pointer());
+}
+
+// Maps host segment `i` read-only (lazily: pages fault in on first use); its base.
+absl::StatusOr<const char*> MapHostSegment(size_t i, MappedModel::State& state) {
+  uint64_t size = state.manifest.segments[i].size;
+  if (size == 0) return static_cast<const char*>(nullptr);
+  void* addr = mmap(nullptr, size, PROT_READ, MAP_SHARED, state.segment_fds[i].get(), 0);
+  if (addr == MAP_FAILED) return ErrnoToStatus(absl::StrCat("mmap segment ", i), errno);
+  state.mappings.emplace_back(addr, size);
+  return static_cast<const char*>(addr);
+}
+
+// Maps or imports every segment; the base address of each.
+absl::StatusOr<std::vector<const char*>> MapSegments(MappedModel::State& state) {
+  const std::vector<SegmentInfo>& segments = state.manifest.segments;
+  std::vector<const char*> bases(segments.size(), nullptr);
+  state.imports.resize(segments.size());
+  for (size_t i = 0; i < segments.size(); ++i) {
+    bool device = segments[i].location == Location::kDevice;
+    WEIGHTD_ASSIGN_OR_RETURN(bases[i], device ? ImportSegment(i, state) : MapHostSegment(i, state));
+  }
+  return bases;
+}
+
+// One view per tensor at its segment's base + offset, and the name index.
+absl::Status BuildViews(const std::vector<const char*>& bases, MappedModel::State& state) {
+  const Manifest& m = state.manifest;
+  state.views.reserve(m.tensors.size());
+  for (const TensorInfo& t : m.tensors) {
+    if (t.segment >= bases.size() || t.offset + t.nbytes > m.segments[t.segment].size) {
+      return absl::InternalError(absl::StrCat("tensor '", t.name, "' lies outside its segment"));
+    }
+    const ImportedArena* imported = state.imports[t.segment].get();
+    state.views.push_back({&t, bases[t.segment] + t.offset, t.nbytes, t.location,
+                           imported ? m.segments[t.segment].gpu_uuid : "", imported ? imported->device_ordinal() : -1});
+  }
+  // A hash index, not a sort: 100,000 long names sort in tens of milliseconds.
+  state.by_name.reserve(state.views.size());
+  for (size_t i = 0; i < state.views.size(); ++i) state.by_name.emplace(state.views[i].info->name, i);
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 MappedModel::MappedModel(std::shared_ptr<State> state) : state_(std::move(state)) {}
 MappedModel::MappedModel(MappedModel&&) noexcept = default;
@@ -299,68 +400,13 @@ absl::StatusOr<MappedModel> Client::Attach(const std::string& name, uint32_t ran
   v1::AttachResponse response;
   grpc::ClientContext context;
   WEIGHTD_RETURN_IF_ERROR(FromGrpc(impl_->stub->Attach(&context, request, &response)));
-
   auto state = std::make_unique<MappedModel::State>();
-  Manifest& m = state->manifest;
-  m.model = response.model();
-  m.generation = response.generation();
-  m.rank = response.rank();
-  m.fingerprint = response.fingerprint();
-  for (const auto& s : response.segments()) m.segments.push_back(FromProto(s));
-  m.tensors.reserve(response.tensors_size());
-  for (const auto& t : response.tensors()) m.tensors.push_back(FromProto(t));
-
-  const char* fd_socket_override = std::getenv("WEIGHTD_FD_SOCKET");
-  std::string fd_socket = fd_socket_override != nullptr ? fd_socket_override : response.fd_socket();
-  double claim_seconds = response.claim_timeout_seconds();
-  int timeout_ms = claim_seconds > 0 && claim_seconds <= 86400 ? static_cast<int>(claim_seconds * 1000) : 10000;
-  WEIGHTD_RETURN_IF_ERROR(ClaimLease(fd_socket, response.lease_id(), timeout_ms, &state->lease, &state->segment_fds));
-  // One fd per segment in order, except segments exported by handle bytes.
-  std::vector<ScopedFd> by_segment(m.segments.size());
-  size_t next_fd = 0;
-  for (size_t i = 0; i < m.segments.size(); ++i) {
-    if (m.segments[i].backend == "cuda-legacy-ipc") continue;
-    if (next_fd == state->segment_fds.size()) break;
-    by_segment[i] = std::move(state->segment_fds[next_fd++]);
-  }
-  if (next_fd != state->segment_fds.size() ||
-      std::count_if(by_segment.begin(), by_segment.end(), [](const ScopedFd& f) { return f.valid(); }) !=
-          std::count_if(m.segments.begin(), m.segments.end(), [](const SegmentInfo& s) { return s.backend != "cuda-legacy-ipc"; })) {
-    return absl::InternalError(absl::StrCat("received ", state->segment_fds.size(), " segment fds for ",
-                                            m.segments.size(), " segments"));
-  }
-  state->segment_fds = std::move(by_segment);
-  std::vector<const char*> bases(m.segments.size(), nullptr);
-  state->imports.resize(m.segments.size());
-  for (size_t i = 0; i < m.segments.size(); ++i) {
-    if (m.segments[i].location == Location::kDevice) {
-      WEIGHTD_ASSIGN_OR_RETURN(DeviceBackend * backend, ClientBackendFor(m.segments[i].backend));
-      ArenaExport exported{m.segments[i].backend, m.segments[i].gpu_uuid, m.segments[i].size, m.segments[i].handle,
-                           std::move(state->segment_fds[i])};
-      absl::StatusOr<std::unique_ptr<ImportedArena>> imported = backend->Import(std::move(exported));
-      if (!imported.ok()) return Annotate(imported.status(), absl::StrCat("importing segment ", i, " on ", m.segments[i].gpu_uuid));
-      bases[i] = static_cast<const char*>((*imported)->device_pointer());
-      state->imports[i] = std::move(*imported);
-      continue;
-    }
-    if (m.segments[i].size == 0) continue;
-    void* addr = mmap(nullptr, m.segments[i].size, PROT_READ, MAP_SHARED, state->segment_fds[i].get(), 0);
-    if (addr == MAP_FAILED) return ErrnoToStatus(absl::StrCat("mmap segment ", i), errno);
-    state->mappings.emplace_back(addr, m.segments[i].size);
-    bases[i] = static_cast<const char*>(addr);
-  }
-  state->views.reserve(m.tensors.size());
-  for (const TensorInfo& t : m.tensors) {
-    if (t.segment >= bases.size() || t.offset + t.nbytes > m.segments[t.segment].size) {
-      return absl::InternalError(absl::StrCat("tensor '", t.name, "' lies outside its segment"));
-    }
-    const ImportedArena* imported = state->imports[t.segment].get();
-    state->views.push_back({&t, bases[t.segment] + t.offset, t.nbytes, t.location,
-                            imported ? m.segments[t.segment].gpu_uuid : "", imported ? imported->device_ordinal() : -1});
-  }
-  // A hash index, not a sort: 100,000 long names sort in tens of milliseconds.
-  state->by_name.reserve(state->views.size());
-  for (size_t i = 0; i < state->views.size(); ++i) state->by_name.emplace(state->views[i].info->name, i);
+  state->manifest = ManifestOf(response);
+  WEIGHTD_RETURN_IF_ERROR(ClaimLease(FdSocketPath(response), response.lease_id(), ClaimTimeoutMs(response),
+                                     &state->lease, &state->segment_fds));
+  WEIGHTD_ASSIGN_OR_RETURN(state->segment_fds, MatchFdsToSegments(std::move(state->segment_fds), state->manifest));
+  WEIGHTD_ASSIGN_OR_RETURN(std::vector<const char*> bases, MapSegments(*state));
+  WEIGHTD_RETURN_IF_ERROR(BuildViews(bases, *state));
   state->attach_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return MappedModel(std::shared_ptr<MappedModel::State>(std::move(state)));
 }

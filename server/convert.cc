@@ -43,7 +43,7 @@ void ToProto(const ModelGeneration& m, v1::ModelInfo* out) {
   out->set_locked_bytes(m.locked_bytes);
   out->set_checkpoint_bytes(m.checkpoint_bytes);
   for (const std::string& w : m.warnings) out->add_warnings(w);
-  for (const SegmentInfo& s : m.segments) {
+  for (const SegmentRecord& s : m.segments) {
     if (s.placement != Placement::kDevice) continue;
     v1::DeviceBytes* d = nullptr;
     for (auto& existing : *out->mutable_device_bytes()) {
@@ -76,13 +76,14 @@ void ToProto(const TensorRecord& t, v1::TensorEntry* out) {
   out->set_content_hash(absl::StrFormat("%016x", t.content_hash));
 }
 
-void ToProto(const SegmentInfo& s, uint32_t id, v1::SegmentDescriptor* out) {
+void ToProto(const SegmentRecord& s, uint32_t id, v1::SegmentDescriptor* out) {
   out->set_id(id);
   out->set_placement(s.placement == Placement::kHost ? v1::HOST : v1::DEVICE);
   out->set_size(s.size);
   out->set_gpu_uuid(s.gpu_uuid);
-  out->set_backend(s.backend);
+  out->set_backend(std::string(SegmentBackendName(s.backend)));
   out->set_ipc_handle(s.handle);
+  out->set_export_kind(s.exports_fd() ? v1::SegmentDescriptor::EXPORT_FD : v1::SegmentDescriptor::EXPORT_IPC_HANDLE);
 }
 
 void ToProto(const LoadProgress& p, v1::LoadModelProgress* out) {

@@ -18,7 +18,7 @@ grpc::Status ToGrpcStatus(const absl::Status& status);
 LoadRequest FromProto(const v1::LoadModelRequest& request);
 void ToProto(const ModelGeneration& model, v1::ModelInfo* out);
 void ToProto(const TensorRecord& tensor, v1::TensorEntry* out);
-void ToProto(const SegmentInfo& segment, uint32_t id, v1::SegmentDescriptor* out);
+void ToProto(const SegmentRecord& segment, uint32_t id, v1::SegmentDescriptor* out);
 void ToProto(const LoadProgress& progress, v1::LoadModelProgress* out);
 
 }  // namespace weightd

@@ -10,12 +10,33 @@
 #include <cerrno>
 #include <cstring>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/base/log.h"
 #include "common/base/status.h"
+#include "common/transport/fd_channel_codec.h"
 
 namespace weightd {
+namespace {
+
+// "OK <n>" with the first fds, then "MORE"s: one fd per segment of the rank
+// that is exported by fd, in segment order.
+bool SendSegmentFds(int sock, const ModelRegistry::Grant& grant) {
+  std::vector<int> fds;
+  for (uint32_t id : grant.model->ranks[grant.rank].segments) {
+    const SegmentRecord& segment = grant.model->segments[id];
+    if (segment.exports_fd()) fds.push_back(segment.fd);
+  }
+  size_t sent = std::min(fds.size(), kMaxFdsPerMessage);
+  if (!SendMessage(sock, EncodeOk(fds.size()), {fds.begin(), fds.begin() + sent}).ok()) return false;
+  while (sent < fds.size()) {
+    size_t n = std::min(fds.size() - sent, kMaxFdsPerMessage);
+    if (!SendMessage(sock, EncodeMore(), {fds.begin() + sent, fds.begin() + sent + n}).ok()) return false;
+    sent += n;
+  }
+  return true;
+}
+
+}  // namespace
 
 struct FdChannel::Connection {
   ScopedFd sock;
@@ -114,7 +135,7 @@ void FdChannel::Accept() {
 // of the ERR line. So the refused socket stays in the poll set, write side
 // shut, until the client closes or kRefusalDrain passes.
 void FdChannel::Refuse(ScopedFd sock, absl::StatusCode code, const std::string& why) {
-  (void)SendMessage(sock.get(), absl::StrCat("ERR ", static_cast<int>(code), " ", CapMessage(why)), {});
+  (void)SendMessage(sock.get(), EncodeErr(absl::Status(code, why)), {});
   shutdown(sock.get(), SHUT_WR);
   if (CountConnections(true) >= kMaxRefused) return;  // a flood of refusals holds no more fds
   auto c = std::make_unique<Connection>();
@@ -148,26 +169,18 @@ bool FdChannel::Serve(Connection& c) {
   if (!message.ok()) return false;  // EOF or error: the lease (if any) ends
   if (c.refused) return true;            // drained; closed at EOF or the deadline
   if (!c.lease_id.empty()) return true;  // clients send nothing after CLAIM; ignore
-  auto refuse = [&](absl::StatusCode code, absl::string_view why) {
-    (void)SendMessage(c.sock.get(), absl::StrCat("ERR ", static_cast<int>(code), " ", CapMessage(why)), {});
+  auto refuse = [&](const absl::Status& error) {
+    (void)SendMessage(c.sock.get(), EncodeErr(error), {});
     return false;
   };
-  if (!absl::StartsWith(*message, "CLAIM ")) return refuse(absl::StatusCode::kInvalidArgument, "expected 'CLAIM <lease_id>'");
-  absl::StatusOr<ModelRegistry::Grant> grant = registry_->Claim(message->substr(6));
-  if (!grant.ok()) return refuse(grant.status().code(), grant.status().message());
+  absl::StatusOr<FdChannelMessage> claim = ParseFdChannelMessage(*message);
+  if (!claim.ok() || claim->kind != FdChannelMessage::Kind::kClaim) {
+    return refuse(absl::InvalidArgumentError("expected 'CLAIM <lease_id>'"));
+  }
+  absl::StatusOr<ModelRegistry::Grant> grant = registry_->Claim(claim->lease_id);
+  if (!grant.ok()) return refuse(grant.status());
   c.lease_id = grant->lease_id;
-  std::vector<int> fds;
-  for (uint32_t id : grant->model->ranks[grant->rank].segments) {
-    if (grant->model->segments[id].fd >= 0) fds.push_back(grant->model->segments[id].fd);
-  }
-  size_t sent = std::min(fds.size(), kMaxFdsPerMessage);
-  if (!SendMessage(c.sock.get(), absl::StrCat("OK ", fds.size()), {fds.begin(), fds.begin() + sent}).ok()) return false;
-  while (sent < fds.size()) {
-    size_t n = std::min(fds.size() - sent, kMaxFdsPerMessage);
-    if (!SendMessage(c.sock.get(), "MORE", {fds.begin() + sent, fds.begin() + sent + n}).ok()) return false;
-    sent += n;
-  }
-  return true;
+  return SendSegmentFds(c.sock.get(), *grant);
 }
 
 }  // namespace weightd

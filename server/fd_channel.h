@@ -2,16 +2,18 @@
 // which clients receive segment file descriptors, and whose connection is the
 // lease.
 //
-// Protocol (one SEQPACKET message per line below):
+// Protocol (grammar and limits: docs/api.md, "The fd channel"; encoded and
+// parsed by common/transport/fd_channel_codec.h):
 //   client -> daemon   "CLAIM <lease_id>"
 //   daemon -> client   "OK <n>" carrying the first min(n, 250) fds (SCM_RIGHTS),
 //                      then "MORE" messages carrying the rest, in the order of
 //                      the Attach response's segments, skipping segments
 //                      exported by handle bytes (cuda-legacy-ipc);
-//                  or  "ERR <grpc-code-number> <message>", then the daemon shuts
-//                      down its side for writing, reads what the client sent
-//                      (for up to kRefusalDrain) and closes: a refused client
-//                      always reads the reason, never ECONNRESET or EPIPE.
+//                  or  "ERR <grpc-code-number> <message>" (cut to 4096 bytes),
+//                      then the daemon shuts down its side for writing, reads
+//                      what the client sent (for up to kRefusalDrain) and
+//                      closes: a refused client always reads the reason, never
+//                      ECONNRESET or EPIPE.
 // The client then keeps the connection open and sends nothing. When it closes
 // (exit, crash, SIGKILL: the kernel closes it), the daemon sees EOF and ends
 // the lease. A connection that does not send CLAIM within the claim timeout

@@ -349,9 +349,8 @@ absl::Status Publish(const LoadPlan& plan, Allocation& alloc, const std::vector<
   WEIGHTD_RETURN_IF_ERROR(alloc.host->Seal(mlock));
   gen.host_bytes = alloc.host->size();
   gen.locked_bytes = alloc.host->locked() ? alloc.host->size() : 0;
-  gen.segments.push_back({Placement::kHost, alloc.host->size(), "memfd", "", alloc.host->fd(), ""});
+  gen.segments.push_back({Placement::kHost, alloc.host->size(), SegmentBackend::kMemfd, "", alloc.host->fd(), ""});
   gen.host_segments.push_back(std::move(alloc.host));
-  std::string backend_name = backend == nullptr ? "" : backend->name() == "cuda" ? "cuda-vmm" : backend->name();
   for (size_t r = 0; r < plan.ranks.size(); ++r) {
     RankManifest rank;
     rank.segments.push_back(0);
@@ -360,7 +359,8 @@ absl::Status Publish(const LoadPlan& plan, Allocation& alloc, const std::vector<
       WEIGHTD_RETURN_IF_ERROR(slot->arena->Seal());
       DeviceArena& a = *slot->arena;
       rank.segments.push_back(static_cast<uint32_t>(gen.segments.size()));
-      gen.segments.push_back({Placement::kDevice, a.size(), backend_name, a.device().uuid, a.export_fd(), a.export_handle()});
+      gen.segments.push_back(
+          {Placement::kDevice, a.size(), backend->segment_backend(), a.device().uuid, a.export_fd(), a.export_handle()});
       gen.arenas.push_back(std::move(slot->arena));
     }
     rank.tensors = plan.ranks[r].tensors;

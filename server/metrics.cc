@@ -97,7 +97,7 @@ ModelsSample SampleModels(const std::vector<std::shared_ptr<ModelGeneration>>& m
   for (const auto& m : models) {
     ++s.by_state[StateName(m->state.load())];
     s.leases[m->request.name] += m->leases.load();
-    for (const SegmentInfo& seg : m->segments) {
+    for (const SegmentRecord& seg : m->segments) {
       if (seg.placement == Placement::kDevice) s.device_bytes[seg.gpu_uuid] += seg.size;
     }
   }

@@ -14,6 +14,7 @@
 #include "common/memory/device.h"
 #include "common/format/dtype.h"
 #include "common/memory/host_segment.h"
+#include "common/memory/segment_backend.h"
 
 namespace weightd {
 
@@ -52,13 +53,18 @@ struct TensorRecord {
   uint64_t content_hash = 0;         // of the full checkpoint tensor (see loader.h)
 };
 
-struct SegmentInfo {
+// One segment of a generation as the daemon serves it (the client library's
+// counterpart is weightd::SegmentInfo in client/include/weightd/client.h).
+struct SegmentRecord {
   Placement placement = Placement::kHost;
   uint64_t size = 0;
-  std::string backend;   // "memfd", "emulated", "cuda-vmm", "cuda-legacy-ipc"
+  SegmentBackend backend = SegmentBackend::kMemfd;
   std::string gpu_uuid;  // device segments
   int fd = -1;           // shareable fd (owned by the segment object), or -1
   std::string handle;    // handle bytes for backends that export without an fd
+  // Whether the fd channel sends this segment's fd (else clients import it
+  // from `handle`); SegmentDescriptor.export_kind says the same on the wire.
+  bool exports_fd() const { return fd >= 0; }
 };
 
 struct RankManifest {
@@ -81,7 +87,7 @@ class ModelGeneration {
   std::vector<std::string> warnings;  // the catalog's advisory findings
   std::vector<std::unique_ptr<HostSegment>> host_segments;
   std::vector<std::unique_ptr<DeviceArena>> arenas;  // declared after host_segments: freed first
-  std::vector<SegmentInfo> segments;
+  std::vector<SegmentRecord> segments;
   std::vector<RankManifest> ranks;  // tp_size entries
   std::string fingerprint;          // 32 hex digits
   double load_seconds = 0;

@@ -52,12 +52,13 @@ absl::StatusOr<DeviceBackend*> ClientBackendFor(const std::string& backend_name)
   static std::mutex mu;
   static std::unique_ptr<DeviceBackend> emulated, cuda, legacy;
   std::lock_guard<std::mutex> lock(mu);
-  if (backend_name == "emulated") {
+  absl::StatusOr<SegmentBackend> kind = ParseSegmentBackend(backend_name);
+  if (kind.ok() && *kind == SegmentBackend::kEmulated) {
     if (!emulated) emulated = MakeEmulatedBackend();
     return emulated.get();
   }
-  if (backend_name == "cuda-vmm" || backend_name == "cuda" || backend_name == "cuda-legacy-ipc") {
-    bool is_legacy = backend_name == "cuda-legacy-ipc";
+  if (kind.ok() && (*kind == SegmentBackend::kCudaVmm || *kind == SegmentBackend::kCudaLegacyIpc)) {
+    bool is_legacy = *kind == SegmentBackend::kCudaLegacyIpc;
     std::unique_ptr<DeviceBackend>& slot = is_legacy ? legacy : cuda;
     if (!slot) {
       absl::StatusOr<std::unique_ptr<DeviceBackend>> made = MakeCudaBackend(is_legacy);

@@ -23,6 +23,8 @@
 
 #include "absl/status/statusor.h"
 #include "common/base/scoped_fd.h"
+#include "common/memory/segment_backend.h"
+#include "common/transport/unix_socket.h"
 
 namespace weightd {
 
@@ -73,7 +75,7 @@ class PinnedBuffer {
 // What a client needs to import an arena: from the Attach response, plus the
 // fd received on the fd socket (invalid for handle-exported backends).
 struct ArenaExport {
-  std::string backend;
+  std::string backend;  // a SegmentBackendName (or "cuda", from older daemons)
   std::string gpu_uuid;
   uint64_t size = 0;
   std::string handle;
@@ -101,7 +103,11 @@ class ImportedArena {
 class DeviceBackend {
  public:
   virtual ~DeviceBackend() = default;
-  virtual std::string name() const = 0;  // "cuda", "cuda-legacy-ipc", "emulated"
+  // The kind of segment this backend's arenas are: kCudaVmm (selected with
+  // --device-backend cuda), kCudaLegacyIpc or kEmulated.
+  virtual SegmentBackend segment_backend() const = 0;
+  // Its wire name: "cuda-vmm", "cuda-legacy-ipc", "emulated".
+  std::string name() const { return std::string(SegmentBackendName(segment_backend())); }
   // The backend's GPUs. UNAVAILABLE when none can be used.
   virtual absl::StatusOr<std::vector<DeviceInfo>> Devices() = 0;
   // A zero-filled arena of `size` bytes on `device` (RESOURCE_EXHAUSTED when
@@ -124,7 +130,9 @@ std::unique_ptr<DeviceBackend> MakeEmulatedBackend(int device_count = 8);
 // toolkit, else UNIMPLEMENTED). Every driver symbol is resolved at run time.
 absl::StatusOr<std::unique_ptr<DeviceBackend>> MakeCudaBackend(bool legacy_ipc);
 
-// The backend able to import segments of `backend_name` in a client process.
+// The backend able to import segments of `backend_name` (a wire name, see
+// ParseSegmentBackend) in a client process. Owned by this module; lives for
+// the process. INVALID_ARGUMENT for names that are no device backend.
 absl::StatusOr<DeviceBackend*> ClientBackendFor(const std::string& backend_name);
 
 }  // namespace weightd

@@ -98,7 +98,7 @@ class EmulatedBackend final : public DeviceBackend {
   explicit EmulatedBackend(int count) {
     for (int i = 0; i < count; ++i) devices_.push_back({i, absl::StrCat(kUuidPrefix, i), "emulated", 0});
   }
-  std::string name() const override { return "emulated"; }
+  SegmentBackend segment_backend() const override { return SegmentBackend::kEmulated; }
   absl::StatusOr<std::vector<DeviceInfo>> Devices() override { return devices_; }
 
   absl::StatusOr<std::unique_ptr<DeviceArena>> Allocate(const DeviceInfo& device, uint64_t size) override {

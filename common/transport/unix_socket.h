@@ -13,11 +13,9 @@
 
 #include "absl/status/statusor.h"
 #include "common/base/scoped_fd.h"
+#include "common/transport/fd_channel_codec.h"  // kMaxFdsPerMessage, kMaxMessageBytes
 
 namespace weightd {
-
-inline constexpr size_t kMaxFdsPerMessage = 250;
-inline constexpr size_t kMaxMessageBytes = 4096;
 
 // Binds and listens on a SOCK_SEQPACKET socket at `path` (an existing socket
 // file is replaced) with file mode `mode`.

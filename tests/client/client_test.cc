@@ -110,5 +110,22 @@ TEST_F(ClientTest, EmulatedDeviceTensorsHaveDeviceOrdinalAndSliceBytes) {
   dl->deleter(dl);
 }
 
+TEST_F(ClientTest, SegmentsSayHowTheyAreExported) {
+  testing::WriteFile(d_.models_dir() + "/d.safetensors",
+                     testing::SafetensorsBuilder().Add("norm", "U8", {3}, "xyz").Add("embed", "U8", {2}, "ab").Build());
+  LoadOptions options;
+  options.host_resident_patterns = {"embed"};
+  options.devices = {"GPU-emulated-1"};
+  ASSERT_TRUE(client_->Load("d", "d.safetensors", options).ok());
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(MappedModel model, client_->Attach("d", 0));
+  const std::vector<SegmentInfo>& segments = model.manifest().segments;
+  ASSERT_EQ(segments.size(), 2u);
+  EXPECT_EQ(segments[0].backend, "memfd");
+  EXPECT_TRUE(segments[0].fd_attached);
+  EXPECT_EQ(segments[1].backend, "emulated");
+  EXPECT_TRUE(segments[1].fd_attached);
+  EXPECT_EQ(segments[1].gpu_uuid, "GPU-emulated-1");
+}
+
 }  // namespace
 }  // namespace weightd

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import weightd
+from weightd import _fdsock
 from conftest import MALFORMED_FILE, REAL_CHECKPOINTS, Daemon, read_safetensors, real_checkpoint_cases, require_shared
 from conftest import write_safetensors
 
@@ -313,6 +314,50 @@ def test_refused_fd_socket_connection_raises_the_daemons_reason(tmp_path, demo_s
     finally:
         holder.close()
         assert d.stop() == 0, d.log.read_text()
+
+
+def test_fd_channel_grammar_reads_every_message_kind():
+    """The grammar of docs/api.md ("The fd channel"), as common/transport/fd_channel_codec.h parses it."""
+    parse = _fdsock.parse_message
+    assert parse("CLAIM 0123456789abcdef0123456789abcdef") == ("CLAIM", "0123456789abcdef0123456789abcdef")
+    assert parse("OK 251") == ("OK", 251)
+    assert parse("OK 1048576") == ("OK", 1048576)
+    assert parse("MORE") == ("MORE", None)
+    assert parse("ERR 5 unknown or expired lease id") == ("ERR", (5, "unknown or expired lease id"))
+    assert parse("ERR 16") == ("ERR", (16, ""))
+    assert parse("ERR 3 " + "n" * 4076 + "...[truncated]") == ("ERR", (3, "n" * 4076 + "...[truncated]"))
+
+
+@pytest.mark.parametrize("payload", [
+    "", "HELLO", "CLAIM", "CLAIM ", "claim x", "OK", "OK ", "OK x", "OK -1", "OK +1", "OK 1 ", "OK \u00b2",
+    "OK 99999999999", "OK 1048577", "MORE ", "MORE 1", "ERR", "ERR ", "ERR abc msg", "ERR 0 ok is no error",
+    "ERR 17 beyond the codes", "ERR -5 x", "ERR  5 x", "ERR 3 " + "x" * 4096])
+def test_fd_channel_grammar_refuses_what_it_does_not_produce(payload):
+    with pytest.raises(ValueError):
+        _fdsock.parse_message(payload)
+
+
+def test_fd_socket_claim_of_an_unknown_lease_raises_the_daemons_reason(daemon):
+    with pytest.raises(weightd.WeightdError) as e:
+        _fdsock.claim(str(daemon.root / "weightd.fd.sock"), "0123456789abcdef0123456789abcdef", 5)
+    assert (e.value.code, e.value.message) == (grpc.StatusCode.NOT_FOUND, "fd socket: unknown or expired lease id")
+
+
+def test_daemon_answers_a_malformed_claim_in_the_grammar(daemon):
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+        sock.settimeout(5)
+        sock.connect(str(daemon.root / "weightd.fd.sock"))
+        sock.send(b"CLAIM")
+        assert _fdsock.parse_message(sock.recv(4096).decode()) == ("ERR", (3, "expected 'CLAIM <lease_id>'"))
+
+
+def test_segments_say_whether_their_fd_comes_on_the_fd_socket(emulated_daemon, demo_small):
+    client = emulated_daemon.client
+    client.load("demo-export", demo_small, host_resident=["embed_tokens"], devices=["0"])
+    segments = client.manifest("demo-export").segments
+    assert [(s.placement, s.backend, s.fd_attached) for s in segments] == [
+        ("host", "memfd", True), ("device", "emulated", True)]
+    client.unload("demo-export")
 
 
 def test_malformed_checkpoint_is_invalid_argument(daemon):

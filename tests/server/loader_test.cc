@@ -92,7 +92,7 @@ TEST_F(LoaderTest, HostSegmentHoldsFileBytesAndHashesMatch) {
   const HostSegment& segment = *gen->host_segments[0];
   EXPECT_TRUE(segment.sealed());
   EXPECT_EQ(gen->tensor_count, 41u);
-  EXPECT_EQ(gen->segments.at(0).backend, "memfd");
+  EXPECT_EQ(SegmentBackendName(gen->segments.at(0).backend), "memfd");
   EXPECT_EQ(gen->segments.at(0).fd, segment.fd());
   const std::vector<TensorRecord>& records = gen->ranks.at(0).tensors;
   ASSERT_EQ(records.size(), 41u);

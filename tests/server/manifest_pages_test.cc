@@ -14,7 +14,7 @@ std::unique_ptr<ModelGeneration> Model(size_t count, size_t name_bytes) {
   m->request.name = "m";
   m->generation = 3;
   m->fingerprint = std::string(32, 'f');
-  m->segments.push_back({Placement::kHost, 4 * count, "memfd", "", -1, ""});
+  m->segments.push_back({Placement::kHost, 4 * count, SegmentBackend::kMemfd, "", -1, ""});
   m->ranks.resize(1);
   m->ranks[0].segments = {0};
   for (size_t i = 0; i < count; ++i) {

@@ -189,8 +189,8 @@ std::shared_ptr<ModelGeneration> Generation(const std::string& name, ModelState 
   m->request.name = name;
   m->state = state;
   m->leases = leases;
-  m->segments.push_back({Placement::kHost, 4096, "memfd", "", -1, ""});
-  for (const auto& [uuid, size] : device_segments) m->segments.push_back({Placement::kDevice, size, "emulated", uuid, -1, ""});
+  m->segments.push_back({Placement::kHost, 4096, SegmentBackend::kMemfd, "", -1, ""});
+  for (const auto& [uuid, size] : device_segments) m->segments.push_back({Placement::kDevice, size, SegmentBackend::kEmulated, uuid, -1, ""});
   return m;
 }
 

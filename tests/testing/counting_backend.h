@@ -24,7 +24,7 @@ class CountingBackend final : public DeviceBackend {
   CountingBackend() : CountingBackend(Options{}) {}
   explicit CountingBackend(Options options) : options_(options), inner_(MakeEmulatedBackend(options.devices)) {}
 
-  std::string name() const override { return "emulated"; }
+  SegmentBackend segment_backend() const override { return SegmentBackend::kEmulated; }
   absl::StatusOr<std::vector<DeviceInfo>> Devices() override { return inner_->Devices(); }
   absl::StatusOr<std::unique_ptr<DeviceArena>> Allocate(const DeviceInfo& d, uint64_t size) override {
     if (allocations_++ == options_.fail_allocation) return absl::ResourceExhaustedError("out of device memory (injected)");

@@ -46,12 +46,17 @@ struct TensorInfo {
   std::string content_hash;          // 16 hex digits, of the full checkpoint tensor
 };
 
+// One segment of a rank's manifest (the daemon's counterpart is
+// SegmentRecord in server/model.h).
 struct SegmentInfo {
   Location location = Location::kHost;
   uint64_t size = 0;
   std::string backend;   // "memfd", "emulated", "cuda-vmm", "cuda-legacy-ipc"
   std::string gpu_uuid;
   std::string handle;    // cuda-legacy-ipc: cudaIpcMemHandle_t bytes
+  // Whether its fd arrives on the fd socket (SegmentDescriptor.export_kind
+  // EXPORT_FD); false: imported from `handle`.
+  bool fd_attached = true;
 };
 
 struct Manifest {

@@ -128,7 +128,8 @@ class Segment {
     segment->size_ = size;
     segment->base_ = static_cast<char*>(const_cast<void*>((*arena)->device_pointer()));
     // Emulated device memory is host memory; real device memory is kDLCUDA.
-    segment->device_ = backend == "emulated" ? DLDevice{kDLCPU, 0} : DLDevice{kDLCUDA, (*arena)->device_ordinal()};
+    bool emulated = (*importer)->segment_backend() == weightd::SegmentBackend::kEmulated;
+    segment->device_ = emulated ? DLDevice{kDLCPU, 0} : DLDevice{kDLCUDA, (*arena)->device_ordinal()};
     segment->arena_ = std::move(*arena);
     return segment;
   }

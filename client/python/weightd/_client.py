@@ -13,9 +13,6 @@ from .v1 import weightd_pb2 as pb
 from .v1 import weightd_pb2_grpc as pb_grpc
 
 DEFAULT_SOCKET = "/run/weightd/weightd.sock"
-# Backends whose segments are memfds this process can map (the emulated
-# device arena is memfd-backed too).
-_MAPPABLE_BACKENDS = ("memfd", "")  # host segments; device arenas are imported
 
 
 def connect(socket_path=None):
@@ -136,11 +133,15 @@ class Client:
             pass  # the unclaimed lease expires on its own
 
 
+def _fd_attached(descriptor):
+    return descriptor.export_kind == pb.SegmentDescriptor.EXPORT_FD
+
+
 def _map_segments(response, fds):
     """Maps each segment: host segments read-only with mmap, device arenas
     imported with the backend that exported them. `fds` come in segment
-    order, skipping handle-exported (cuda-legacy-ipc) arenas."""
-    with_fd = [d for d in response.segments if d.backend != "cuda-legacy-ipc"]
+    order, one per segment whose export_kind is EXPORT_FD."""
+    with_fd = [d for d in response.segments if _fd_attached(d)]
     if len(fds) != len(with_fd):
         raise WeightdError(grpc.StatusCode.INTERNAL,
                            f"received {len(fds)} segment fds for {len(with_fd)} fd-exported segments")
@@ -148,12 +149,11 @@ def _map_segments(response, fds):
     try:
         for i, d in enumerate(response.segments):
             try:
-                if d.backend in _MAPPABLE_BACKENDS:
-                    segments.append(Segment(next(next_fd), d.size))
-                elif d.backend == "cuda-legacy-ipc":
-                    segments.append(Segment.import_device(d.backend, d.gpu_uuid, d.size, d.ipc_handle, -1))
+                fd = next(next_fd) if _fd_attached(d) else -1
+                if d.placement != pb.DEVICE:
+                    segments.append(Segment(fd, d.size))
                 else:
-                    segments.append(Segment.import_device(d.backend, d.gpu_uuid, d.size, b"", next(next_fd)))
+                    segments.append(Segment.import_device(d.backend, d.gpu_uuid, d.size, d.ipc_handle, fd))
             except RuntimeError as e:
                 raise WeightdError(grpc.StatusCode.UNAVAILABLE,
                                    f"segment {i} of model {response.model!r} ({d.backend} on {d.gpu_uuid}): {e}") from None

@@ -1,18 +1,42 @@
 """The fd-socket side of a lease (see server/fd_channel.h), in pure Python.
 
+The messages follow the grammar of docs/api.md ("The fd channel"), which
+common/transport/fd_channel_codec.h implements for the daemon and the C++ client:
 client -> daemon "CLAIM <lease_id>"; daemon -> client "OK <n>" with the first
 fds as SCM_RIGHTS, then "MORE" messages with the rest, or "ERR <code> <msg>".
 The connection is the lease: it ends when the socket is closed.
 """
 import array
 import os
+import re
 import socket
 
 from ._errors import WeightdError
 
 _MAX_MESSAGE = 4096
 _MAX_FDS_PER_MESSAGE = 250
+_MAX_FDS_PER_CLAIM = 1 << 20
 _ANCILLARY_SPACE = socket.CMSG_SPACE(_MAX_FDS_PER_MESSAGE * array.array("i").itemsize)
+_OK = re.compile(r"OK ([0-9]{1,20})", re.ASCII)
+_ERR = re.compile(r"ERR ([0-9]{1,20})(?: (.*))?", re.ASCII | re.DOTALL)
+
+
+def parse_message(payload):
+    """One fd-channel message: ("CLAIM", lease_id), ("OK", n), ("MORE", None)
+    or ("ERR", (code, message)). Raises ValueError for anything the grammar
+    does not produce (as ParseFdChannelMessage refuses it)."""
+    if len(payload.encode("utf-8", "surrogateescape")) > _MAX_MESSAGE:
+        raise ValueError(f"fd-channel message over {_MAX_MESSAGE} bytes")
+    if payload == "MORE":
+        return "MORE", None
+    ok, err = _OK.fullmatch(payload), _ERR.fullmatch(payload)
+    if ok and int(ok.group(1)) <= _MAX_FDS_PER_CLAIM:
+        return "OK", int(ok.group(1))
+    if err and 1 <= int(err.group(1)) <= 16:
+        return "ERR", (int(err.group(1)), err.group(2) or "")
+    if payload.startswith("CLAIM ") and len(payload) > len("CLAIM "):
+        return "CLAIM", payload[len("CLAIM "):]
+    raise ValueError(f"malformed fd-channel message {payload[:64]!r}")
 
 
 def _receive(sock, fds):
@@ -46,23 +70,10 @@ def claim(path, lease_id, timeout_seconds):
         except OSError as e:
             raise WeightdError.from_number(14, f"fd socket {path}: {e.strerror or e}") from e
         try:
-            reply = _send_claim(sock, lease_id, fds)
-            more = []
-            while len(fds) < _announced(reply):
-                before = len(fds)
-                more.append(_receive(sock, fds))
-                if len(fds) == before:
-                    break  # reported below as a count mismatch
+            expected = _announced(_send_claim(sock, lease_id, fds))
+            _receive_more(sock, fds, expected)
         except OSError as e:  # includes the timeout
             raise WeightdError.from_number(14, f"fd socket {path}: claiming lease: {e.strerror or e}") from e
-        if reply.startswith("ERR "):
-            code, _, message = reply[4:].partition(" ")
-            raise WeightdError.from_number(int(code) if code.isdigit() else 2, f"fd socket: {message}")
-        expected = _announced(reply)
-        if expected < 0:
-            raise WeightdError.from_number(13, f"fd socket: unexpected reply {reply!r}")
-        if any(m != "MORE" for m in more):
-            raise WeightdError.from_number(13, "fd socket: expected MORE")
         if len(fds) != expected:
             raise WeightdError.from_number(13, f"fd socket: received {len(fds)} fds, {expected} announced")
         sock.settimeout(None)
@@ -99,12 +110,37 @@ def _queued_reply(sock, fds):
         reply = _receive(sock, fds)
     except (OSError, WeightdError):
         return None
-    return reply if reply.startswith("ERR ") else None
+    return reply if _kind(reply) == "ERR" else None
+
+
+def _kind(message):
+    try:
+        return parse_message(message)[0]
+    except ValueError:
+        return None
 
 
 def _announced(reply):
-    """The fd count of an "OK <n>" reply, -1 for anything else."""
-    return int(reply[3:]) if reply.startswith("OK ") and reply[3:].isdigit() else -1
+    """The fd count of an "OK <n>" reply; raises the daemon's error for "ERR"."""
+    try:
+        kind, value = parse_message(reply)
+    except ValueError:
+        kind, value = None, None
+    if kind == "ERR":
+        raise WeightdError.from_number(value[0], f"fd socket: {value[1]}")
+    if kind != "OK":
+        raise WeightdError.from_number(13, f"fd socket: unexpected reply {reply!r}")
+    return value
+
+
+def _receive_more(sock, fds, expected):
+    """Receives "MORE" messages until `expected` fds have arrived (or one brings none)."""
+    while len(fds) < expected:
+        before = len(fds)
+        if _kind(_receive(sock, fds)) != "MORE":
+            raise WeightdError.from_number(13, "fd socket: expected MORE")
+        if len(fds) == before:
+            break  # reported by the caller as a count mismatch
 
 
 def _close_quietly(fd):

@@ -84,11 +84,13 @@ class SegmentInfo:
     size: int
     backend: str  # "memfd", "emulated", "cuda-vmm", "cuda-legacy-ipc"
     gpu_uuid: str = ""
+    fd_attached: bool = True  # its fd arrives on the fd socket; False: imported from handle bytes
 
     @classmethod
     def from_proto(cls, s):
         return cls(placement="device" if s.placement == pb.DEVICE else "host", size=s.size,
-                   backend=s.backend, gpu_uuid=s.gpu_uuid)
+                   backend=s.backend, gpu_uuid=s.gpu_uuid,
+                   fd_attached=s.export_kind == pb.SegmentDescriptor.EXPORT_FD)
 
 
 @dataclass(frozen=True)

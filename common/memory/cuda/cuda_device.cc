@@ -1,4 +1,5 @@
-// The CUDA device backends: "cuda" (VMM arenas exported as POSIX fds) and
+// The CUDA device backends: "cuda-vmm" (VMM arenas exported as POSIX fds,
+// --device-backend cuda) and
 // "cuda-legacy-ipc" (cuMemAlloc arenas exported as cuIpcMemHandle bytes).
 // This file holds what both share: GPUs enumerated by UUID, one retained
 // primary context per GPU, pinned staging buffers and the factory. The arenas
@@ -129,7 +130,9 @@ class CudaBackend final : public DeviceBackend {
   CudaBackend(const CudaDriver& driver, bool legacy_ipc, std::vector<CudaDevice> devices)
       : driver_(driver), legacy_ipc_(legacy_ipc), devices_(std::move(devices)) {}
 
-  std::string name() const override { return legacy_ipc_ ? "cuda-legacy-ipc" : "cuda"; }
+  SegmentBackend segment_backend() const override {
+    return legacy_ipc_ ? SegmentBackend::kCudaLegacyIpc : SegmentBackend::kCudaVmm;
+  }
 
   absl::StatusOr<std::vector<DeviceInfo>> Devices() override {
     std::vector<DeviceInfo> out;
@@ -160,8 +163,8 @@ class CudaBackend final : public DeviceBackend {
   }
 
   absl::StatusOr<std::unique_ptr<ImportedArena>> Import(ArenaExport exported) override {
-    bool vmm_name = exported.backend == "cuda" || exported.backend == "cuda-vmm";
-    if (!exported.backend.empty() && (legacy_ipc_ ? exported.backend != "cuda-legacy-ipc" : !vmm_name)) {
+    absl::StatusOr<SegmentBackend> kind = ParseSegmentBackend(exported.backend);
+    if (!exported.backend.empty() && (!kind.ok() || *kind != segment_backend())) {
       return absl::InvalidArgumentError(
           absl::StrCat("a '", exported.backend, "' arena cannot be imported by the ", name(), " backend"));
     }
