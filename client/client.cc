@@ -51,6 +51,9 @@ ModelSummary FromProto(const v1::ModelInfo& m) {
   s.tp_size = m.tp_size();
   s.load_seconds = m.load_seconds();
   s.warnings.assign(m.warnings().begin(), m.warnings().end());
+  s.bytes_done = m.bytes_done();
+  s.bytes_total = m.bytes_total();
+  s.error = m.error();
   return s;
 }
 

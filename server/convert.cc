@@ -60,6 +60,9 @@ void ToProto(const ModelGeneration& m, v1::ModelInfo* out) {
   out->set_tensor_count(static_cast<uint32_t>(m.tensor_count));
   out->set_tp_size(m.request.tp_size);
   out->set_load_seconds(m.load_seconds);
+  out->set_error(m.error);
+  out->set_bytes_done(m.bytes_done.load());
+  out->set_bytes_total(m.bytes_total.load());
 }
 
 void ToProto(const TensorRecord& t, v1::TensorEntry* out) {

@@ -8,7 +8,6 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <map>
 #include <thread>
 
@@ -19,6 +18,8 @@
 #include "common/io/model_roots.h"
 #include "common/base/status.h"
 #include "common/transport/unix_socket.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "server/fd_channel.h"
 #include "server/grpc_acceptor.h"
 #include "server/grpc_limits.h"
@@ -40,13 +41,13 @@ namespace {
 class DaemonListener final : public RegistryListener {
  public:
   void AddServer(grpc::Server* server) {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     servers_.push_back(server);
     for (const auto& [name, serving] : serving_) server->GetHealthCheckService()->SetServingStatus(name, serving);
   }
 
   void OnModelServing(const std::string& name, bool serving) override {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     serving_[name] = serving;
     for (grpc::Server* server : servers_) server->GetHealthCheckService()->SetServingStatus(name, serving);
   }
@@ -69,9 +70,9 @@ class DaemonListener final : public RegistryListener {
   }
 
  private:
-  std::mutex mu_;
-  std::vector<grpc::Server*> servers_;
-  std::map<std::string, bool> serving_;
+  absl::Mutex mu_;
+  std::vector<grpc::Server*> servers_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, bool> serving_ ABSL_GUARDED_BY(mu_);
   std::atomic<bool> warned_memlock_{false};
 };
 
@@ -165,9 +166,8 @@ class DaemonImpl final : public Daemon {
     if (shut_down_.exchange(true)) return;
     sd_notify(0, "STOPPING=1");
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      absl::MutexLock lock(&mu_);
       stopping_ = true;
-      cv_.notify_all();
     }
     if (registry_) registry_->CancelLoads();  // a load in flight ends now with UNAVAILABLE
     if (self_check_thread_.joinable()) self_check_thread_.join();
@@ -210,7 +210,7 @@ class DaemonImpl final : public Daemon {
 
   absl::Status StartMetrics() {
     WEIGHTD_ASSIGN_OR_RETURN(metrics_, PrometheusMetrics::Create({config_.metrics_address, WEIGHTD_VERSION,
-                                                                  [this] { return SampleModels(registry_->List()); }}));
+                                                                  [this] { return SampleModels(registry_->ListAll()); }}));
     metrics_listener_ = std::make_unique<MetricsListener>(metrics_.get());
     listeners_.Add(metrics_listener_.get());
     if (metrics_->port() != 0) {
@@ -279,12 +279,12 @@ class DaemonImpl final : public Daemon {
 
   // Waits `d`; true when the daemon is stopping.
   bool WaitOrStop(std::chrono::duration<double> d) {
-    std::unique_lock<std::mutex> lock(mu_);
-    return cv_.wait_for(lock, d, [this] { return stopping_; });
+    absl::MutexLock lock(&mu_);
+    return mu_.AwaitWithTimeout(absl::Condition(&stopping_), absl::Seconds(d.count()));
   }
 
   bool Stopping() {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     return stopping_;
   }
 
@@ -304,9 +304,8 @@ class DaemonImpl final : public Daemon {
   std::unique_ptr<TcpListener> tcp_listener_;
   std::unique_ptr<HealthPort> health_port_;
   std::thread preload_thread_, self_check_thread_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool stopping_ = false;
+  absl::Mutex mu_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::atomic<bool> shut_down_{false};
 };
 

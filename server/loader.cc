@@ -4,14 +4,14 @@
 
 #include <algorithm>
 #include <chrono>
-#include <condition_variable>
-#include <mutex>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/base/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "server/reader.h"
 
 namespace weightd {
@@ -33,10 +33,11 @@ struct ReadTask {
   uint32_t block;  // index of the block within its tensor
 };
 
-// A device arena and the lock that serialises copies into it.
+// A device arena and the lock that serialises copies into it (fences and
+// sealing are safe without it).
 struct ArenaSlot {
   std::unique_ptr<DeviceArena> arena;
-  std::mutex mu;
+  absl::Mutex mu;
 };
 
 // A pinned staging buffer and the fences of the copies still reading it.
@@ -127,7 +128,7 @@ absl::Status CopyBlockToRanks(const TensorPlan& tp, uint64_t b0, uint64_t b1, co
                               Allocation& a, Staging& staging) {
   for (size_t r = 0; r < tp.ranks.size(); ++r) {
     ArenaSlot& slot = *a.arenas[r][tp.ranks[r].arena];
-    std::lock_guard<std::mutex> lock(slot.mu);
+    absl::MutexLock lock(&slot.mu);
     uint64_t base = tp.ranks[r].offset;
     if (tp.split_dim < 0) {
       WEIGHTD_RETURN_IF_ERROR(slot.arena->CopyFromHost(base + b0, 0, src, 0, b1 - b0, 1));
@@ -184,32 +185,37 @@ class ReadJob {
 
   // Blocks until every worker returned; reports progress meanwhile.
   absl::Status Run(int threads, DeviceBackend* backend, const std::function<void(uint64_t, uint32_t)>& report) {
+    threads_ = threads;
     std::vector<std::thread> workers;
     for (int i = 0; i < threads; ++i) {
-      workers.emplace_back([this, backend] {
-        absl::Status status = Work(backend);
-        std::lock_guard<std::mutex> lock(mu_);
-        if (!status.ok() && error_.ok()) error_ = status;
-        ++finished_;
-        cv_.notify_all();
-      });
+      workers.emplace_back([this, backend] { Finished(Work(backend)); });
     }
-    std::unique_lock<std::mutex> lock(mu_);
-    while (finished_ < threads) {
-      cv_.wait_for(lock, std::chrono::milliseconds(100));
-      lock.unlock();
+    for (bool all = false; !all;) {
+      all = AwaitAllFinished(absl::Milliseconds(100));
       report(bytes_done_.load(), files_done_.load());
-      lock.lock();
     }
-    lock.unlock();
     for (std::thread& w : workers) w.join();
     report(bytes_done_.load(), files_done_.load());  // the final state, however slow the callback
+    absl::MutexLock lock(&mu_);
     return error_;
   }
 
   void set_cancel(const std::atomic<bool>* cancel) { cancel_ = cancel; }
 
  private:
+  // A worker returned `status`; the first error is the job's.
+  void Finished(absl::Status status) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    if (!status.ok() && error_.ok()) error_ = status;
+    ++finished_;
+  }
+  // Whether every worker returned within `timeout`.
+  bool AwaitAllFinished(absl::Duration timeout) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    return mu_.AwaitWithTimeout(absl::Condition(this, &ReadJob::AllFinished), timeout);
+  }
+  bool AllFinished() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return finished_ == threads_; }
+
   absl::Status Work(DeviceBackend* backend) {
     Staging staging[2];
     // On every exit, wait for copies still reading a staging buffer before it is freed.
@@ -309,10 +315,10 @@ class ReadJob {
   std::atomic<uint32_t> files_done_{0};
   const std::atomic<bool>* cancel_ = nullptr;
   std::atomic<bool> failed_{false};
-  std::mutex mu_;
-  std::condition_variable cv_;
-  int finished_ = 0;
-  absl::Status error_;
+  int threads_ = 0;  // set before the workers start
+  absl::Mutex mu_;
+  int finished_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Status error_ ABSL_GUARDED_BY(mu_);
 };
 
 uint64_t CombineBlockHashes(const std::vector<uint64_t>& blocks) {

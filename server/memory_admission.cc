@@ -31,7 +31,7 @@ absl::StatusOr<HostMemoryAdmission::Reservation> HostMemoryAdmission::Reserve(co
   if (bytes == 0) return Reservation();
   // The probe runs under the lock: two loads admitted at once must not both
   // count the same free memory.
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   absl::StatusOr<HostMemoryBudget> budget = probe_();
   if (!budget.ok()) {
     LogWarning(absl::StrCat("load of '", model, "': host memory admission skipped: ", budget.status().message()));
@@ -49,12 +49,12 @@ absl::StatusOr<HostMemoryAdmission::Reservation> HostMemoryAdmission::Reserve(co
 }
 
 uint64_t HostMemoryAdmission::promised() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return promised_;
 }
 
 void HostMemoryAdmission::Release(uint64_t bytes) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   promised_ -= bytes;
 }
 

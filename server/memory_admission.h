@@ -16,11 +16,12 @@
 
 #include <cstdint>
 #include <functional>
-#include <mutex>
 #include <string>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "common/io/host_memory.h"
+#include "absl/synchronization/mutex.h"
 
 namespace weightd {
 
@@ -59,11 +60,11 @@ class HostMemoryAdmission {
   uint64_t promised() const;
 
  private:
-  void Release(uint64_t bytes);
+  void Release(uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
 
   Probe probe_;
-  mutable std::mutex mu_;
-  uint64_t promised_ = 0;  // guarded by mu_
+  mutable absl::Mutex mu_;
+  uint64_t promised_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace weightd

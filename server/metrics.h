@@ -46,7 +46,7 @@ struct ModelsSample {
   std::map<std::string, uint64_t> device_bytes;    // GPU UUID -> bytes
   std::map<std::string, int> leases;               // model name -> leases over all its generations
 };
-// Builds the sample from ModelRegistry::List().
+// Builds the sample from ModelRegistry::ListAll().
 ModelsSample SampleModels(const std::vector<std::shared_ptr<ModelGeneration>>& models);
 using ModelsSampler = std::function<ModelsSample()>;
 

@@ -1,6 +1,8 @@
 // A model generation: one load of a model name, with its segments and the
 // manifest of each tensor-parallel rank. Immutable once READY; its memory
 // lives exactly as long as the last shared_ptr to it (registry entry or lease).
+// The registry also keeps records of loads in flight (LOADING) and failed
+// (FAILED) as ModelGenerations without segments and with generation 0.
 #ifndef WEIGHTD_SERVER_MODEL_H_
 #define WEIGHTD_SERVER_MODEL_H_
 
@@ -103,6 +105,13 @@ class ModelGeneration {
 
   std::atomic<ModelState> state{ModelState::kLoading};
   std::atomic<int> leases{0};
+
+  // A LOADING record's progress: tensor bytes read so far, and in all (the
+  // catalog's; 0 until it is built). A FAILED record keeps those it reached.
+  std::atomic<uint64_t> bytes_done{0};
+  std::atomic<uint64_t> bytes_total{0};
+  // A FAILED record's reason, "CODE: message"; set before it is shared.
+  std::string error;
 };
 
 }  // namespace weightd

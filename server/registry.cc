@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <random>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -22,10 +23,34 @@ bool HasHandleExportedArenas(const ModelGeneration& model) {
 }
 
 std::string NewLeaseId() {
-  static std::mutex mu;
-  static std::random_device device;
-  std::lock_guard<std::mutex> lock(mu);
+  static absl::Mutex mu(absl::kConstInit);
+  static std::random_device device ABSL_GUARDED_BY(mu);
+  absl::MutexLock lock(&mu);
   return absl::StrFormat("%08x%08x%08x%08x", device(), device(), device(), device());
+}
+
+// "CODE: message", without the status's payloads.
+std::string ErrorText(const absl::Status& status) {
+  return absl::StrCat(absl::StatusCodeToString(status.code()), ": ", status.message());
+}
+
+// The FAILED record of a load that failed with `error` after `loading` (its
+// LOADING record) had got this far.
+std::shared_ptr<ModelGeneration> FailedRecord(const ModelGeneration& loading, const absl::Status& error) {
+  auto failed = std::make_shared<ModelGeneration>();
+  failed->request = loading.request;
+  failed->bytes_done = loading.bytes_done.load();
+  failed->bytes_total = loading.bytes_total.load();
+  failed->error = ErrorText(error);
+  failed->state = ModelState::kFailed;
+  return failed;
+}
+
+// Erases `name` from `records` if it maps to `record`.
+void EraseRecord(std::map<std::string, std::shared_ptr<ModelGeneration>>& records, const std::string& name,
+                 const ModelGeneration* record) {
+  auto it = records.find(name);
+  if (it != records.end() && it->second.get() == record) records.erase(it);
 }
 
 }  // namespace
@@ -108,51 +133,70 @@ absl::StatusOr<ModelRegistry::LoadResult> ModelRegistry::Load(LoadRequest reques
   WEIGHTD_RETURN_IF_ERROR(ValidateModelName(request.name));
   if (request.tp_size == 0) request.tp_size = 1;
   WEIGHTD_ASSIGN_OR_RETURN(request.checkpoint_path, ResolvePath(request.checkpoint_path));
+  auto record = std::make_shared<ModelGeneration>();  // LOADING
+  record->request = request;
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!loading_.insert(request.name).second) {
+    absl::MutexLock lock(&mu_);
+    if (!loading_.emplace(request.name, record).second) {
       return absl::AlreadyExistsError(absl::StrCat("model '", request.name, "' is already being loaded"));
     }
   }
-  auto done_loading = [&] {
-    std::lock_guard<std::mutex> lock(mu_);
-    loading_.erase(request.name);
+  bool accepted = false;  // the plan was accepted: a failure from here on leaves a FAILED record
+  absl::Status failure;
+  absl::Cleanup end_load = [&] { EndLoad(request, *record, failure, accepted); };
+  auto fail = [&failure](absl::Status status) {
+    failure = status;
+    return status;
   };
   if (progress) progress(LoadProgress{});
   absl::StatusOr<Catalog> catalog = BuildCatalog(request.checkpoint_path, CatalogOptions{&env(), options_.model_roots});
-  if (!catalog.ok()) {
-    done_loading();
-    if (listener_) listener_->OnLoadFailed(request, catalog.status());
-    return catalog.status();
-  }
+  if (!catalog.ok()) return fail(catalog.status());
+  record->bytes_total = catalog->total_bytes();
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     if (std::shared_ptr<ModelGeneration> same = Reusable(request, *catalog)) {
       loading_.erase(request.name);
+      failed_.erase(request.name);
       return LoadResult{same, true};
     }
   }
-  absl::StatusOr<std::unique_ptr<ModelGeneration>> loaded =
-      LoadGeneration(*catalog, request, options_.loader, progress);
-  std::lock_guard<std::mutex> lock(mu_);
-  loading_.erase(request.name);
-  if (!loaded.ok()) {
-    if (listener_) listener_->OnLoadFailed(request, loaded.status());
-    return loaded.status();
-  }
-  std::shared_ptr<ModelGeneration> model = std::move(*loaded);
-  model->warnings = catalog->warnings;
+  ProgressFn track = [&](const LoadProgress& p) {
+    accepted = accepted || p.phase >= LoadProgress::Phase::kAllocate;
+    record->bytes_done = p.bytes_done;
+    if (progress) progress(p);
+  };
+  absl::StatusOr<std::unique_ptr<ModelGeneration>> loaded = LoadGeneration(*catalog, request, options_.loader, track);
+  if (!loaded.ok()) return fail(loaded.status());
+  return Publish(std::move(*loaded), *catalog);
+}
+
+ModelRegistry::LoadResult ModelRegistry::Publish(std::unique_ptr<ModelGeneration> loaded, const Catalog& catalog) {
+  absl::MutexLock lock(&mu_);
+  std::shared_ptr<ModelGeneration> model = std::move(loaded);
+  const std::string& name = model->request.name;
+  model->warnings = catalog.warnings;
   model->generation = next_generation_++;
   model->state = ModelState::kReady;
-  auto it = current_.find(request.name);
+  loading_.erase(name);  // one load of a name at a time: this load's record
+  failed_.erase(name);
+  auto it = current_.find(name);
   if (it != current_.end()) Retire(std::move(it->second));
-  current_[request.name] = model;
+  current_[name] = model;
   if (listener_) {
-    listener_->OnLoadFinished(*model, catalog->total_bytes(), model->load_seconds);
-    listener_->OnModelServing(request.name, true);
+    listener_->OnLoadFinished(*model, catalog.total_bytes(), model->load_seconds);
+    listener_->OnModelServing(name, true);
   }
   NotifyMemory();
   return LoadResult{model, false};
+}
+
+void ModelRegistry::EndLoad(const LoadRequest& request, const ModelGeneration& record, const absl::Status& failure,
+                            bool accepted) {
+  absl::MutexLock lock(&mu_);
+  EraseRecord(loading_, request.name, &record);
+  if (failure.ok()) return;
+  if (accepted) failed_[request.name] = FailedRecord(record, failure);
+  if (listener_) listener_->OnLoadFailed(request, failure);
 }
 
 void ModelRegistry::Retire(std::shared_ptr<ModelGeneration> model) {
@@ -165,9 +209,14 @@ void ModelRegistry::Retire(std::shared_ptr<ModelGeneration> model) {
 
 absl::StatusOr<ModelRegistry::UnloadResult> ModelRegistry::Unload(const std::string& name, bool force) {
   WEIGHTD_RETURN_IF_ERROR(ValidateModelName(name));  // before any message echoes it
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
+  std::shared_ptr<ModelGeneration> failed;
+  if (auto f = failed_.find(name); f != failed_.end()) {
+    failed = std::move(f->second);
+    failed_.erase(f);
+  }
   auto it = current_.find(name);
-  if (it == current_.end()) return UnloadDraining(name, force);
+  if (it == current_.end()) return UnloadDraining(name, force, std::move(failed));
   std::shared_ptr<ModelGeneration> model = std::move(it->second);
   current_.erase(it);
   if (listener_) listener_->OnModelServing(name, false);
@@ -180,9 +229,13 @@ absl::StatusOr<ModelRegistry::UnloadResult> ModelRegistry::Unload(const std::str
   return UnloadResult{model, freed};
 }
 
-absl::StatusOr<ModelRegistry::UnloadResult> ModelRegistry::UnloadDraining(const std::string& name, bool force) {
+absl::StatusOr<ModelRegistry::UnloadResult> ModelRegistry::UnloadDraining(const std::string& name, bool force,
+                                                                           std::shared_ptr<ModelGeneration> failed) {
   auto draining = std::find_if(draining_.begin(), draining_.end(), [&](auto& m) { return m->request.name == name; });
-  if (draining == draining_.end()) return absl::NotFoundError(absl::StrCat("no model named '", name, "'"));
+  if (draining == draining_.end()) {
+    if (failed != nullptr) return UnloadResult{std::move(failed), true};  // a record holds no memory
+    return absl::NotFoundError(absl::StrCat("no model named '", name, "'"));
+  }
   std::shared_ptr<ModelGeneration> model = *draining;  // the oldest draining generation of the name
   if (force) {
     DropLeasesOf(name);
@@ -192,20 +245,30 @@ absl::StatusOr<ModelRegistry::UnloadResult> ModelRegistry::UnloadDraining(const 
 }
 
 std::vector<std::shared_ptr<ModelGeneration>> ModelRegistry::List() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   std::vector<std::shared_ptr<ModelGeneration>> out;
   for (const auto& [name, model] : current_) out.push_back(model);
   out.insert(out.end(), draining_.begin(), draining_.end());
   return out;
 }
 
+std::vector<std::shared_ptr<ModelGeneration>> ModelRegistry::ListAll() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::shared_ptr<ModelGeneration>> out;
+  for (const auto& [name, model] : current_) out.push_back(model);
+  for (const auto& [name, record] : loading_) out.push_back(record);
+  for (const auto& [name, record] : failed_) out.push_back(record);
+  out.insert(out.end(), draining_.begin(), draining_.end());
+  return out;
+}
+
 absl::StatusOr<std::shared_ptr<ModelGeneration>> ModelRegistry::Get(const std::string& name) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return GetLocked(name);
 }
 
 absl::StatusOr<std::shared_ptr<ModelGeneration>> ModelRegistry::GetRank(const std::string& name, uint32_t rank) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return GetRankLocked(name, rank);
 }
 
@@ -224,16 +287,20 @@ absl::StatusOr<std::shared_ptr<ModelGeneration>> ModelRegistry::GetLocked(const 
   auto it = current_.find(name);
   if (it == current_.end()) {
     if (loading_.count(name)) return absl::FailedPreconditionError(absl::StrCat("model '", name, "' is still loading"));
+    if (auto failed = failed_.find(name); failed != failed_.end()) {
+      return absl::FailedPreconditionError(absl::StrCat("model '", name, "' failed to load (", failed->second->error,
+                                                        "); load it again or unload it"));
+    }
     return absl::NotFoundError(absl::StrCat("no model named '", name, "'"));
   }
   return it->second;
 }
 
 absl::StatusOr<ModelRegistry::Grant> ModelRegistry::Attach(const std::string& name, uint32_t rank) {
-  std::lock_guard<std::mutex> lock(mu_);  // one critical section: an Unload cannot slip in before the lease
+  absl::MutexLock lock(&mu_);  // one critical section: an Unload cannot slip in before the lease
   WEIGHTD_ASSIGN_OR_RETURN(std::shared_ptr<ModelGeneration> model, GetRankLocked(name, rank));
   std::string id = NewLeaseId();
-  auto now = std::chrono::steady_clock::now();
+  auto now = Now();
   leases_[id] = Lease{model, rank, false, now, now + options_.claim_timeout};
   int count = ++model->leases;
   if (listener_) listener_->OnLeasesChanged(name, count);
@@ -241,13 +308,13 @@ absl::StatusOr<ModelRegistry::Grant> ModelRegistry::Attach(const std::string& na
 }
 
 absl::StatusOr<ModelRegistry::Grant> ModelRegistry::Claim(const std::string& lease_id) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   auto it = leases_.find(lease_id);
   if (it == leases_.end()) return absl::NotFoundError("unknown or expired lease id");
   if (it->second.claimed) return absl::FailedPreconditionError("lease already claimed on another connection");
   it->second.claimed = true;
   if (listener_) {
-    double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - it->second.attached).count();
+    double seconds = std::chrono::duration<double>(Now() - it->second.attached).count();
     listener_->OnLeaseClaimed(it->second.model->request.name, seconds);
   }
   return Grant{lease_id, it->second.model, it->second.rank};
@@ -285,7 +352,7 @@ void ModelRegistry::DropLeasesOf(const std::string& name) {
 }
 
 void ModelRegistry::Release(const std::string& lease_id) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   auto it = leases_.find(lease_id);
   if (it == leases_.end()) return;
   DropLease(it);
@@ -299,13 +366,13 @@ absl::Status ModelRegistry::Detach(const std::string& lease_id) {
 }
 
 bool ModelRegistry::IsLeaseLive(const std::string& lease_id) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return leases_.count(lease_id) != 0;
 }
 
 int ModelRegistry::ExpirePending() {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto now = std::chrono::steady_clock::now();
+  absl::MutexLock lock(&mu_);
+  auto now = Now();
   int expired = 0;
   for (auto it = leases_.begin(); it != leases_.end();) {
     auto next = std::next(it);

@@ -12,15 +12,16 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
-#include <set>
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "common/io/env.h"
+#include "absl/synchronization/mutex.h"
 #include "server/loader.h"
 #include "server/model.h"
 
@@ -51,6 +52,9 @@ struct RegistryOptions {
   // null: the running system. Used unless loader.admission is set.
   HostMemoryAdmission::Probe host_memory_probe;
   Env* env = nullptr;  // file access for paths and catalogs; null: Env::Default()
+  // The time for lease deadlines and claim latency; null: steady_clock::now.
+  // Tests inject a fake clock (tests/testing/fake_clock.h).
+  std::function<std::chrono::steady_clock::time_point()> clock;
 };
 
 class ModelRegistry {
@@ -65,6 +69,14 @@ class ModelRegistry {
   // included; PERMISSION_DENIED outside), catalogs, and loads a new
   // generation; or reuses the READY one loaded from the same unchanged files
   // with the same plan. ALREADY_EXISTS while another load of the name runs.
+  //
+  // While it runs, ListAll() shows a LOADING record of the load with its
+  // bytes done and total. A load that fails after its plan was accepted
+  // (allocating, reading, sealing, or cancelled) leaves a FAILED record
+  // holding its error and no memory, until the name is loaded again or
+  // unloaded; an earlier failure (path, catalog, plan, devices) refuses the
+  // request and leaves nothing. A READY generation of the name keeps
+  // serving either way.
   absl::StatusOr<LoadResult> Load(LoadRequest request, const ProgressFn& progress);
 
   struct UnloadResult {
@@ -72,7 +84,8 @@ class ModelRegistry {
     bool freed = false;
   };
   // Stops new leases; frees at once when unleased, else DRAINING until the
-  // last lease ends. `force` revokes every lease of the name first. A name
+  // last lease ends. Also drops the name's FAILED record: a name with only
+  // that record reports it, freed. `force` revokes every lease of the name first. A name
   // with only DRAINING generations: `force` ends their leases; without it the
   // call reports the draining generation unchanged.
   //
@@ -87,11 +100,17 @@ class ModelRegistry {
   // goes, so its leases end at once.
   absl::StatusOr<UnloadResult> Unload(const std::string& name, bool force);
 
-  // Current generations by name, then draining ones.
+  // The generations that hold memory: current ones by name, then draining.
   std::vector<std::shared_ptr<ModelGeneration>> List() const;
+  // What ListModels shows: List()'s current generations, then a LOADING
+  // record per load in flight and a FAILED record per failed load (by name),
+  // then the draining generations. Records hold no segments and have
+  // generation 0 (see Load).
+  std::vector<std::shared_ptr<ModelGeneration>> ListAll() const;
   // The READY generation of `name`: NOT_FOUND, or FAILED_PRECONDITION when
-  // loading. Get, GetRank, Attach and Unload check the name with
-  // ValidateModelName first, so no message echoes an over-long name.
+  // loading or when its last load failed (naming the error). Get, GetRank,
+  // Attach and Unload check the name with ValidateModelName first, so no
+  // message echoes an over-long name.
   absl::StatusOr<std::shared_ptr<ModelGeneration>> Get(const std::string& name) const;
   // Get(), and INVALID_ARGUMENT when the model has no rank `rank`.
   absl::StatusOr<std::shared_ptr<ModelGeneration>> GetRank(const std::string& name, uint32_t rank) const;
@@ -129,26 +148,42 @@ class ModelRegistry {
 
   absl::StatusOr<std::string> ResolvePath(const std::string& path) const;
   Env& env() const { return options_.env != nullptr ? *options_.env : *Env::Default(); }
-  absl::StatusOr<std::shared_ptr<ModelGeneration>> GetLocked(const std::string& name) const;  // requires mu_
-  absl::StatusOr<std::shared_ptr<ModelGeneration>> GetRankLocked(const std::string& name,
-                                                                 uint32_t rank) const;  // requires mu_
-  void DropLeasesOf(const std::string& name);  // requires mu_; see Unload for what it keeps
-  absl::StatusOr<UnloadResult> UnloadDraining(const std::string& name, bool force);         // requires mu_
-  std::shared_ptr<ModelGeneration> Reusable(const LoadRequest& request, const Catalog& catalog) const;
-  void Retire(std::shared_ptr<ModelGeneration> model);  // requires mu_
-  void DropLease(std::map<std::string, Lease>::iterator it);  // requires mu_
-  void NotifyMemory();  // requires mu_
+  std::chrono::steady_clock::time_point Now() const {
+    return options_.clock ? options_.clock() : std::chrono::steady_clock::now();
+  }
+  // Makes a loaded generation the current one of its name.
+  LoadResult Publish(std::unique_ptr<ModelGeneration> loaded, const Catalog& catalog) ABSL_LOCKS_EXCLUDED(mu_);
+  // The end of every Load: drops its LOADING `record`; for a `failure`
+  // after the plan was `accepted`, keeps a FAILED record instead.
+  void EndLoad(const LoadRequest& request, const ModelGeneration& record, const absl::Status& failure, bool accepted)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<std::shared_ptr<ModelGeneration>> GetLocked(const std::string& name) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<std::shared_ptr<ModelGeneration>> GetRankLocked(const std::string& name, uint32_t rank) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // See Unload for the leases it keeps.
+  void DropLeasesOf(const std::string& name) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<UnloadResult> UnloadDraining(const std::string& name, bool force,
+                                              std::shared_ptr<ModelGeneration> failed)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::shared_ptr<ModelGeneration> Reusable(const LoadRequest& request, const Catalog& catalog) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Retire(std::shared_ptr<ModelGeneration> model) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void DropLease(std::map<std::string, Lease>::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void NotifyMemory() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   std::atomic<bool> cancel_loads_{false};
   HostMemoryAdmission admission_;
   RegistryOptions options_;  // options_.loader.cancel points at cancel_loads_, .admission at admission_ by default
   RegistryListener* listener_;
-  mutable std::mutex mu_;
-  std::map<std::string, std::shared_ptr<ModelGeneration>> current_;
-  std::vector<std::shared_ptr<ModelGeneration>> draining_;
-  std::set<std::string> loading_;
-  std::map<std::string, Lease> leases_;
-  uint64_t next_generation_ = 1;
+  mutable absl::Mutex mu_;
+  std::map<std::string, std::shared_ptr<ModelGeneration>> current_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::shared_ptr<ModelGeneration>> draining_ ABSL_GUARDED_BY(mu_);
+  // Records of loads in flight (LOADING) and of the last failed load of a name (FAILED).
+  std::map<std::string, std::shared_ptr<ModelGeneration>> loading_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::shared_ptr<ModelGeneration>> failed_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, Lease> leases_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_generation_ ABSL_GUARDED_BY(mu_) = 1;
 };
 
 // Model names: 1..128 characters of [A-Za-z0-9._-].

@@ -66,7 +66,7 @@ grpc::Status WeightdService::UnloadModel(grpc::ServerContext*, const v1::UnloadM
 
 grpc::Status WeightdService::ListModels(grpc::ServerContext*, const v1::ListModelsRequest*,
                                         v1::ListModelsResponse* response) {
-  for (const auto& model : registry_->List()) ToProto(*model, response->add_models());
+  for (const auto& model : registry_->ListAll()) ToProto(*model, response->add_models());
   return grpc::Status::OK;
 }
 

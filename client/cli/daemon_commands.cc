@@ -2,6 +2,7 @@
 #include <ostream>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
@@ -109,6 +110,9 @@ int RunList(const Args& args, Context& ctx) {
       json entry = SummaryJson(m);
       entry["device_bytes"] = DeviceTotal(m);
       entry["device_bytes_by_gpu"] = m.device_bytes;
+      entry["bytes_done"] = m.bytes_done;
+      entry["bytes_total"] = m.bytes_total;
+      entry["error"] = m.error;
       list.push_back(entry);
     }
     ctx.out << json{{"models", list}}.dump(2) << "\n";
@@ -117,8 +121,11 @@ int RunList(const Args& args, Context& ctx) {
   ctx.out << absl::StrFormat("%-24s %5s %-9s %12s %12s %6s  %s\n", "NAME", "GEN", "STATE", "HOST", "DEVICE", "LEASES",
                              "FINGERPRINT");
   for (const ModelSummary& m : *models) {
+    std::string last = m.fingerprint;  // a LOADING or FAILED entry has none: its progress or error instead
+    if (m.state == "LOADING") last = absl::StrCat(HumanBytes(m.bytes_done), " of ", HumanBytes(m.bytes_total), " read");
+    if (m.state == "FAILED") last = m.error;
     ctx.out << absl::StrFormat("%-24s %5d %-9s %12s %12s %6d  %s\n", m.name, m.generation, m.state,
-                               HumanBytes(m.host_bytes), HumanBytes(DeviceTotal(m)), m.leases, m.fingerprint);
+                               HumanBytes(m.host_bytes), HumanBytes(DeviceTotal(m)), m.leases, last);
   }
   return kExitOk;
 }

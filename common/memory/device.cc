@@ -1,9 +1,8 @@
 #include "common/memory/device.h"
 
-#include <mutex>
-
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
 
 namespace weightd {
 
@@ -49,9 +48,10 @@ absl::StatusOr<std::unique_ptr<DeviceBackend>> MakeDeviceBackend(const std::stri
 }
 
 absl::StatusOr<DeviceBackend*> ClientBackendFor(const std::string& backend_name) {
-  static std::mutex mu;
-  static std::unique_ptr<DeviceBackend> emulated, cuda, legacy;
-  std::lock_guard<std::mutex> lock(mu);
+  static absl::Mutex mu(absl::kConstInit);
+  static std::unique_ptr<DeviceBackend> emulated ABSL_GUARDED_BY(mu), cuda ABSL_GUARDED_BY(mu),
+      legacy ABSL_GUARDED_BY(mu);
+  absl::MutexLock lock(&mu);
   absl::StatusOr<SegmentBackend> kind = ParseSegmentBackend(backend_name);
   if (kind.ok() && *kind == SegmentBackend::kEmulated) {
     if (!emulated) emulated = MakeEmulatedBackend();

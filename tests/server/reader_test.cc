@@ -18,85 +18,21 @@
 #include "common/base/status.h"
 #include "gtest/gtest.h"
 #include "tests/testing/checkpoint_builder.h"
+#include "tests/testing/fake_env.h"
+#include "tests/testing/fault_env.h"
 #include "tests/testing/status_matchers.h"
 
 namespace weightd {
 namespace {
 
 using ::weightd::testing::Bytes;
+using ::weightd::testing::FakeEnv;
+using ::weightd::testing::FakeFile;
+using ::weightd::testing::FaultInjectingEnv;
+using ::weightd::testing::Faults;
 
 using ::weightd::testing::WriteFile;
 using ::weightd::testing::Xxh3Hex;
-
-// A file in memory. With `align` > 0 it behaves like O_DIRECT: ReadSome
-// refuses (EINVAL) an offset, length or buffer off the alignment and
-// returns a short count at the end of the file.
-class FakeFile final : public RandomAccessFile {
- public:
-  FakeFile(std::string path, std::string data, uint64_t align, double cached = 1.0)
-      : path_(std::move(path)), data_(std::move(data)), align_(align), cached_(cached) {}
-  const std::string& path() const override { return path_; }
-  uint64_t size() const override { return data_.size(); }
-  int fd() const override { return -1; }
-  int64_t mtime_ns() const override { return 7; }
-  uint64_t direct_alignment() const override { return align_; }
-  absl::StatusOr<double> CachedFraction() const override { return cached_; }
-  absl::Status Advise(int) const override { return absl::OkStatus(); }
-
-  absl::StatusOr<size_t> ReadSome(uint64_t offset, size_t n, char* dst) const override {
-    ++reads_;
-    if (align_ > 0 && (offset % align_ != 0 || n % align_ != 0 || reinterpret_cast<uintptr_t>(dst) % align_ != 0)) {
-      return ErrnoToStatus(absl::StrCat(path_, ": unaligned read at ", offset), EINVAL);
-    }
-    if (offset >= data_.size()) return size_t{0};
-    size_t got = std::min<size_t>(n, data_.size() - offset);
-    std::memcpy(dst, data_.data() + offset, got);
-    return got;
-  }
-
-  absl::Status ReadAt(uint64_t offset, size_t n, char* dst) const override {
-    if (offset + n > data_.size()) return absl::OutOfRangeError("past the end");
-    std::memcpy(dst, data_.data() + offset, n);
-    return absl::OkStatus();
-  }
-
-  absl::StatusOr<std::unique_ptr<RandomAccessFile>> ReopenDirect() const override {
-    return reopen_direct ? reopen_direct() : RandomAccessFile::ReopenDirect();
-  }
-
-  int reads() const { return reads_; }
-  std::function<absl::StatusOr<std::unique_ptr<RandomAccessFile>>()> reopen_direct;  // unset: refused
-
- private:
-  std::string path_, data_;
-  uint64_t align_;
-  double cached_;
-  mutable int reads_ = 0;
-};
-
-// Serves FakeFiles by path; OpenForDirectRead is refused when `direct_ok`
-// is false, as tmpfs or an overlay refuses O_DIRECT.
-class FakeEnv final : public Env {
- public:
-  std::map<std::string, std::string> files;
-  double cached = 1.0;
-  bool direct_ok = true;
-  int direct_opens = 0;
-
-  absl::StatusOr<std::unique_ptr<RandomAccessFile>> OpenForRead(const std::string& path) override {
-    auto file = std::make_unique<FakeFile>(path, files.at(path), 0, cached);
-    file->reopen_direct = [this, path] { return OpenForDirectRead(path); };
-    return file;
-  }
-  absl::StatusOr<std::unique_ptr<RandomAccessFile>> OpenForDirectRead(const std::string& path) override {
-    ++direct_opens;
-    if (!direct_ok) return absl::FailedPreconditionError(absl::StrCat(path, ": the file system refuses O_DIRECT (EINVAL)"));
-    return std::make_unique<FakeFile>(path, files.at(path), 512, cached);
-  }
-  absl::StatusOr<FileKind> Stat(const std::string&) override { return FileKind::kRegular; }
-  absl::StatusOr<std::vector<std::string>> ListDir(const std::string&) override { return std::vector<std::string>{}; }
-  absl::StatusOr<std::string> RealPath(const std::string& path) override { return path; }
-};
 
 // A catalog holding each file of `env` open, as BuildCatalog leaves it.
 Catalog CatalogOf(FakeEnv& env) {
@@ -172,6 +108,43 @@ TEST(ReadDirect, AFileThatShrankIsOutOfRangeNamingTheByte) {
   ReadBuffer scratch;
   EXPECT_THAT(ReadDirectInto(file, 900, 200, scratch),
               StatusIs(absl::StatusCode::kOutOfRange, "ckpt.safetensors: file ended at byte 1000 while 100 more"));
+}
+
+// Reads [offset, offset + n) with O_DIRECT asked for, from a file of a
+// FaultInjectingEnv whose reads stop after `max_read` bytes; `direct` says
+// whether O_DIRECT was used.
+absl::StatusOr<std::string> ReadWithShortReads(size_t max_read, const std::string& data, uint64_t offset, uint64_t n,
+                                               bool* direct) {
+  FakeEnv fake;
+  fake.files["ckpt"] = data;
+  FaultInjectingEnv env(Faults{"ckpt", -1, max_read}, &fake);
+  Catalog catalog;
+  WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<RandomAccessFile> file, env.OpenForRead("ckpt"));
+  catalog.files.push_back({"ckpt", "ckpt", data.size(), 0, 0, {}, std::move(file)});
+  WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader, CheckpointReader::Open(catalog, {DirectIo::kOn}));
+  *direct = reader->direct(0);
+  std::string out(n, '\0');
+  ReadBuffer scratch;
+  WEIGHTD_RETURN_IF_ERROR(reader->Read(0, offset, n, out.data(), scratch));
+  return out;
+}
+
+TEST(ReadDirect, ShortReadsOfWholeBlocksAreContinued) {
+  const std::string data = Bytes(10 * 512 + 77, 9);
+  bool direct = false;
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(std::string got, ReadWithShortReads(512, data, 100, 9 * 512, &direct));
+  EXPECT_TRUE(direct);
+  EXPECT_EQ(got, data.substr(100, 9 * 512));
+}
+
+// O_DIRECT returns a count off the alignment only at the end of the file, so
+// a file system that does so mid-file fails the probe read at open.
+TEST(ReadDirect, ShortReadsOffTheAlignmentFallBackToBufferedReads) {
+  const std::string data = Bytes(10 * 512, 10);
+  bool direct = true;
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(std::string got, ReadWithShortReads(100, data, 0, 2048, &direct));
+  EXPECT_FALSE(direct);
+  EXPECT_EQ(got, data.substr(0, 2048));
 }
 
 TEST(DirectIoMode, ParsesTheThreeWords) {

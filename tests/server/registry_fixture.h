@@ -1,5 +1,6 @@
 // The fixture shared by the registry tests: a temporary model root, a
-// registry over it with a recording listener, and generated checkpoints.
+// registry over it with a recording listener and a fake clock, and
+// generated checkpoints.
 #ifndef WEIGHTD_TESTS_SERVER_REGISTRY_FIXTURE_H_
 #define WEIGHTD_TESTS_SERVER_REGISTRY_FIXTURE_H_
 
@@ -14,11 +15,13 @@
 #include "gtest/gtest.h"
 #include "server/registry.h"
 #include "tests/testing/checkpoint_builder.h"
+#include "tests/testing/fake_clock.h"
 #include "tests/testing/recording_registry_listener.h"
 #include "tests/testing/shared_inputs.h"
 
 namespace weightd::registry_test {
 
+using ::weightd::testing::FakeClock;
 using ::weightd::testing::RecordingRegistryListener;
 using ::weightd::testing::SafetensorsBuilder;
 using ::weightd::testing::TempDir;
@@ -65,6 +68,7 @@ class RegistryTest : public ::testing::Test {
     options.loader.threads = 2;
     options.loader.mlock = false;
     options.claim_timeout = claim_timeout;
+    options.clock = clock_.AsFunction();
     return options;
   }
   absl::StatusOr<ModelRegistry::LoadResult> Load(const std::string& name, const std::string& path,
@@ -81,6 +85,7 @@ class RegistryTest : public ::testing::Test {
   }
 
   TempDir root_;
+  FakeClock clock_;
   RecordingRegistryListener listener_;
   ModelRegistry registry_{Options(), &listener_};
 };

@@ -1,7 +1,5 @@
 // ModelRegistry leases: attach, claim, release, expiry, and how unloads and
 // reloads drain leased generations.
-#include <thread>
-
 #include "gtest/gtest.h"
 #include "tests/server/registry_fixture.h"
 #include "tests/testing/status_matchers.h"
@@ -101,7 +99,7 @@ TEST_F(RegistryTest, ExpirePendingDropsOnlyUnclaimedLeases) {
   WEIGHTD_ASSERT_OK_AND_ASSIGN(auto pending, registry.Attach("m", 0));
   WEIGHTD_ASSERT_OK_AND_ASSIGN(auto active, registry.Attach("m", 0));
   WEIGHTD_ASSERT_OK(registry.Claim(active.lease_id));
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  clock_.Advance(std::chrono::milliseconds(100));
   EXPECT_EQ(registry.ExpirePending(), 1);
   EXPECT_FALSE(registry.IsLeaseLive(pending.lease_id));
   EXPECT_TRUE(registry.IsLeaseLive(active.lease_id));

@@ -93,6 +93,9 @@ struct ModelSummary {
   uint32_t tp_size = 1;
   double load_seconds = 0;
   std::vector<std::string> warnings;  // advisory catalog findings
+  uint64_t bytes_done = 0;   // LOADING: tensor bytes read so far; FAILED: those the load reached
+  uint64_t bytes_total = 0;  // LOADING, FAILED: tensor bytes of the checkpoint
+  std::string error;         // FAILED: "CODE: message" of the failed load
 };
 
 struct LoadOptions {

@@ -6,7 +6,6 @@
 // are in cuda_arena.cc (daemon side) and cuda_import.cc (client side).
 #include <algorithm>
 #include <map>
-#include <mutex>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -15,6 +14,7 @@
 #include "absl/strings/str_join.h"
 #include "common/memory/cuda/cuda_internal.h"
 #include "common/base/status.h"
+#include "absl/synchronization/mutex.h"
 
 namespace weightd {
 
@@ -192,7 +192,7 @@ class CudaBackend final : public DeviceBackend {
   }
 
   absl::StatusOr<std::shared_ptr<CudaContext>> Context(int ordinal) {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     auto it = contexts_.find(ordinal);
     if (it != contexts_.end()) return it->second;
     absl::StatusOr<std::shared_ptr<CudaContext>> retained = CudaContext::Retain(driver_, ordinal);
@@ -205,7 +205,7 @@ class CudaBackend final : public DeviceBackend {
   // GPU this process otherwise leaves alone; the first GPU's when none is.
   absl::StatusOr<std::shared_ptr<CudaContext>> AnyContext() {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      absl::MutexLock lock(&mu_);
       if (!contexts_.empty()) return contexts_.begin()->second;
     }
     return Context(devices_.front().info.ordinal);
@@ -214,8 +214,8 @@ class CudaBackend final : public DeviceBackend {
   const CudaDriver& driver_;
   const bool legacy_ipc_;
   const std::vector<CudaDevice> devices_;
-  std::mutex mu_;
-  std::map<int, std::shared_ptr<CudaContext>> contexts_;  // guarded by mu_
+  absl::Mutex mu_;
+  std::map<int, std::shared_ptr<CudaContext>> contexts_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace

@@ -10,13 +10,13 @@
 
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "common/memory/cuda/cuda_driver.h"
 #include "common/memory/device.h"
+#include "absl/synchronization/mutex.h"
 
 namespace weightd {
 
@@ -160,11 +160,12 @@ class CopyStream {
   const CudaFunctions& cu_;
   const uint64_t max_pitch_;
   CUstream stream_ = nullptr;
-  std::mutex mu_;
-  std::vector<CUevent> events_;          // every event created; destroyed with the stream
-  std::vector<CUevent> free_;            // events not pending
-  std::map<uint64_t, CUevent> pending_;  // recorded fences not yet waited for
-  uint64_t last_ = 0, completed_ = 0;    // guarded by mu_
+  absl::Mutex mu_;
+  std::vector<CUevent> events_ ABSL_GUARDED_BY(mu_);           // every event created; destroyed with the stream
+  std::vector<CUevent> free_ ABSL_GUARDED_BY(mu_);             // events not pending
+  std::map<uint64_t, CUevent> pending_ ABSL_GUARDED_BY(mu_);   // recorded fences not yet waited for
+  uint64_t last_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t completed_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 // Daemon side (common/cuda_arena.cc). A zero-filled arena of at least `size`

@@ -54,7 +54,7 @@ absl::Status CopyStream::Copy(CUdeviceptr dst, uint64_t dst_pitch, const void* s
 }
 
 absl::StatusOr<uint64_t> CopyStream::RecordFence() {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   CUevent event = nullptr;
   if (free_.empty()) {
     // BLOCKING_SYNC: a loader thread waiting for its staging buffer sleeps
@@ -82,7 +82,7 @@ absl::StatusOr<uint64_t> CopyStream::RecordFence() {
 absl::Status CopyStream::WaitFence(uint64_t fence) {
   CUevent event = nullptr;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     if (fence <= completed_) return absl::OkStatus();
     if (fence > last_) {
       return absl::InvalidArgumentError(absl::StrCat("fence ", fence, " was never recorded (the last is ", last_, ")"));
@@ -90,7 +90,7 @@ absl::Status CopyStream::WaitFence(uint64_t fence) {
     event = pending_.at(fence);
   }
   WEIGHTD_RETURN_IF_ERROR(WEIGHTD_CU(cu_, EventSynchronize, event));
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   while (!pending_.empty() && pending_.begin()->first <= fence) {
     free_.push_back(pending_.begin()->second);
     pending_.erase(pending_.begin());
