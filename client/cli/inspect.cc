@@ -57,12 +57,9 @@ void PrintTable(const Catalog& catalog, std::ostream& out) {
 }  // namespace
 
 int RunInspect(const Args& args, Context& ctx) {
-  if (args.positional().size() != 1) {
-    return ReportError(absl::InvalidArgumentError("usage: weightctl inspect PATH [--json]"), ctx.err);
-  }
-  absl::StatusOr<Catalog> catalog = BuildCatalog(args.positional()[0]);
+  absl::StatusOr<Catalog> catalog = BuildCatalog(args.positional[0]);
   if (!catalog.ok()) return ReportError(catalog.status(), ctx.err);
-  if (args.Has("--json")) {
+  if (args.Flag("--json")) {
     ctx.out << CatalogJson(*catalog).dump(2) << "\n";
   } else {
     PrintTable(*catalog, ctx.out);
