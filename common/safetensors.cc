@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "common/shape.h"
 #include "common/status.h"
 #include "nlohmann/json.hpp"
 
@@ -227,8 +228,6 @@ class HeaderHandler {
   absl::flat_hash_set<std::string> names_;
   std::string error_;
 };
-
-std::string ShapeString(const std::vector<uint64_t>& shape) { return absl::StrCat("[", absl::StrJoin(shape, ", "), "]"); }
 
 absl::Status CheckTensorSize(const TensorHeader& t) {
   std::optional<uint64_t> elements = ElementCount(t.shape);

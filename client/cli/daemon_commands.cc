@@ -3,10 +3,10 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
-#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "client/cli/commands.h"
 #include "client/cli/output.h"
+#include "common/shape.h"
 #include "nlohmann/json.hpp"
 #include "weightd/client.h"
 
@@ -147,8 +147,8 @@ int RunManifest(const Args& args, Context& ctx) {
   for (const TensorInfo& t : manifest->tensors) {
     std::string split = t.split_dim < 0 ? "-" : absl::StrFormat("dim %d from %d", t.split_dim, t.split_start);
     ctx.out << absl::StrFormat("%-48s %-6s %-16s %-7s %3d %12d %12d  %-16s %s\n", t.name, t.dtype,
-                               "[" + absl::StrJoin(t.shape, ",") + "]", placement(t.location), t.segment, t.offset,
-                               t.nbytes, "[" + absl::StrJoin(t.full_shape, ",") + "]", split);
+                               ShapeString(t.shape), placement(t.location), t.segment, t.offset,
+                               t.nbytes, ShapeString(t.full_shape), split);
   }
   ctx.out << absl::StrFormat("%d tensors, %d segment(s), rank %d of '%s' generation %d\n", manifest->tensors.size(),
                              manifest->segments.size(), manifest->rank, manifest->model, manifest->generation);

@@ -2,10 +2,10 @@
 #include <ostream>
 
 #include "absl/strings/str_format.h"
-#include "absl/strings/str_join.h"
 #include "client/cli/commands.h"
 #include "client/cli/output.h"
 #include "common/catalog.h"
+#include "common/shape.h"
 #include "nlohmann/json.hpp"
 
 namespace weightd::cli {
@@ -39,7 +39,7 @@ void PrintTable(const Catalog& catalog, std::ostream& out) {
   std::map<std::string, std::pair<uint64_t, uint64_t>> by_dtype;  // dtype -> (tensors, bytes)
   for (const CatalogTensor& t : catalog.tensors) {
     out << absl::StrFormat("%-48s %-11s %-20s %12d  %-36s %d\n", t.name, DTypeName(t.dtype),
-                           "[" + absl::StrJoin(t.shape, ", ") + "]", t.nbytes, catalog.files[t.file].name, t.offset);
+                           ShapeString(t.shape), t.nbytes, catalog.files[t.file].name, t.offset);
     auto& [count, bytes] = by_dtype[std::string(DTypeName(t.dtype))];
     ++count;
     bytes += t.nbytes;
