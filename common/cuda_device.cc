@@ -11,7 +11,6 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/strings/str_join.h"
 #include "common/cuda_internal.h"
 #include "common/status.h"
 
@@ -102,9 +101,9 @@ absl::StatusOr<std::vector<CudaDevice>> EnumerateDevices(const CudaFunctions& cu
 }
 
 std::string Describe(const std::vector<CudaDevice>& devices) {
-  return absl::StrJoin(devices, ", ", [](std::string* out, const CudaDevice& d) {
-    absl::StrAppend(out, d.info.ordinal, "=", d.info.uuid, " (", d.info.name, ")");
-  });
+  std::vector<DeviceInfo> infos;
+  for (const CudaDevice& d : devices) infos.push_back(d.info);
+  return DeviceList(infos, /*with_names=*/true);
 }
 
 class CudaPinnedBuffer final : public PinnedBuffer {
