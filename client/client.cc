@@ -25,21 +25,11 @@ absl::Status FromGrpc(const grpc::Status& s) {
   return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
 }
 
-std::string StateName(v1::ModelState s) {
-  switch (s) {
-    case v1::LOADING: return "LOADING";
-    case v1::READY: return "READY";
-    case v1::FAILED: return "FAILED";
-    case v1::DRAINING: return "DRAINING";
-    default: return "UNSPECIFIED";
-  }
-}
-
 ModelSummary FromProto(const v1::ModelInfo& m) {
   ModelSummary s;
   s.name = m.name();
   s.generation = m.generation();
-  s.state = StateName(m.state());
+  s.state = v1::ModelState_Name(m.state());  // the proto's spelling, as the Python client's
   s.checkpoint_path = m.checkpoint_path();
   s.checkpoint_bytes = m.checkpoint_bytes();
   s.host_bytes = m.host_bytes();

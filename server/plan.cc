@@ -5,13 +5,13 @@
 #include "absl/strings/str_join.h"
 #include "common/base/status.h"
 #include "common/format/format_error.h"
+#include "common/shape.h"
+#include "common/status.h"
 
 namespace weightd {
 namespace {
 
 uint64_t AlignUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
-
-std::string Shape(const std::vector<uint64_t>& s) { return absl::StrCat("[", absl::StrJoin(s, ", "), "]"); }
 
 bool MatchesAny(const std::string& name, const std::vector<std::string>& patterns) {
   for (const std::string& p : patterns) {
@@ -28,7 +28,7 @@ const TpRule* RuleFor(const std::string& name, const std::vector<TpRule>& rules)
 }
 
 absl::Status PlanSplit(const CatalogTensor& t, const TpRule& rule, uint32_t tp_size, TensorPlan& plan) {
-  std::string where = absl::StrCat("tensor ", QuoteName(t.name), " of shape ", Shape(t.shape), ", TP rule ",
+  std::string where = absl::StrCat("tensor ", QuoteName(t.name), " of shape ", ShapeString(t.shape), ", TP rule ",
                                    QuoteName(absl::StrCat(rule.pattern, ":", rule.dim)), " with tp_size ", tp_size);
   if (rule.dim >= t.shape.size()) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": dim ", rule.dim, " is out of range for rank ", t.shape.size()));

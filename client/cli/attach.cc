@@ -15,30 +15,21 @@
 namespace weightd::cli {
 
 int RunAttach(const Args& args, Context& ctx) {
-  if (args.positional().size() != 1) {
-    return ReportError(absl::InvalidArgumentError(
-                           "usage: weightctl attach NAME [--rank R] [--verify CHECKPOINT_DIR] [--hold SECONDS] [--json]"),
-                       ctx.err);
-  }
-  absl::StatusOr<int64_t> rank = args.GetInt("--rank", 0, 0, 1 << 20);
-  if (!rank.ok()) return ReportError(rank.status(), ctx.err);
-  absl::StatusOr<double> hold = args.GetDouble("--hold", 0);
-  if (!hold.ok()) return ReportError(hold.status(), ctx.err);
   absl::StatusOr<std::unique_ptr<Client>> client = ConnectTo(ctx);
   if (!client.ok()) return ReportError(client.status(), ctx.err);
-  absl::StatusOr<MappedModel> model = (*client)->Attach(args.positional()[0], static_cast<uint32_t>(*rank));
+  absl::StatusOr<MappedModel> model = (*client)->Attach(args.positional[0], static_cast<uint32_t>(args.Int("--rank")));
   if (!model.ok()) return ReportError(model.status(), ctx.err);
   uint64_t bytes = 0;
   for (const TensorView& v : model->tensors()) bytes += v.nbytes;
   const Manifest& m = model->manifest();
-  bool as_json = args.Has("--json");
+  bool as_json = args.Flag("--json");
   if (!as_json) {
     ctx.out << absl::StrFormat("attached '%s' rank %d generation %d: %d tensors, %s in %.3f ms (fingerprint %s)\n",
                                m.model, m.rank, m.generation, model->tensors().size(), HumanBytes(bytes),
                                model->attach_seconds() * 1e3, m.fingerprint);
   }
   bool verified = false;
-  if (std::optional<std::string> dir = args.Get("--verify")) {
+  if (std::optional<std::string> dir = args.Text("--verify")) {
     absl::StatusOr<VerifyResult> result = VerifyAgainstCheckpoint(*model, *dir);
     if (!result.ok()) return ReportError(result.status(), ctx.err);
     verified = true;
@@ -57,7 +48,8 @@ int RunAttach(const Args& args, Context& ctx) {
             << "\n";
   }
   ctx.out.flush();
-  if (*hold > 0) std::this_thread::sleep_for(std::chrono::duration<double>(*hold));
+  double hold = args.Number("--hold");
+  if (hold > 0) std::this_thread::sleep_for(std::chrono::duration<double>(hold));
   return kExitOk;
 }
 

@@ -25,15 +25,20 @@ absl::StatusOr<std::unique_ptr<Client>> ConnectTo(const Context& ctx);
 
 struct Command {
   const char* name;
-  const char* usage;
-  ArgSpec spec;
+  const char* summary;  // one line for --help
+  CommandSpec spec;     // its arguments: parsing, validation, --help and the usage line
   int (*run)(const Args& args, Context& ctx);
 };
 
 // All subcommands, in the order `weightctl --help` lists them.
 const std::vector<Command>& Commands();
 
-// Runs weightctl with argv (without the program name). Never throws.
+// "load NAME PATH [--host-resident PATTERN ...] ...": the command's usage line.
+std::string Usage(const Command& command);
+
+// Runs weightctl with argv (without the program name): parses it (app.cc),
+// then runs the command. Exit 2 with one line on `err` for bad usage. Never
+// throws.
 int RunWeightctl(const std::vector<std::string>& argv, std::ostream& out, std::ostream& err);
 
 int RunInspect(const Args& args, Context& ctx);

@@ -4,10 +4,10 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "client/cli/commands.h"
 #include "client/cli/output.h"
+#include "common/shape.h"
 #include "nlohmann/json.hpp"
 #include "weightd/client.h"
 
@@ -39,11 +39,9 @@ json SummaryJson(const ModelSummary& m) {
 
 absl::StatusOr<LoadOptions> ParseLoadOptions(const Args& args) {
   LoadOptions options;
-  options.host_resident_patterns = args.GetAll("--host-resident");
-  auto tp = args.GetInt("--tp-size", 1, 1, 1024);
-  if (!tp.ok()) return tp.status();
-  options.tp_size = static_cast<uint32_t>(*tp);
-  for (const std::string& rule : args.GetAll("--tp-rule")) {
+  options.host_resident_patterns = args.List("--host-resident");
+  options.tp_size = static_cast<uint32_t>(args.Int("--tp-size"));
+  for (const std::string& rule : args.List("--tp-rule")) {
     size_t colon = rule.rfind(':');
     uint32_t dim;
     if (colon == std::string::npos || colon == 0 || !absl::SimpleAtoi(rule.substr(colon + 1), &dim)) {
@@ -51,7 +49,7 @@ absl::StatusOr<LoadOptions> ParseLoadOptions(const Args& args) {
     }
     options.tp_rules.emplace_back(rule.substr(0, colon), dim);
   }
-  if (auto devices = args.Get("--devices")) {
+  if (std::optional<std::string> devices = args.Text("--devices")) {
     for (absl::string_view d : absl::StrSplit(*devices, ',', absl::SkipEmpty())) options.devices.emplace_back(d);
   }
   return options;
@@ -60,19 +58,14 @@ absl::StatusOr<LoadOptions> ParseLoadOptions(const Args& args) {
 }  // namespace
 
 int RunLoad(const Args& args, Context& ctx) {
-  if (args.positional().size() != 2) {
-    return ReportError(absl::InvalidArgumentError("usage: weightctl load NAME PATH [--host-resident P ...] "
-                                                  "[--tp-size N --tp-rule PATTERN:DIM ...] [--devices LIST] [--json]"),
-                       ctx.err);
-  }
   absl::StatusOr<LoadOptions> options = ParseLoadOptions(args);
   if (!options.ok()) return ReportError(options.status(), ctx.err);
   absl::StatusOr<std::unique_ptr<Client>> client = ConnectTo(ctx);
   if (!client.ok()) return ReportError(client.status(), ctx.err);
-  bool as_json = args.Has("--json");
+  bool as_json = args.Flag("--json");
   ProgressBar bar("load", !as_json);
   absl::StatusOr<LoadResult> result =
-      (*client)->Load(args.positional()[0], args.positional()[1], *options,
+      (*client)->Load(args.positional[0], args.positional[1], *options,
                       [&](const LoadProgressInfo& p) { bar.Update(p.bytes_done, p.bytes_total); });
   bar.Finish();
   if (!result.ok()) return ReportError(result.status(), ctx.err);
@@ -104,7 +97,7 @@ int RunList(const Args& args, Context& ctx) {
   if (!client.ok()) return ReportError(client.status(), ctx.err);
   absl::StatusOr<std::vector<ModelSummary>> models = (*client)->List();
   if (!models.ok()) return ReportError(models.status(), ctx.err);
-  if (args.Has("--json")) {
+  if (args.Flag("--json")) {
     json list = json::array();
     for (const ModelSummary& m : *models) {
       json entry = SummaryJson(m);
@@ -131,17 +124,12 @@ int RunList(const Args& args, Context& ctx) {
 }
 
 int RunManifest(const Args& args, Context& ctx) {
-  if (args.positional().size() != 1) {
-    return ReportError(absl::InvalidArgumentError("usage: weightctl manifest NAME [--rank R] [--json]"), ctx.err);
-  }
-  absl::StatusOr<int64_t> rank = args.GetInt("--rank", 0, 0, 1 << 20);
-  if (!rank.ok()) return ReportError(rank.status(), ctx.err);
   absl::StatusOr<std::unique_ptr<Client>> client = ConnectTo(ctx);
   if (!client.ok()) return ReportError(client.status(), ctx.err);
-  absl::StatusOr<Manifest> manifest = (*client)->GetManifest(args.positional()[0], static_cast<uint32_t>(*rank));
+  absl::StatusOr<Manifest> manifest = (*client)->GetManifest(args.positional[0], static_cast<uint32_t>(args.Int("--rank")));
   if (!manifest.ok()) return ReportError(manifest.status(), ctx.err);
   auto placement = [](Location l) { return l == Location::kHost ? "host" : "device"; };
-  if (args.Has("--json")) {
+  if (args.Flag("--json")) {
     json tensors = json::array();
     for (const TensorInfo& t : manifest->tensors) {
       tensors.push_back({{"name", t.name}, {"dtype", t.dtype}, {"shape", t.shape}, {"placement", placement(t.location)},
@@ -166,8 +154,8 @@ int RunManifest(const Args& args, Context& ctx) {
   for (const TensorInfo& t : manifest->tensors) {
     std::string split = t.split_dim < 0 ? "-" : absl::StrFormat("dim %d from %d", t.split_dim, t.split_start);
     ctx.out << absl::StrFormat("%-48s %-6s %-16s %-7s %3d %12d %12d  %-16s %s\n", t.name, t.dtype,
-                               "[" + absl::StrJoin(t.shape, ",") + "]", placement(t.location), t.segment, t.offset,
-                               t.nbytes, "[" + absl::StrJoin(t.full_shape, ",") + "]", split);
+                               ShapeString(t.shape), placement(t.location), t.segment, t.offset,
+                               t.nbytes, ShapeString(t.full_shape), split);
   }
   ctx.out << absl::StrFormat("%d tensors, %d segment(s), rank %d of '%s' generation %d\n", manifest->tensors.size(),
                              manifest->segments.size(), manifest->rank, manifest->model, manifest->generation);
@@ -175,12 +163,9 @@ int RunManifest(const Args& args, Context& ctx) {
 }
 
 int RunUnload(const Args& args, Context& ctx) {
-  if (args.positional().size() != 1) {
-    return ReportError(absl::InvalidArgumentError("usage: weightctl unload NAME [--force]"), ctx.err);
-  }
   absl::StatusOr<std::unique_ptr<Client>> client = ConnectTo(ctx);
   if (!client.ok()) return ReportError(client.status(), ctx.err);
-  auto result = (*client)->Unload(args.positional()[0], args.Has("--force"));
+  auto result = (*client)->Unload(args.positional[0], args.Flag("--force"));
   if (!result.ok()) return ReportError(result.status(), ctx.err);
   const auto& [m, freed] = *result;
   if (freed) {

@@ -12,15 +12,12 @@
 namespace weightd::cli {
 
 int RunHealth(const Args& args, Context& ctx) {
-  if (args.positional().size() > 1) {
-    return ReportError(absl::InvalidArgumentError("usage: weightctl health [MODEL] [--json]"), ctx.err);
-  }
-  std::string service = args.positional().empty() ? "" : args.positional()[0];
+  std::string service = args.positional.empty() ? "" : args.positional[0];
   absl::StatusOr<std::unique_ptr<Client>> client = ConnectTo(ctx);
   if (!client.ok()) return ReportError(client.status(), ctx.err);
   absl::StatusOr<std::string> status = (*client)->Health(service);
   if (!status.ok()) return ReportError(status.status(), ctx.err);
-  if (args.Has("--json")) {
+  if (args.Flag("--json")) {
     ctx.out << nlohmann::json{{"service", service}, {"status", *status}}.dump() << "\n";
   } else {
     ctx.out << *status << "\n";

@@ -2,10 +2,11 @@
 #include <ostream>
 
 #include "absl/strings/str_format.h"
-#include "absl/strings/str_join.h"
 #include "client/cli/commands.h"
 #include "client/cli/output.h"
 #include "common/format/catalog.h"
+#include "common/catalog.h"
+#include "common/shape.h"
 #include "nlohmann/json.hpp"
 
 namespace weightd::cli {
@@ -39,7 +40,7 @@ void PrintTable(const Catalog& catalog, std::ostream& out) {
   std::map<std::string, std::pair<uint64_t, uint64_t>> by_dtype;  // dtype -> (tensors, bytes)
   for (const CatalogTensor& t : catalog.tensors) {
     out << absl::StrFormat("%-48s %-11s %-20s %12d  %-36s %d\n", t.name, DTypeName(t.dtype),
-                           "[" + absl::StrJoin(t.shape, ", ") + "]", t.nbytes, catalog.files[t.file].name, t.offset);
+                           ShapeString(t.shape), t.nbytes, catalog.files[t.file].name, t.offset);
     auto& [count, bytes] = by_dtype[std::string(DTypeName(t.dtype))];
     ++count;
     bytes += t.nbytes;
@@ -57,12 +58,9 @@ void PrintTable(const Catalog& catalog, std::ostream& out) {
 }  // namespace
 
 int RunInspect(const Args& args, Context& ctx) {
-  if (args.positional().size() != 1) {
-    return ReportError(absl::InvalidArgumentError("usage: weightctl inspect PATH [--json]"), ctx.err);
-  }
-  absl::StatusOr<Catalog> catalog = BuildCatalog(args.positional()[0]);
+  absl::StatusOr<Catalog> catalog = BuildCatalog(args.positional[0]);
   if (!catalog.ok()) return ReportError(catalog.status(), ctx.err);
-  if (args.Has("--json")) {
+  if (args.Flag("--json")) {
     ctx.out << CatalogJson(*catalog).dump(2) << "\n";
   } else {
     PrintTable(*catalog, ctx.out);

@@ -8,13 +8,9 @@
 namespace weightd::cli {
 
 int RunMakeDemo(const Args& args, Context& ctx) {
-  if (args.positional().size() != 1) {
-    return ReportError(absl::InvalidArgumentError("usage: weightctl make-demo DIR [--preset tiny|small|llama-1b]"),
-                       ctx.err);
-  }
-  absl::StatusOr<DemoPreset> preset = FindDemoPreset(args.Get("--preset").value_or("tiny"));
+  absl::StatusOr<DemoPreset> preset = FindDemoPreset(args.Text("--preset").value_or("tiny"));
   if (!preset.ok()) return ReportError(absl::InvalidArgumentError(preset.status().message()), ctx.err);
-  const std::string& dir = args.positional()[0];
+  const std::string& dir = args.positional[0];
   ProgressBar bar("make-demo", true);
   absl::Status written = WriteDemoCheckpoint(dir, *preset, [&](uint64_t done, uint64_t total) { bar.Update(done, total); });
   bar.Finish();

@@ -12,6 +12,8 @@
 #include "absl/strings/str_join.h"
 #include "common/base/status.h"
 #include "common/format/format_error.h"
+#include "common/shape.h"
+#include "common/status.h"
 #include "nlohmann/json.hpp"
 
 namespace weightd {
@@ -250,8 +252,6 @@ class HeaderHandler {
   std::string error_;
   CheckpointRule error_rule_ = kInvalid;
 };
-
-std::string ShapeString(const std::vector<uint64_t>& shape) { return absl::StrCat("[", absl::StrJoin(shape, ", "), "]"); }
 
 absl::Status CheckTensorSize(const TensorHeader& t) {
   using enum CheckpointRule;

@@ -6,6 +6,12 @@
 
 namespace weightd {
 
+std::string DeviceList(const std::vector<DeviceInfo>& devices, bool with_names) {
+  return absl::StrJoin(devices, ", ", [&](std::string* out, const DeviceInfo& d) {
+    absl::StrAppend(out, d.ordinal, "=", d.uuid, with_names ? absl::StrCat(" (", d.name, ")") : "");
+  });
+}
+
 absl::StatusOr<std::unique_ptr<DeviceBackend>> MakeDeviceBackend(const std::string& name, std::string* chosen) {
   auto say = [&](std::string line) {
     if (chosen != nullptr) *chosen = std::move(line);
@@ -23,9 +29,7 @@ absl::StatusOr<std::unique_ptr<DeviceBackend>> MakeDeviceBackend(const std::stri
     if (!cuda.ok()) return cuda.status();
     absl::StatusOr<std::vector<DeviceInfo>> devices = (*cuda)->Devices();
     if (!devices.ok()) return devices.status();
-    std::vector<std::string> uuids;
-    for (const DeviceInfo& d : *devices) uuids.push_back(absl::StrCat(d.ordinal, "=", d.uuid));
-    say(absl::StrCat("device backend: ", name, " with ", devices->size(), " GPU(s): ", absl::StrJoin(uuids, ", ")));
+    say(absl::StrCat("device backend: ", name, " with ", devices->size(), " GPU(s): ", DeviceList(*devices)));
     return cuda;
   }
   if (name != "auto") return absl::InvalidArgumentError(absl::StrCat("unknown device backend '", name, "'"));
@@ -33,9 +37,7 @@ absl::StatusOr<std::unique_ptr<DeviceBackend>> MakeDeviceBackend(const std::stri
   if (cuda.ok()) {
     absl::StatusOr<std::vector<DeviceInfo>> devices = (*cuda)->Devices();
     if (devices.ok() && !devices->empty()) {
-      std::vector<std::string> uuids;
-      for (const DeviceInfo& d : *devices) uuids.push_back(absl::StrCat(d.ordinal, "=", d.uuid));
-      say(absl::StrCat("device backend auto: found ", devices->size(), " GPU(s) (", absl::StrJoin(uuids, ", "),
+      say(absl::StrCat("device backend auto: found ", devices->size(), " GPU(s) (", DeviceList(*devices),
                        "); using cuda (VMM)"));
       return cuda;
     }

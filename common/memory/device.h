@@ -117,6 +117,10 @@ class DeviceBackend {
   virtual absl::StatusOr<std::unique_ptr<ImportedArena>> Import(ArenaExport exported) = 0;
 };
 
+// "0=GPU-8f3c..., 1=GPU-..." for logs and messages; `with_names` adds each
+// device's name: "0=GPU-8f3c... (NVIDIA H200)".
+std::string DeviceList(const std::vector<DeviceInfo>& devices, bool with_names = false);
+
 // The backend for --device-backend NAME: "auto" picks "cuda" when the CUDA
 // driver loads and reports a GPU, else returns nullptr (host only);
 // "none" returns nullptr; "emulated" always works. `chosen` receives one

@@ -1,7 +1,10 @@
-// weightctl inspect / make-demo run in-process: exit codes, one-line errors,
-// JSON keys of DESIGN.md.
+// weightctl run in-process: its command line (--help, typed options, the
+// socket's environment variable), exit codes, one-line errors, and the JSON
+// keys of DESIGN.md for inspect and make-demo.
 #include <algorithm>
+#include <cstdlib>
 #include <fstream>
+#include <map>
 #include <sstream>
 
 #include "client/cli/commands.h"
@@ -102,6 +105,89 @@ TEST(Weightctl, UsageErrorsExitTwo) {
   r = Weightctl({"make-demo", "/tmp/x", "--preset", "huge"});
   EXPECT_EQ(r.code, 2);
   EXPECT_EQ(r.err, "weightctl: unknown demo preset 'huge' (use tiny, small or llama-1b)\n");
+}
+
+TEST(Weightctl, EveryCommandHasHelpWithItsUsageLine) {
+  for (const Command& command : Commands()) {
+    for (std::vector<std::string> argv : {std::vector<std::string>{command.name, "--help"},
+                                          {"--socket", "/nowhere.sock", command.name, "-h"}}) {
+      Result r = Weightctl(argv);
+      EXPECT_EQ(r.code, 0) << command.name << ": " << r.err;
+      EXPECT_EQ(r.err, "") << command.name;
+      EXPECT_EQ(r.out.rfind("usage: weightctl [--socket PATH] " + Usage(command) + "\n\n" + command.summary + "\n", 0), 0u)
+          << r.out;
+      EXPECT_NE(r.out.find("global options: --socket PATH|HOST:PORT (or $WEIGHTD_SOCKET)"), std::string::npos) << r.out;
+    }
+  }
+}
+
+TEST(Weightctl, TopLevelHelpListsEveryCommandsUsage) {
+  Result r = Weightctl({"--help"});
+  ASSERT_EQ(r.code, 0);
+  for (const Command& command : Commands()) {
+    EXPECT_NE(r.out.find("  " + Usage(command) + "\n      " + command.summary + "\n"), std::string::npos) << r.out;
+  }
+  EXPECT_NE(r.out.find("(Env:WEIGHTD_SOCKET)"), std::string::npos) << r.out;
+}
+
+TEST(Weightctl, UsageLinesFollowTheDesignContract) {
+  std::map<std::string, std::string> usage;
+  for (const Command& command : Commands()) usage[command.name] = Usage(command);
+  EXPECT_EQ(usage["load"], "load NAME PATH [--host-resident PATTERN ...] [--tp-size N] [--tp-rule PATTERN:DIM ...] "
+                           "[--devices LIST] [--json]");
+  EXPECT_EQ(usage["ls"], "ls [--json]");
+  EXPECT_EQ(usage["manifest"], "manifest NAME [--rank R] [--json]");
+  EXPECT_EQ(usage["attach"], "attach NAME [--rank R] [--verify CHECKPOINT_DIR] [--hold SECONDS] [--json]");
+  EXPECT_EQ(usage["unload"], "unload NAME [--force]");
+  EXPECT_EQ(usage["health"], "health [MODEL] [--json]");
+  EXPECT_EQ(usage["inspect"], "inspect PATH [--json]");
+  EXPECT_EQ(usage["make-demo"], "make-demo DIR [--preset tiny|small|llama-1b]");
+}
+
+TEST(Weightctl, BadTypedValuesExitTwoWithOneLineBeforeConnecting) {
+  Result r = Weightctl({"--socket", "/nowhere.sock", "manifest", "m", "--rank", "x"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.out, "");
+  EXPECT_EQ(r.err, "weightctl: --rank: must be an integer in [0, 1048576], got 'x'\n");
+  r = Weightctl({"attach", "m", "--rank", "-1"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.err, "weightctl: --rank: must be an integer in [0, 1048576], got '-1'\n");
+  r = Weightctl({"attach", "m", "--hold", "soon"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.err, "weightctl: --hold: must be a number >= 0, got 'soon'\n");
+  r = Weightctl({"load", "m", "p", "--tp-size", "0"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.err, "weightctl: --tp-size: must be an integer in [1, 1024], got '0'\n");
+}
+
+TEST(Weightctl, MissingOrExtraPositionalsNameTheUsage) {
+  Result r = Weightctl({"unload"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.err, "weightctl: NAME is required; usage: weightctl unload NAME [--force]\n");
+  r = Weightctl({"health", "a", "b"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.err, "weightctl: unexpected argument 'b'; usage: weightctl health [MODEL] [--json]\n");
+  r = Weightctl({"unload", "-x"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.err, "weightctl: unknown option -x\n");
+  r = Weightctl({"--json", "ls"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.err, "weightctl: unknown option --json\n");
+}
+
+TEST(Weightctl, SocketFlagWinsOverTheEnvironment) {
+  testing::TempDir dir;
+  ASSERT_EQ(setenv("WEIGHTD_SOCKET", dir.Join("env.sock").c_str(), 1), 0);
+  Result from_env = Weightctl({"ls"});
+  Result after = Weightctl({"ls", "--socket", dir.Join("flag.sock")});
+  Result before = Weightctl({"--socket=" + dir.Join("flag.sock"), "ls"});
+  unsetenv("WEIGHTD_SOCKET");
+  EXPECT_EQ(from_env.code, 1);
+  EXPECT_NE(from_env.err.find(dir.Join("env.sock") + ": No such file or directory"), std::string::npos) << from_env.err;
+  for (const Result& r : {after, before}) {
+    EXPECT_EQ(r.code, 1);
+    EXPECT_NE(r.err.find(dir.Join("flag.sock") + ": No such file or directory"), std::string::npos) << r.err;
+  }
 }
 
 TEST(WeightctlMakeDemo, WritesTinyPresetThatInspects) {

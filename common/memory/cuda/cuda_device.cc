@@ -15,6 +15,8 @@
 #include "common/memory/cuda/cuda_internal.h"
 #include "common/base/status.h"
 #include "absl/synchronization/mutex.h"
+#include "common/cuda_internal.h"
+#include "common/status.h"
 
 namespace weightd {
 
@@ -103,9 +105,9 @@ absl::StatusOr<std::vector<CudaDevice>> EnumerateDevices(const CudaFunctions& cu
 }
 
 std::string Describe(const std::vector<CudaDevice>& devices) {
-  return absl::StrJoin(devices, ", ", [](std::string* out, const CudaDevice& d) {
-    absl::StrAppend(out, d.info.ordinal, "=", d.info.uuid, " (", d.info.name, ")");
-  });
+  std::vector<DeviceInfo> infos;
+  for (const CudaDevice& d : devices) infos.push_back(d.info);
+  return DeviceList(infos, /*with_names=*/true);
 }
 
 class CudaPinnedBuffer final : public PinnedBuffer {
