@@ -7,7 +7,7 @@
 #include "absl/strings/str_split.h"
 #include "client/cli/commands.h"
 #include "client/cli/output.h"
-#include "common/shape.h"
+#include "common/format/shape.h"
 #include "nlohmann/json.hpp"
 #include "weightd/client.h"
 

@@ -5,8 +5,7 @@
 #include "client/cli/commands.h"
 #include "client/cli/output.h"
 #include "common/format/catalog.h"
-#include "common/catalog.h"
-#include "common/shape.h"
+#include "common/format/shape.h"
 #include "nlohmann/json.hpp"
 
 namespace weightd::cli {

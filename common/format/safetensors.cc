@@ -12,8 +12,7 @@
 #include "absl/strings/str_join.h"
 #include "common/base/status.h"
 #include "common/format/format_error.h"
-#include "common/shape.h"
-#include "common/status.h"
+#include "common/format/shape.h"
 #include "nlohmann/json.hpp"
 
 namespace weightd {

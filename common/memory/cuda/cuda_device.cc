@@ -15,8 +15,6 @@
 #include "common/memory/cuda/cuda_internal.h"
 #include "common/base/status.h"
 #include "absl/synchronization/mutex.h"
-#include "common/cuda_internal.h"
-#include "common/status.h"
 
 namespace weightd {
 
