@@ -5,30 +5,14 @@
 #include <memory>
 
 #include "absl/strings/str_cat.h"
+#include "client/dlpack_dtype.h"
 #include "weightd/client.h"
 
 namespace weightd {
 namespace {
 
-// DLPack 0.6 has no bool code; 6 is kDLBool in DLPack >= 0.8, which torch and
-// numpy read.
-constexpr uint8_t kDLBoolCode = 6;
-
 absl::StatusOr<DLDataType> ToDLDataType(const std::string& dtype) {
-  struct Entry {
-    const char* name;
-    uint8_t code;
-    uint8_t bits;
-  };
-  static constexpr Entry kTable[] = {
-      {"BOOL", kDLBoolCode, 8}, {"U8", kDLUInt, 8},   {"I8", kDLInt, 8},       {"U16", kDLUInt, 16},
-      {"I16", kDLInt, 16},      {"F16", kDLFloat, 16}, {"BF16", kDLBfloat, 16}, {"U32", kDLUInt, 32},
-      {"I32", kDLInt, 32},      {"F32", kDLFloat, 32}, {"U64", kDLUInt, 64},    {"I64", kDLInt, 64},
-      {"F64", kDLFloat, 64},    {"C64", kDLComplex, 64},
-  };
-  for (const Entry& e : kTable) {
-    if (dtype == e.name) return DLDataType{e.code, e.bits, 1};
-  }
+  if (const DlpackDtype* d = FindDlpackDtype(dtype)) return DLDataType{d->code, d->bits, 1};
   return absl::UnimplementedError(absl::StrCat("dtype ", dtype, " has no DLPack 0.6 type code; read it as raw bytes"));
 }
 

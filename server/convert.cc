@@ -24,7 +24,7 @@ LoadRequest FromProto(const v1::LoadModelRequest& r) {
   return out;
 }
 
-static v1::ModelState StateToProto(ModelState s) {
+v1::ModelState StateToProto(ModelState s) {
   switch (s) {
     case ModelState::kLoading: return v1::LOADING;
     case ModelState::kReady: return v1::READY;

@@ -12,6 +12,10 @@
 
 namespace weightd {
 
+// The API enum of a model state; its name (v1::ModelState_Name) is the one
+// spelling of states in messages, metrics labels and clients.
+v1::ModelState StateToProto(ModelState s);
+
 // Same code; the message capped at kMaxStatusMessageBytes (common/base/status.h) with a
 // visible marker, so that it always reaches the client. Payloads stay behind.
 grpc::Status ToGrpcStatus(const absl::Status& status);

@@ -13,6 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/format/format_error.h"
+#include "server/convert.h"
 
 namespace weightd {
 namespace {
@@ -49,15 +50,7 @@ const std::vector<double>& AttachBuckets() {
 }
 
 // The API's spelling (weightd.v1.ModelState).
-const char* StateName(ModelState state) {
-  switch (state) {
-    case ModelState::kLoading: return "LOADING";
-    case ModelState::kReady: return "READY";
-    case ModelState::kFailed: return "FAILED";
-    case ModelState::kDraining: return "DRAINING";
-  }
-  return "UNSPECIFIED";
-}
+std::string StateName(ModelState state) { return v1::ModelState_Name(StateToProto(state)); }
 
 prometheus::MetricFamily GaugeFamily(std::string name, std::string help, const std::string& label,
                                      const auto& values) {

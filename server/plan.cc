@@ -5,12 +5,12 @@
 #include "absl/strings/str_join.h"
 #include "common/base/status.h"
 #include "common/format/format_error.h"
+#include "common/base/align.h"
 #include "common/format/shape.h"
 
 namespace weightd {
 namespace {
 
-uint64_t AlignUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 
 bool MatchesAny(const std::string& name, const std::vector<std::string>& patterns) {
   for (const std::string& p : patterns) {

@@ -8,6 +8,7 @@
 #include <new>
 
 #include "absl/strings/str_cat.h"
+#include "common/base/align.h"
 #include "common/base/log.h"
 #include "common/base/status.h"
 
@@ -16,8 +17,6 @@ namespace {
 
 constexpr double kColdFraction = 0.5;  // auto: O_DIRECT below this cached fraction
 
-uint64_t AlignDown(uint64_t x, uint64_t a) { return x / a * a; }
-uint64_t AlignUp(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 
 // Reads the aligned span [start, start + len) into `buf` until at least
 // `need` bytes arrived; the span may run past the end of the file, where

@@ -18,6 +18,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/base/status.h"
+#include "common/transport/tcp_address.h"
 #include "common/transport/unix_socket.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 
@@ -79,21 +80,13 @@ absl::StatusOr<uint32_t> AcceptQueueLength(int port) {
 // Connects to "HOST:PORT" and waits, up to `deadline`, for the listener to
 // take the connection off its accept queue.
 absl::Status ProbeAccepting(const std::string& target, std::chrono::milliseconds deadline) {
-  size_t colon = target.rfind(':');
-  std::string host = target.substr(0, colon), port = target.substr(colon + 1);
-  if (host.size() >= 2 && host.front() == '[') host = host.substr(1, host.size() - 2);
-  addrinfo hints{};
-  hints.ai_flags = AI_NUMERICHOST | AI_NUMERICSERV;
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* info = nullptr;
-  if (int rc = getaddrinfo(host.c_str(), port.c_str(), &hints, &info); rc != 0) {
-    return absl::UnavailableError(absl::StrCat("TCP listener ", target, ": ", gai_strerror(rc)));
-  }
+  absl::StatusOr<AddrInfoPtr> info = ResolveTcpAddress(target, AI_NUMERICHOST);
+  if (!info.ok()) return absl::UnavailableError(absl::StrCat("TCP listener ", info.status().message()));
   // Non-blocking: a listener whose accept queue is full drops the SYN, and a
   // blocking connect would wait out the kernel's retries (minutes).
-  ScopedFd sock(socket(info->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
-  int err = !sock.valid() ? errno : connect(sock.get(), info->ai_addr, info->ai_addrlen) == 0 ? 0 : errno;
-  freeaddrinfo(info);
+  const addrinfo& addr = **info;
+  ScopedFd sock(socket(addr.ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  int err = !sock.valid() ? errno : connect(sock.get(), addr.ai_addr, addr.ai_addrlen) == 0 ? 0 : errno;
   if (err == EINPROGRESS) {
     pollfd p{sock.get(), POLLOUT, 0};
     socklen_t len = sizeof err;
@@ -103,7 +96,7 @@ absl::Status ProbeAccepting(const std::string& target, std::chrono::milliseconds
   if (err != 0) return absl::UnavailableError(absl::StrCat("TCP listener ", target, ": connect: ", strerror(err)));
   auto give_up = std::chrono::steady_clock::now() + deadline;
   for (;;) {
-    absl::StatusOr<uint32_t> queued = AcceptQueueLength(atoi(port.c_str()));
+    absl::StatusOr<uint32_t> queued = AcceptQueueLength(atoi(target.substr(target.rfind(':') + 1).c_str()));
     if (!queued.ok()) return absl::UnavailableError(absl::StrCat("TCP listener ", target, ": ", queued.status().message()));
     if (*queued == 0) return absl::OkStatus();
     if (std::chrono::steady_clock::now() >= give_up) {

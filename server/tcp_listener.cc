@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/io/env.h"
 #include "common/base/status.h"
+#include "common/transport/tcp_address.h"
 #include "server/grpc_limits.h"
 #include "server/rpc_metrics.h"
 
@@ -48,18 +49,9 @@ std::string Mode(const DaemonConfig& c) {
 // A TCP socket bound to "HOST:PORT" (IPv4, "[IPv6]", or a name; port 0
 // picks one) and listening; the bound port in *port.
 absl::StatusOr<ScopedFd> ListenTcp(const std::string& address, int* port) {
-  size_t colon = address.rfind(':');
-  if (colon == std::string::npos) return absl::InvalidArgumentError(absl::StrCat("--grpc-address ", address, ": no port"));
-  std::string host = address.substr(0, colon), service = address.substr(colon + 1);
-  if (host.size() >= 2 && host.front() == '[') host = host.substr(1, host.size() - 2);
-  addrinfo hints{};
-  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* info = nullptr;
-  if (int rc = getaddrinfo(host.empty() ? nullptr : host.c_str(), service.c_str(), &hints, &info); rc != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("--grpc-address ", address, ": ", gai_strerror(rc)));
-  }
-  std::unique_ptr<addrinfo, decltype(&freeaddrinfo)> owned(info, &freeaddrinfo);
+  absl::StatusOr<AddrInfoPtr> resolved = ResolveTcpAddress(address, AI_PASSIVE);
+  if (!resolved.ok()) return Annotate(resolved.status(), "--grpc-address");
+  const addrinfo* info = resolved->get();
   ScopedFd sock(socket(info->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
   int one = 1;
   if (!sock.valid() || setsockopt(sock.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one) != 0 ||

@@ -6,6 +6,7 @@
 
 #include <thread>
 
+#include "client/dlpack_dtype.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/testing/checkpoint_builder.h"
@@ -71,8 +72,11 @@ TEST_F(ClientTest, DLPackExportKeepsTheLeaseUntilDeleted) {
     WEIGHTD_ASSERT_OK_AND_ASSIGN(DLManagedTensor* flag, model.ToDLPack(*model.Find("flag")));
     EXPECT_EQ(flag->dl_tensor.dtype.code, 6);  // kDLBool
     flag->deleter(flag);
-    EXPECT_THAT(model.ToDLPack(*model.Find("f8")),
-                StatusIs(absl::StatusCode::kUnimplemented, "tensor 'f8': dtype F8_E4M3 has no DLPack 0.6 type code"));
+    // One policy with the Python client (client/dlpack_dtype.h): float8 as uint8 carriers.
+    WEIGHTD_ASSERT_OK_AND_ASSIGN(DLManagedTensor* f8, model.ToDLPack(*model.Find("f8")));
+    EXPECT_EQ(f8->dl_tensor.dtype.code, kDLUInt);
+    EXPECT_EQ(f8->dl_tensor.dtype.bits, 8);
+    f8->deleter(f8);
   }
   // The MappedModel is gone; the DLPack tensor still holds mapping and lease.
   EXPECT_EQ(std::string(static_cast<const char*>(dl->dl_tensor.data), 12), "abcdefghijkl");
@@ -125,6 +129,16 @@ TEST_F(ClientTest, SegmentsSayHowTheyAreExported) {
   EXPECT_EQ(segments[1].backend, "emulated");
   EXPECT_TRUE(segments[1].fd_attached);
   EXPECT_EQ(segments[1].gpu_uuid, "GPU-emulated-1");
+}
+
+TEST(DlpackDtype, OneTableForBothClients) {
+  const DlpackDtype* f8 = FindDlpackDtype("F8_E5M2");
+  ASSERT_NE(f8, nullptr);
+  EXPECT_EQ(f8->code, kDLUInt);
+  EXPECT_EQ(f8->bits, 8);
+  EXPECT_EQ(FindDlpackDtype("BOOL")->code, kDLBoolCode);
+  EXPECT_EQ(FindDlpackDtype("F8_E8M0"), nullptr);  // no DLPack equivalent: read raw bytes
+  EXPECT_EQ(FindDlpackDtype("F4"), nullptr);
 }
 
 }  // namespace

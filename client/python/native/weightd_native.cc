@@ -25,34 +25,20 @@
 #include <memory>
 #include <vector>
 
+#include "client/dlpack_dtype.h"
 #include "common/memory/device.h"
 
 namespace py = pybind11;
 
 namespace {
 
-// DLPack >= 0.8 names boolean data kDLBool; the 0.6 header Debian ships lacks it.
-constexpr uint8_t kDLBoolCode = 6;
+using weightd::DlpackDtype;
+using weightd::FindDlpackDtype;
 
-struct DtypeInfo {
-  const char* name;  // safetensors spelling
-  uint8_t code;
-  uint8_t bits;
-};
-
-// F8_E4M3 and F8_E5M2 travel as uint8 carriers: DLPack 0.6 has no float8
-// code. The Python side reinterprets them with Tensor.view(torch.float8_*).
-constexpr DtypeInfo kDtypes[] = {
-    {"F64", kDLFloat, 64},  {"F32", kDLFloat, 32},  {"F16", kDLFloat, 16},       {"BF16", kDLBfloat, 16},
-    {"C64", kDLComplex, 64}, {"I64", kDLInt, 64},   {"I32", kDLInt, 32},         {"I16", kDLInt, 16},
-    {"I8", kDLInt, 8},      {"U64", kDLUInt, 64},   {"U32", kDLUInt, 32},        {"U16", kDLUInt, 16},
-    {"U8", kDLUInt, 8},     {"BOOL", kDLBoolCode, 8}, {"F8_E4M3", kDLUInt, 8},   {"F8_E5M2", kDLUInt, 8},
-};
-
-const DtypeInfo& LookupDtype(const std::string& dtype) {
-  for (const DtypeInfo& d : kDtypes) {
-    if (dtype == d.name) return d;
-  }
+// The DLPack type of `dtype` (client/dlpack_dtype.h: F8_E4M3/F8_E5M2 as
+// uint8 carriers that the Python side reinterprets with Tensor.view).
+const DlpackDtype& LookupDtype(const std::string& dtype) {
+  if (const DlpackDtype* d = FindDlpackDtype(dtype)) return *d;
   throw py::value_error("safetensors dtype " + dtype +
                         " has no DLPack equivalent (weightd exports F64, F32, F16, BF16, C64, I8-I64, U8-U64, BOOL, "
                         "F8_E4M3, F8_E5M2); use Tensor.raw() for its bytes");
@@ -174,7 +160,7 @@ class Segment {
   py::capsule Export(uint64_t offset, uint64_t nbytes, const std::string& dtype, const std::vector<int64_t>& shape,
                      py::object owner) const {
     CheckOpen();
-    const DtypeInfo& info = LookupDtype(dtype);
+    const DlpackDtype& info = LookupDtype(dtype);
     uint64_t elements = 1;
     for (int64_t d : shape) {
       if (d < 0) throw py::value_error("negative dimension in shape");
@@ -249,7 +235,7 @@ PYBIND11_MODULE(_native, m) {
   m.def(
       "dlpack_dtype",
       [](const std::string& dtype) {
-        const DtypeInfo& d = LookupDtype(dtype);
+        const DlpackDtype& d = LookupDtype(dtype);
         return py::make_tuple(d.code, d.bits, 1);
       },
       py::arg("dtype"), "The DLPack (code, bits, lanes) a safetensors dtype is exported as.");

@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/memory/cuda/cuda_internal.h"
+#include "common/base/align.h"
 #include "common/base/status.h"
 #include "common/base/scoped_fd.h"
 
@@ -20,9 +21,9 @@ namespace {
 constexpr uint64_t kLegacyGranularity = uint64_t{2} << 20;
 
 absl::StatusOr<uint64_t> RoundUp(uint64_t size, uint64_t granularity) {
-  size = std::max<uint64_t>(size, 1);
-  if (size > UINT64_MAX - granularity) return absl::ResourceExhaustedError(absl::StrCat("arena of ", size, " bytes"));
-  return (size + granularity - 1) / granularity * granularity;
+  std::optional<uint64_t> rounded = CheckedAlignUp(std::max<uint64_t>(size, 1), granularity);
+  if (!rounded) return absl::ResourceExhaustedError(absl::StrCat("arena of ", size, " bytes"));
+  return *rounded;
 }
 
 // The device memory of one arena and how it is exported. Destroyed with the
