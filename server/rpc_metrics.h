@@ -1,6 +1,7 @@
 // The one wrapper that counts and times every RPC: a gRPC server interceptor
-// reporting each finished call to Metrics::RpcFinished (and successful Attach
-// calls to Metrics::AttachFinished), so that no handler holds metrics code.
+// reporting each finished call to Metrics::RpcFinished, so that no handler
+// holds metrics code. (The attach histogram, Attach to the lease's claim on
+// the fd socket, is fed by MetricsListener::OnLeaseClaimed, not from here.)
 //
 // Thread-safety: the factory is called by gRPC from any thread; `metrics`
 // must outlive the server it is installed on.

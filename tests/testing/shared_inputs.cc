@@ -1,5 +1,8 @@
 #include "tests/testing/shared_inputs.h"
 
+#include <climits>
+#include <cstdlib>
+
 #include <stdlib.h>
 #include <sys/stat.h>
 
@@ -26,6 +29,11 @@ TempDir::TempDir() {
 TempDir::~TempDir() {
   std::error_code ignored;
   std::filesystem::remove_all(path_, ignored);
+}
+
+std::string RealPath(const std::string& path) {
+  char buf[PATH_MAX];
+  return realpath(path.c_str(), buf) ? buf : "";
 }
 
 }  // namespace weightd::testing

@@ -16,6 +16,9 @@ namespace weightd::testing {
 std::optional<std::string> SharedDir();
 
 // A fresh temporary directory, removed (recursively) by the destructor.
+// realpath(3) of `path`, or "" when it does not resolve.
+std::string RealPath(const std::string& path);
+
 class TempDir {
  public:
   TempDir();

@@ -20,10 +20,7 @@ namespace {
 using ::weightd::testing::TempDir;
 using ::weightd::testing::WriteFile;
 
-std::string RealPath(const std::string& path) {
-  char buf[PATH_MAX];
-  return realpath(path.c_str(), buf) ? buf : "";
-}
+using ::weightd::testing::RealPath;
 
 class PosixEnvTest : public ::testing::Test {
  protected:

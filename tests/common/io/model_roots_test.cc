@@ -17,10 +17,7 @@ namespace {
 using ::weightd::testing::TempDir;
 using ::weightd::testing::WriteFile;
 
-std::string RealPath(const std::string& path) {
-  char buf[PATH_MAX];
-  return realpath(path.c_str(), buf) ? buf : "";
-}
+using ::weightd::testing::RealPath;
 
 TEST(PathUnder, RootItselfAndBelowButNotASiblingSharingThePrefix) {
   EXPECT_TRUE(PathUnder("/models", "/models"));
