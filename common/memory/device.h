@@ -24,7 +24,6 @@
 #include "absl/status/statusor.h"
 #include "common/base/scoped_fd.h"
 #include "common/memory/segment_backend.h"
-#include "common/transport/unix_socket.h"
 
 namespace weightd {
 
