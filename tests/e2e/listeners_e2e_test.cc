@@ -3,12 +3,9 @@
 // daemon refuses to start with an admin-capable TCP listener without it.
 // A real weightd and real weightctl processes, on loopback port 0.
 #include <grpcpp/grpcpp.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <chrono>
-#include <regex>
 #include <thread>
 
 #include "absl/strings/match.h"
@@ -18,6 +15,7 @@
 #include "common/base/scoped_fd.h"
 #include "tests/testing/checkpoint_builder.h"
 #include "tests/testing/process.h"
+#include "tests/testing/scrape.h"
 #include "weightd/v1/weightd.grpc.pb.h"
 
 namespace weightd {
@@ -30,14 +28,6 @@ using testing::TempDir;
 
 constexpr char kOpenssl[] = "/usr/bin/openssl";
 constexpr char kAdminRefusal[] = "needs the Unix socket or a TCP listener with mutual TLS";
-
-// The port of the daemon's "gRPC TCP listener on 127.0.0.1:<port>" log line; 0 if none.
-int TcpPort(const DaemonProcess& d) {
-  std::string log = const_cast<DaemonProcess&>(d).process().Stderr();
-  std::smatch m;
-  if (!std::regex_search(log, m, std::regex(R"(gRPC TCP listener on 127\.0\.0\.1:(\d+))"))) return 0;
-  return std::stoi(m[1]);
-}
 
 void WriteCheckpoint(const std::string& path) {
   testing::SafetensorsBuilder builder;
@@ -73,7 +63,7 @@ TEST(TcpListener, PlainTcpServesReadsAndRefusesEveryAdminMethod) {
   DaemonProcess d(DaemonArgs({}));
   WriteCheckpoint(d.models_dir() + "/m.safetensors");
   ASSERT_EQ(d.Ctl({"load", "m", "m.safetensors"}).code, 0);
-  int port = TcpPort(d);
+  int port = d.TcpListenerPort();
   ASSERT_GT(port, 0) << d.process().Stderr();
   std::string tcp = absl::StrCat("127.0.0.1:", port);
 
@@ -147,7 +137,7 @@ TEST(TcpListener, MutualTlsAdmitsAdminOnlyWithAClientCertificateOfTheConfiguredC
   DaemonProcess d(DaemonArgs({"--grpc-tls-cert", pki.Join("server.pem"), "--grpc-tls-key", pki.Join("server.key"),
                               "--grpc-tls-client-ca", pki.Join("ca.pem"), "--grpc-tcp-admin", "true"}));
   WriteCheckpoint(d.models_dir() + "/m.safetensors");
-  int port = TcpPort(d);
+  int port = d.TcpListenerPort();
   ASSERT_GT(port, 0) << d.process().Stderr();
   std::string tcp = absl::StrCat("127.0.0.1:", port);
   std::vector<std::string> client = {"--tls-ca", pki.Join("ca.pem"), "--tls-cert", pki.Join("client.pem"),
@@ -181,7 +171,7 @@ TEST(TcpListener, MutualTlsWithoutAdminIsStillReadOnly) {
   DaemonProcess d(DaemonArgs({"--grpc-tls-cert", pki.Join("server.pem"), "--grpc-tls-key", pki.Join("server.key"),
                               "--grpc-tls-client-ca", pki.Join("ca.pem")}));
   WriteCheckpoint(d.models_dir() + "/m.safetensors");
-  std::string tcp = absl::StrCat("127.0.0.1:", TcpPort(d));
+  std::string tcp = absl::StrCat("127.0.0.1:", d.TcpListenerPort());
   std::vector<std::string> client = {"--tls-ca", pki.Join("ca.pem"), "--tls-cert", pki.Join("client.pem"),
                                      "--tls-key", pki.Join("client.key")};
   CommandResult ls = CtlAt(tcp, client, {"ls", "--json"});
@@ -201,7 +191,7 @@ TEST(TcpListener, SelfCheckPassesWithAMutualTlsListener) {
   ASSERT_TRUE(MakeCertificates(pki, &log)) << log;
   DaemonProcess d(DaemonArgs({"--grpc-tls-cert", pki.Join("server.pem"), "--grpc-tls-key", pki.Join("server.key"),
                               "--grpc-tls-client-ca", pki.Join("ca.pem"), "--self-check-interval-seconds", "0.1"}));
-  ASSERT_GT(TcpPort(d), 0) << d.process().Stderr();
+  ASSERT_GT(d.TcpListenerPort(), 0) << d.process().Stderr();
   std::this_thread::sleep_for(std::chrono::milliseconds(600));  // several checks
   EXPECT_EQ(d.Stop(), 0);
   EXPECT_FALSE(absl::StrContains(d.process().Stderr(), "self-check failed")) << d.process().Stderr();
@@ -219,16 +209,12 @@ TEST(TcpListener, AWedgedTlsListenerFailsTheSelfCheck) {
   DaemonProcess d(DaemonArgs({"--grpc-tls-cert", pki.Join("server.pem"), "--grpc-tls-key", pki.Join("server.key"),
                               "--self-check-interval-seconds", "0.2"}),
                   {"/usr/bin/prlimit", "--nofile=96:96", "--"});
-  int port = TcpPort(d);
+  int port = d.TcpListenerPort();
   ASSERT_GT(port, 0) << d.process().Stderr();
   std::vector<ScopedFd> held;
   for (int i = 0; i < 300 && !absl::StrContains(d.process().Stderr(), "Too many open files"); ++i) {
-    ScopedFd sock(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_port = htons(static_cast<uint16_t>(port));
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    if (connect(sock.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) break;
+    ScopedFd sock = testing::ConnectLoopback(port);
+    if (!sock.valid()) break;
     held.push_back(std::move(sock));
     if (i % 20 == 19) std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }

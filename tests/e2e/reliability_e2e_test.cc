@@ -5,11 +5,8 @@
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
-#include <arpa/inet.h>
-#include <netinet/in.h>
 
 #include <chrono>
-#include <regex>
 #include <fstream>
 #include <functional>
 #include <sstream>
@@ -24,6 +21,7 @@
 #include "gtest/gtest.h"
 #include "tests/testing/checkpoint_builder.h"
 #include "tests/testing/process.h"
+#include "tests/testing/scrape.h"
 #include "weightd/v1/weightd.grpc.pb.h"
 
 namespace weightd {
@@ -130,28 +128,11 @@ TEST(Reliability, SilentConnectionsAreClosedAfterTheFirstBytesTimeout) {
   for (ScopedFd& s : silent) EXPECT_EQ(recv(s.get(), &byte, 1, 0), 0) << "the daemon closed it";
 }
 
-ScopedFd ConnectTcp(int port) {
-  ScopedFd sock(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (connect(sock.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) return ScopedFd();
-  return sock;
-}
-
-int TcpPortOf(DaemonProcess& d) {
-  std::smatch m;
-  std::string log = d.process().Stderr();
-  if (!std::regex_search(log, m, std::regex(R"(gRPC TCP listener on 127\.0\.0\.1:(\d+))"))) return 0;
-  return std::stoi(m[1]);
-}
-
 // Opens TCP connections to `port` until the daemon logs `sign` or 400 are open.
 std::vector<ScopedFd> ExhaustWithTcp(DaemonProcess& d, int port, const std::string& sign) {
   std::vector<ScopedFd> connections;
   for (int i = 0; i < 400 && !absl::StrContains(d.process().Stderr(), sign); ++i) {
-    ScopedFd c = ConnectTcp(port);
+    ScopedFd c = testing::ConnectLoopback(port);
     if (!c.valid()) break;
     connections.push_back(std::move(c));
     if (i % 20 == 19) std::this_thread::sleep_for(std::chrono::milliseconds(100));
@@ -164,7 +145,7 @@ std::vector<ScopedFd> ExhaustWithTcp(DaemonProcess& d, int port, const std::stri
 TEST(Reliability, PlainTcpListenerAnswersAgainAfterDescriptorsRunOut) {
   if (access(kPrlimit, X_OK) != 0) GTEST_SKIP() << kPrlimit << " is absent (util-linux)";
   DaemonProcess d({"--grpc-address", "127.0.0.1:0"}, {kPrlimit, "--nofile=96:96", "--"});
-  int port = TcpPortOf(d);
+  int port = d.TcpListenerPort();
   ASSERT_GT(port, 0) << d.process().Stderr();
   std::string tcp = absl::StrCat("127.0.0.1:", port);
   std::vector<ScopedFd> connections = ExhaustWithTcp(d, port, "Too many open files");

@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
+#include <regex>
 #include <thread>
 
 extern char** environ;
@@ -117,6 +118,13 @@ std::vector<std::string> DaemonProcess::CtlArgv(const std::vector<std::string>& 
 }
 
 CommandResult DaemonProcess::Ctl(const std::vector<std::string>& args) const { return RunCommand(CtlArgv(args)); }
+
+int DaemonProcess::TcpListenerPort() {
+  std::string log = process_->Stderr();
+  std::smatch m;
+  if (!std::regex_search(log, m, std::regex(R"(gRPC TCP listener on 127\.0\.0\.1:(\d+))"))) return 0;
+  return std::stoi(m[1]);
+}
 
 int DaemonProcess::Stop() {
   process_->Signal(SIGTERM);

@@ -65,6 +65,9 @@ class DaemonProcess {
   std::vector<std::string> CtlArgv(const std::vector<std::string>& args) const;
   // SIGTERM and wait: the exit status.
   int Stop();
+  // The port of the daemon's "gRPC TCP listener on 127.0.0.1:<port>" log
+  // line (a --grpc-address of 127.0.0.1:0); 0 if there is none yet.
+  int TcpListenerPort();
 
  private:
   TempDir dir_;

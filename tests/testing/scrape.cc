@@ -25,6 +25,13 @@ sockaddr_in Loopback(int port) {
 
 }  // namespace
 
+ScopedFd ConnectLoopback(int port) {
+  ScopedFd sock(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_in addr = Loopback(port);
+  if (!sock.valid() || connect(sock.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) return ScopedFd();
+  return sock;
+}
+
 absl::StatusOr<std::string> HttpGet(int port, const std::string& path) {
   ScopedFd sock(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
   if (sock.get() < 0) return ErrnoToStatus("socket", errno);

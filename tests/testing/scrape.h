@@ -7,12 +7,16 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "common/base/scoped_fd.h"
 
 namespace weightd::testing {
 
 // GET http://127.0.0.1:<port><path>: the body of a 200 response;
 // UNAVAILABLE when nothing listens, FAILED_PRECONDITION for another status.
 absl::StatusOr<std::string> HttpGet(int port, const std::string& path);
+
+// A TCP connection to 127.0.0.1:<port>; an invalid ScopedFd when refused.
+ScopedFd ConnectLoopback(int port);
 
 // A TCP port on 127.0.0.1 that was free a moment ago (bind port 0, close),
 // for servers such as Prometheus that cannot report the port they chose.
