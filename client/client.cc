@@ -72,12 +72,6 @@ std::string NormalizeTarget(const std::string& target) {
   return !target.empty() && target[0] == '/' ? "unix://" + target : target;
 }
 
-absl::StatusOr<std::string> ReadPem(const char* what, const std::string& path) {
-  absl::StatusOr<std::string> pem = ReadSmallFile(*Env::Default(), path, 1 << 20);
-  if (!pem.ok()) return Annotate(pem.status(), what);
-  return pem;
-}
-
 // Insecure without a CA; TLS with one; mutual TLS with a certificate and key.
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentials(const ConnectOptions& o) {
   if (o.tls_ca_file.empty()) {
@@ -90,10 +84,10 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentials(con
     return absl::InvalidArgumentError("a TLS client certificate needs both --tls-cert and --tls-key");
   }
   grpc::SslCredentialsOptions ssl;
-  WEIGHTD_ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadPem("--tls-ca", o.tls_ca_file));
+  WEIGHTD_ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadPemFile("--tls-ca", o.tls_ca_file));
   if (!o.tls_cert_file.empty()) {
-    WEIGHTD_ASSIGN_OR_RETURN(ssl.pem_cert_chain, ReadPem("--tls-cert", o.tls_cert_file));
-    WEIGHTD_ASSIGN_OR_RETURN(ssl.pem_private_key, ReadPem("--tls-key", o.tls_key_file));
+    WEIGHTD_ASSIGN_OR_RETURN(ssl.pem_cert_chain, ReadPemFile("--tls-cert", o.tls_cert_file));
+    WEIGHTD_ASSIGN_OR_RETURN(ssl.pem_private_key, ReadPemFile("--tls-key", o.tls_key_file));
   }
   return grpc::SslCredentials(ssl);
 }

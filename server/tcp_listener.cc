@@ -16,14 +16,6 @@
 namespace weightd {
 namespace {
 
-constexpr uint64_t kMaxPemBytes = 1 << 20;
-
-absl::StatusOr<std::string> ReadPem(const std::string& flag, const std::string& path) {
-  absl::StatusOr<std::string> pem = ReadSmallFile(*Env::Default(), path, kMaxPemBytes);
-  if (!pem.ok()) return Annotate(pem.status(), absl::StrCat("--", flag));
-  return pem;
-}
-
 // Insecure credentials without grpc_tls_cert; TLS with it; mutual TLS (the
 // client must present a certificate the client CA signed, or the handshake
 // fails) with grpc_tls_client_ca too.
@@ -31,11 +23,11 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Credentials(const Daemo
   if (c.grpc_tls_cert.empty()) return grpc::InsecureServerCredentials();
   grpc::SslServerCredentialsOptions options(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
   grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
-  WEIGHTD_ASSIGN_OR_RETURN(pair.cert_chain, ReadPem("grpc-tls-cert", c.grpc_tls_cert));
-  WEIGHTD_ASSIGN_OR_RETURN(pair.private_key, ReadPem("grpc-tls-key", c.grpc_tls_key));
+  WEIGHTD_ASSIGN_OR_RETURN(pair.cert_chain, ReadPemFile("--grpc-tls-cert", c.grpc_tls_cert));
+  WEIGHTD_ASSIGN_OR_RETURN(pair.private_key, ReadPemFile("--grpc-tls-key", c.grpc_tls_key));
   options.pem_key_cert_pairs.push_back(std::move(pair));
   if (!c.grpc_tls_client_ca.empty()) {
-    WEIGHTD_ASSIGN_OR_RETURN(options.pem_root_certs, ReadPem("grpc-tls-client-ca", c.grpc_tls_client_ca));
+    WEIGHTD_ASSIGN_OR_RETURN(options.pem_root_certs, ReadPemFile("--grpc-tls-client-ca", c.grpc_tls_client_ca));
     options.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
   }
   return grpc::SslServerCredentials(options);

@@ -248,4 +248,10 @@ absl::StatusOr<std::string> ReadSmallFile(const RandomAccessFile& file, uint64_t
   return data;
 }
 
+absl::StatusOr<std::string> ReadPemFile(const std::string& flag, const std::string& path) {
+  absl::StatusOr<std::string> pem = ReadSmallFile(*Env::Default(), path, kMaxPemBytes);
+  if (!pem.ok()) return Annotate(pem.status(), flag);
+  return pem;
+}
+
 }  // namespace weightd

@@ -101,6 +101,12 @@ absl::StatusOr<std::string> ReadSmallFile(Env& env, const std::string& path, uin
 // The same for a file already open.
 absl::StatusOr<std::string> ReadSmallFile(const RandomAccessFile& file, uint64_t max_bytes);
 
+// A PEM file (TLS certificate chain, private key or CA bundle) of at most
+// kMaxPemBytes, read through Env::Default(); errors start with `flag` (the
+// option that named the file, e.g. "--tls-ca").
+inline constexpr uint64_t kMaxPemBytes = 1 << 20;
+absl::StatusOr<std::string> ReadPemFile(const std::string& flag, const std::string& path);
+
 }  // namespace weightd
 
 #endif  // WEIGHTD_COMMON_IO_ENV_H_
