@@ -25,6 +25,32 @@ absl::Status FromGrpc(const grpc::Status& s) {
   return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
 }
 
+ModelSummary FromProto(const v1::ModelInfo& m);
+
+// The progress messages of a LoadModel or ReloadModel stream, to the DONE one.
+absl::StatusOr<LoadResult> ReadLoadStream(grpc::ClientReaderInterface<v1::LoadModelProgress>& reader,
+                                          const std::function<void(const LoadProgressInfo&)>& progress) {
+  v1::LoadModelProgress message;
+  LoadResult result;
+  bool done = false;
+  while (reader.Read(&message)) {
+    if (progress) {
+      progress({v1::LoadModelProgress::Phase_Name(message.phase()), message.bytes_done(), message.bytes_total(),
+                message.files_done(), message.files_total(), message.seconds()});
+    }
+    if (message.phase() == v1::LoadModelProgress::DONE) {
+      result.model = FromProto(message.model());
+      result.reused = message.reused();
+      result.bytes_read = message.bytes_total();
+      result.bytes_reused = message.bytes_reused();
+      done = true;
+    }
+  }
+  WEIGHTD_RETURN_IF_ERROR(FromGrpc(reader.Finish()));
+  if (!done) return absl::InternalError("load stream ended without a DONE message");
+  return result;
+}
+
 ModelSummary FromProto(const v1::ModelInfo& m) {
   ModelSummary s;
   s.name = m.name();
@@ -44,6 +70,8 @@ ModelSummary FromProto(const v1::ModelInfo& m) {
   s.bytes_done = m.bytes_done();
   s.bytes_total = m.bytes_total();
   s.error = m.error();
+  s.bytes_read = m.bytes_read();
+  s.bytes_shared = m.bytes_shared();
   return s;
 }
 
@@ -330,24 +358,16 @@ absl::StatusOr<LoadResult> Client::Load(const std::string& name, const std::stri
   }
   for (const std::string& d : options.devices) request.add_devices(d);
   grpc::ClientContext context;
-  auto reader = impl_->stub->LoadModel(&context, request);
-  v1::LoadModelProgress message;
-  LoadResult result;
-  bool done = false;
-  while (reader->Read(&message)) {
-    if (progress) {
-      progress({v1::LoadModelProgress::Phase_Name(message.phase()), message.bytes_done(), message.bytes_total(),
-                message.files_done(), message.files_total(), message.seconds()});
-    }
-    if (message.phase() == v1::LoadModelProgress::DONE) {
-      result.model = FromProto(message.model());
-      result.reused = message.reused();
-      done = true;
-    }
-  }
-  WEIGHTD_RETURN_IF_ERROR(FromGrpc(reader->Finish()));
-  if (!done) return absl::InternalError("load stream ended without a DONE message");
-  return result;
+  return ReadLoadStream(*impl_->stub->LoadModel(&context, request), progress);
+}
+
+absl::StatusOr<LoadResult> Client::Reload(const std::string& name, const std::string& checkpoint_path,
+                                          const std::function<void(const LoadProgressInfo&)>& progress) {
+  v1::ReloadModelRequest request;
+  request.set_name(name);
+  request.set_checkpoint_path(checkpoint_path);
+  grpc::ClientContext context;
+  return ReadLoadStream(*impl_->stub->ReloadModel(&context, request), progress);
 }
 
 absl::StatusOr<std::vector<ModelSummary>> Client::List() {

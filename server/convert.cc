@@ -42,6 +42,8 @@ void ToProto(const ModelGeneration& m, v1::ModelInfo* out) {
   out->set_host_bytes(m.host_bytes);
   out->set_locked_bytes(m.locked_bytes);
   out->set_checkpoint_bytes(m.checkpoint_bytes);
+  out->set_bytes_read(m.bytes_read);
+  out->set_bytes_shared(m.bytes_reused);
   for (const std::string& w : m.warnings) out->add_warnings(w);
   for (const SegmentRecord& s : m.segments) {
     if (s.placement != Placement::kDevice) continue;
@@ -93,6 +95,7 @@ void ToProto(const LoadProgress& p, v1::LoadModelProgress* out) {
   out->set_phase(static_cast<v1::LoadModelProgress::Phase>(static_cast<int>(p.phase) + 1));
   out->set_bytes_done(p.bytes_done);
   out->set_bytes_total(p.bytes_total);
+  out->set_bytes_reused(p.bytes_reused);
   out->set_files_done(p.files_done);
   out->set_files_total(p.files_total);
   out->set_seconds(p.seconds);

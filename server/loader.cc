@@ -6,6 +6,7 @@
 #include <chrono>
 #include <thread>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -34,9 +35,11 @@ struct ReadTask {
 };
 
 // A device arena and the lock that serialises copies into it (fences and
-// sealing are safe without it).
+// sealing are safe without it). A reused arena (sealed, from the generation
+// before) takes no copies.
 struct ArenaSlot {
-  std::unique_ptr<DeviceArena> arena;
+  std::shared_ptr<DeviceArena> arena;
+  bool fresh = true;
   absl::Mutex mu;
 };
 
@@ -46,8 +49,15 @@ struct Staging {
   std::vector<std::pair<ArenaSlot*, uint64_t>> fences;
 };
 
+// A host segment of the plan: a fresh one being filled, or a sealed one
+// shared with the generation before.
+struct HostSlot {
+  std::shared_ptr<HostSegment> fresh;
+  std::shared_ptr<const HostSegment> reused;
+};
+
 struct Allocation {
-  std::unique_ptr<HostSegment> host;
+  std::vector<HostSlot> host;                                   // parallel to plan.host_segments
   std::vector<std::vector<std::unique_ptr<ArenaSlot>>> arenas;  // [rank][arena]
 };
 
@@ -75,9 +85,11 @@ absl::StatusOr<std::vector<DeviceInfo>> ResolveDevices(const LoadRequest& reques
   return out;
 }
 
-std::vector<ReadTask> MakeTasks(const Catalog& catalog) {
+// The blocks of every tensor whose file is read (`read_file[f]`).
+std::vector<ReadTask> MakeTasks(const Catalog& catalog, const std::vector<bool>& read_file) {
   std::vector<ReadTask> tasks;
   for (uint32_t i = 0; i < catalog.tensors.size(); ++i) {
+    if (!read_file[catalog.tensors[i].file]) continue;
     uint64_t nbytes = catalog.tensors[i].nbytes;
     for (uint64_t start = 0, b = 0; start < nbytes; start += kReadBlockBytes, ++b) {
       tasks.push_back({i, start, std::min(kReadBlockBytes, nbytes - start), static_cast<uint32_t>(b)});
@@ -86,11 +98,11 @@ std::vector<ReadTask> MakeTasks(const Catalog& catalog) {
   return tasks;
 }
 
-// Promises the plan's host bytes to this load (LoaderOptions::admission).
-absl::StatusOr<HostMemoryAdmission::Reservation> AdmitHostMemory(const std::string& name, const LoadPlan& plan,
+// Promises `host_bytes` of new host memory to this load (LoaderOptions::admission).
+absl::StatusOr<HostMemoryAdmission::Reservation> AdmitHostMemory(const std::string& name, uint64_t host_bytes,
                                                                  const LoaderOptions& options) {
-  // Staging buffers are small and bounded; the host segment is what can be huge.
-  if (options.admission != nullptr) return options.admission->Reserve(name, plan.host_bytes);
+  // Staging buffers are small and bounded; the host segments are what can be huge.
+  if (options.admission != nullptr) return options.admission->Reserve(name, host_bytes);
   HostMemoryAdmission::Probe fixed;
   if (options.host_memory_limit > 0) {
     fixed = [limit = options.host_memory_limit]() -> absl::StatusOr<HostMemoryBudget> {
@@ -98,18 +110,73 @@ absl::StatusOr<HostMemoryAdmission::Reservation> AdmitHostMemory(const std::stri
     };
   }
   HostMemoryAdmission alone(std::move(fixed));
-  WEIGHTD_RETURN_IF_ERROR(alone.Reserve(name, plan.host_bytes).status());
+  WEIGHTD_RETURN_IF_ERROR(alone.Reserve(name, host_bytes).status());
   return HostMemoryAdmission::Reservation();
 }
 
-absl::StatusOr<Allocation> Allocate(const std::string& name, const LoadPlan& plan,
-                                    const std::vector<DeviceInfo>& devices, DeviceBackend* backend, HugePages huge) {
+// What a load takes from the generation before it: for each catalog file
+// whose stamp is unchanged, its segments (same plan, so the same layout)
+// and its tensors' content hashes.
+struct Reuse {
+  std::vector<const GenerationFile*> file;  // parallel to catalog.files; null: read it
+  absl::flat_hash_map<std::string, uint64_t> hashes;  // tensor name -> content hash
+};
+
+Reuse FindReusable(const Catalog& catalog, const LoadPlan& plan, const ModelGeneration* previous) {
+  Reuse reuse;
+  reuse.file.assign(catalog.files.size(), nullptr);
+  if (previous == nullptr) return reuse;
+  std::vector<uint32_t> chunks(catalog.files.size()), arenas(catalog.files.size() * plan.ranks.size());
+  for (const HostChunk& c : plan.host_segments) ++chunks[c.file];
+  for (size_t r = 0; r < plan.ranks.size(); ++r) {
+    for (uint32_t f : plan.ranks[r].arena_file) ++arenas[f * plan.ranks.size() + r];
+  }
+  for (size_t f = 0; f < catalog.files.size(); ++f) {
+    FileStamp stamp = StampOf(catalog.files[f]);
+    for (const GenerationFile& old : previous->files) {
+      if (old.stamp != stamp || old.host_segments.size() != chunks[f] || old.arenas.size() != plan.ranks.size()) continue;
+      bool same_arenas = true;
+      for (size_t r = 0; r < plan.ranks.size(); ++r) same_arenas &= old.arenas[r].size() == arenas[f * plan.ranks.size() + r];
+      if (same_arenas) reuse.file[f] = &old;
+      break;
+    }
+  }
+  if (!previous->ranks.empty()) {
+    for (const TensorRecord& t : previous->ranks[0].tensors) reuse.hashes.emplace(t.name, t.content_hash);
+  }
+  return reuse;
+}
+
+absl::StatusOr<Allocation> Allocate(const std::string& name, const LoadPlan& plan, const Reuse& reuse,
+                                    const ModelGeneration* previous, const std::vector<DeviceInfo>& devices,
+                                    DeviceBackend* backend, HugePages huge) {
   Allocation a;
-  WEIGHTD_ASSIGN_OR_RETURN(a.host, HostSegment::Create(absl::StrCat(name, ":host"), plan.host_bytes, huge));
+  std::vector<uint32_t> next_host(reuse.file.size());  // per file: its next reused host segment
+  for (size_t i = 0; i < plan.host_segments.size(); ++i) {
+    const HostChunk& c = plan.host_segments[i];
+    HostSlot slot;
+    if (const GenerationFile* old = reuse.file[c.file]) {
+      slot.reused = previous->host_segments[previous->segments[old->host_segments[next_host[c.file]++]].owner];
+    } else {
+      WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<HostSegment> segment,
+                               HostSegment::Create(absl::StrCat(name, ":host", i), c.bytes, huge));
+      slot.fresh = std::move(segment);
+    }
+    a.host.push_back(std::move(slot));
+  }
   a.arenas.resize(devices.empty() ? 0 : plan.ranks.size());
   for (size_t r = 0; r < a.arenas.size(); ++r) {
-    for (uint64_t bytes : plan.ranks[r].arena_bytes) {
+    std::vector<uint32_t> next_arena(reuse.file.size());
+    for (size_t i = 0; i < plan.ranks[r].arena_bytes.size(); ++i) {
+      uint64_t bytes = plan.ranks[r].arena_bytes[i];
+      uint32_t file = plan.ranks[r].arena_file[i];
       auto slot = std::make_unique<ArenaSlot>();
+      if (const GenerationFile* old = reuse.file[file]) {
+        slot->arena = previous->arenas[previous->segments[old->arenas[r][next_arena[file]++]].owner];
+        slot->fresh = false;
+        a.arenas[r].push_back(std::move(slot));
+        continue;
+      }
       absl::StatusOr<std::unique_ptr<DeviceArena>> arena = backend->Allocate(devices[r], bytes);
       if (!arena.ok()) {
         return Annotate(arena.status(), absl::StrCat("allocating a ", bytes, "-byte arena for rank ", r, " on ",
@@ -235,18 +302,19 @@ class ReadJob {
       const CatalogTensor& t = catalog_.tensors[task.tensor];
       const TensorPlan& tp = plan_.tensors[task.tensor];
       auto where = [&] { return absl::StrCat(ElideName(catalog_.files[t.file].name), ": tensor ", QuoteName(t.name)); };
-      if (tp.placement == Placement::kHost && !alloc_.host->huge_pages()) {
-        absl::StatusOr<uint64_t> hash = WriteHost(task, t, tp.host_offset + task.start, scratch, *hasher);
+      HostSegment* host = tp.placement == Placement::kHost ? alloc_.host[tp.host_segment].fresh.get() : nullptr;
+      if (host != nullptr && !host->huge_pages()) {
+        absl::StatusOr<uint64_t> hash = WriteHost(task, t, *host, tp.host_offset + task.start, scratch, *hasher);
         if (!hash.ok()) return Fail(Annotate(hash.status(), where()));
         block_hashes_[task.tensor][task.block] = *hash;
-        if (lock_) alloc_.host->Lock(tp.host_offset + task.start, task.n);
+        if (lock_) host->Lock(tp.host_offset + task.start, task.n);
         Done(task, t);
         continue;
       }
       char* dst;
       Staging* stage = nullptr;
-      if (tp.placement == Placement::kHost) {
-        dst = alloc_.host->writable() + tp.host_offset + task.start;
+      if (host != nullptr) {
+        dst = host->writable() + tp.host_offset + task.start;
       } else {
         stage = &staging[turn ^= 1];
         WEIGHTD_RETURN_IF_ERROR(Fail(WaitStaging(*stage)));
@@ -263,7 +331,7 @@ class ReadJob {
       if (stage != nullptr) {
         WEIGHTD_RETURN_IF_ERROR(Fail(CopyBlockToRanks(tp, task.start, task.start + task.n, dst, alloc_, *stage)));
       } else if (lock_) {
-        alloc_.host->Lock(tp.host_offset + task.start, task.n);
+        host->Lock(tp.host_offset + task.start, task.n);
       }
       Done(task, t);
     }
@@ -276,7 +344,7 @@ class ReadJob {
   // cache: returns the block's hash (streaming XXH3 equals one-shot XXH3).
   // O_DIRECT files are read in whole blocks (the disk wants large requests),
   // buffered ones a slice at a time (the bounce buffer stays in L2).
-  absl::StatusOr<uint64_t> WriteHost(const ReadTask& task, const CatalogTensor& t, uint64_t offset,
+  absl::StatusOr<uint64_t> WriteHost(const ReadTask& task, const CatalogTensor& t, HostSegment& host, uint64_t offset,
                                      ReadBuffer& scratch, XXH3_state_t& hasher) {
     XXH3_64bits_reset(&hasher);
     uint64_t piece = reader_.direct(t.file) ? kReadBlockBytes : kCopySliceBytes;
@@ -286,7 +354,7 @@ class ReadJob {
       for (uint64_t s = 0; s < n; s += kCopySliceBytes) {
         uint64_t m = std::min(kCopySliceBytes, n - s);
         XXH3_64bits_update(&hasher, src + s, m);
-        WEIGHTD_RETURN_IF_ERROR(alloc_.host->Write(offset + done + s, src + s, m));
+        WEIGHTD_RETURN_IF_ERROR(host.Write(offset + done + s, src + s, m));
       }
     }
     return XXH3_64bits_digest(&hasher);
@@ -349,30 +417,59 @@ std::string Fingerprint(const Catalog& catalog, const std::vector<uint64_t>& has
   return absl::StrFormat("%016x%016x", h.high64, h.low64);
 }
 
-// Seals every segment and moves them, with the manifests, into `gen`.
-absl::Status Publish(const LoadPlan& plan, Allocation& alloc, const std::vector<uint64_t>& hashes, bool mlock,
-                     DeviceBackend* backend, ModelGeneration& gen) {
-  WEIGHTD_RETURN_IF_ERROR(alloc.host->Seal(mlock));
-  gen.host_bytes = alloc.host->size();
-  gen.locked_bytes = alloc.host->locked() ? alloc.host->size() : 0;
-  gen.segments.push_back({Placement::kHost, alloc.host->size(), SegmentBackend::kMemfd, "", alloc.host->fd(), ""});
-  gen.host_segments.push_back(std::move(alloc.host));
+// Seals every fresh segment and moves all of them, with the manifests, into
+// `gen`: host segments first (plan order), then each rank's arenas.
+absl::Status Publish(const Catalog& catalog, const LoadPlan& plan, Allocation& alloc, const Reuse& reuse,
+                     const std::vector<uint64_t>& hashes, bool mlock, DeviceBackend* backend, ModelGeneration& gen) {
+  gen.files.resize(catalog.files.size());
+  for (size_t f = 0; f < catalog.files.size(); ++f) {
+    gen.files[f].stamp = StampOf(catalog.files[f]);
+    gen.files[f].arenas.resize(plan.ranks.size());
+  }
+  std::vector<uint32_t> host_ids;
+  for (size_t i = 0; i < alloc.host.size(); ++i) {
+    HostSlot& slot = alloc.host[i];
+    if (slot.fresh != nullptr) {
+      WEIGHTD_RETURN_IF_ERROR(slot.fresh->Seal(mlock));
+      slot.reused = std::move(slot.fresh);
+    } else {
+      gen.bytes_reused += slot.reused->size();
+    }
+    const HostSegment& segment = *slot.reused;
+    gen.host_bytes += segment.size();
+    gen.locked_bytes += segment.locked() ? segment.size() : 0;
+    uint32_t id = static_cast<uint32_t>(gen.segments.size());
+    host_ids.push_back(id);
+    gen.files[plan.host_segments[i].file].host_segments.push_back(id);
+    gen.segments.push_back({Placement::kHost, segment.size(), SegmentBackend::kMemfd, "", segment.fd(), "",
+                            static_cast<uint32_t>(gen.host_segments.size())});
+    gen.host_segments.push_back(std::move(slot.reused));
+  }
   for (size_t r = 0; r < plan.ranks.size(); ++r) {
     RankManifest rank;
-    rank.segments.push_back(0);
+    rank.segments = host_ids;
     static const std::vector<std::unique_ptr<ArenaSlot>> kNone;
-    for (const auto& slot : r < alloc.arenas.size() ? alloc.arenas[r] : kNone) {
-      WEIGHTD_RETURN_IF_ERROR(slot->arena->Seal());
-      DeviceArena& a = *slot->arena;
-      rank.segments.push_back(static_cast<uint32_t>(gen.segments.size()));
-      gen.segments.push_back(
-          {Placement::kDevice, a.size(), backend->segment_backend(), a.device().uuid, a.export_fd(), a.export_handle()});
-      gen.arenas.push_back(std::move(slot->arena));
+    const auto& slots = r < alloc.arenas.size() ? alloc.arenas[r] : kNone;
+    for (size_t i = 0; i < slots.size(); ++i) {
+      ArenaSlot& slot = *slots[i];
+      if (slot.fresh) {
+        WEIGHTD_RETURN_IF_ERROR(slot.arena->Seal());
+      } else {
+        gen.bytes_reused += slot.arena->size();
+      }
+      DeviceArena& a = *slot.arena;
+      uint32_t id = static_cast<uint32_t>(gen.segments.size());
+      rank.segments.push_back(id);
+      gen.files[plan.ranks[r].arena_file[i]].arenas[r].push_back(id);
+      gen.segments.push_back({Placement::kDevice, a.size(), backend->segment_backend(), a.device().uuid, a.export_fd(),
+                              a.export_handle(), static_cast<uint32_t>(gen.arenas.size())});
+      gen.arenas.push_back(std::move(slot.arena));
     }
     rank.tensors = plan.ranks[r].tensors;
     for (size_t i = 0; i < rank.tensors.size(); ++i) rank.tensors[i].content_hash = hashes[i];
     gen.ranks.push_back(std::move(rank));
   }
+  (void)reuse;
   return absl::OkStatus();
 }
 
@@ -386,14 +483,17 @@ uint64_t TensorContentHash(const char* data, uint64_t n) {
   return CombineBlockHashes(blocks);
 }
 
+FileStamp StampOf(const CatalogFile& file) { return FileStamp{file.name, file.identity, file.header_hash}; }
+
 absl::StatusOr<std::unique_ptr<ModelGeneration>> LoadGeneration(const Catalog& catalog, const LoadRequest& request,
                                                                  const LoaderOptions& options,
-                                                                 const ProgressFn& progress) {
+                                                                 const ProgressFn& progress,
+                                                                 const ModelGeneration* previous) {
   static_assert(kReadBlockBytes == kHashBlockBytes, "a read block is a hash block");
   auto start = std::chrono::steady_clock::now();
   LoadProgress p;
   p.files_total = static_cast<uint32_t>(catalog.files.size());
-  p.bytes_total = catalog.total_bytes();
+  p.bytes_total = catalog.total_bytes();  // until the plan tells what is shared
   auto report = [&](LoadProgress::Phase phase) {
     p.phase = phase;
     p.seconds = SecondsSince(start);
@@ -402,16 +502,27 @@ absl::StatusOr<std::unique_ptr<ModelGeneration>> LoadGeneration(const Catalog& c
   report(LoadProgress::Phase::kPlan);
   WEIGHTD_ASSIGN_OR_RETURN(std::vector<DeviceInfo> devices, ResolveDevices(request, options.device_backend));
   WEIGHTD_ASSIGN_OR_RETURN(LoadPlan plan, MakeLoadPlan(catalog, request, devices.size(), options.max_arena_bytes));
+  Reuse reuse = FindReusable(catalog, plan, previous);
+  std::vector<bool> read_file(catalog.files.size());
+  for (size_t f = 0; f < catalog.files.size(); ++f) read_file[f] = reuse.file[f] == nullptr;
+  p.bytes_total = 0;
+  for (const CatalogTensor& t : catalog.tensors) {
+    (read_file[t.file] ? p.bytes_total : p.bytes_reused) += t.nbytes;
+  }
 
   report(LoadProgress::Phase::kAllocate);
   HugePages huge = options.huge_pages ? HugePages::kWhenPoolAllows : HugePages::kNever;
-  WEIGHTD_ASSIGN_OR_RETURN(HostMemoryAdmission::Reservation admitted, AdmitHostMemory(request.name, plan, options));
-  WEIGHTD_ASSIGN_OR_RETURN(Allocation alloc, Allocate(request.name, plan, devices, options.device_backend, huge));
+  uint64_t new_host_bytes = 0;
+  for (const HostChunk& c : plan.host_segments) new_host_bytes += read_file[c.file] ? c.bytes : 0;
+  WEIGHTD_ASSIGN_OR_RETURN(HostMemoryAdmission::Reservation admitted,
+                           AdmitHostMemory(request.name, new_host_bytes, options));
+  WEIGHTD_ASSIGN_OR_RETURN(Allocation alloc,
+                           Allocate(request.name, plan, reuse, previous, devices, options.device_backend, huge));
   WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader,
                            CheckpointReader::Open(catalog, {options.direct_io}));
 
   report(LoadProgress::Phase::kRead);
-  std::vector<ReadTask> tasks = MakeTasks(catalog);
+  std::vector<ReadTask> tasks = MakeTasks(catalog, read_file);
   std::vector<std::vector<uint64_t>> block_hashes(catalog.tensors.size());
   for (const ReadTask& t : tasks) block_hashes[t.tensor].resize(t.block + 1);
   int threads = options.threads > 0 ? options.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
@@ -426,14 +537,27 @@ absl::StatusOr<std::unique_ptr<ModelGeneration>> LoadGeneration(const Catalog& c
 
   report(LoadProgress::Phase::kSeal);
   std::vector<uint64_t> hashes(catalog.tensors.size());
-  for (size_t i = 0; i < hashes.size(); ++i) hashes[i] = CombineBlockHashes(block_hashes[i]);
+  for (size_t i = 0; i < hashes.size(); ++i) {
+    const CatalogTensor& t = catalog.tensors[i];
+    if (read_file[t.file]) {
+      hashes[i] = CombineBlockHashes(block_hashes[i]);
+    } else {
+      auto it = reuse.hashes.find(t.name);
+      if (it == reuse.hashes.end()) {  // cannot be: an unchanged file holds the same tensors
+        return absl::InternalError(absl::StrCat("tensor ", QuoteName(t.name), " of unchanged file ",
+                                                ElideName(catalog.files[t.file].name), " has no hash in generation ",
+                                                previous->generation));
+      }
+      hashes[i] = it->second;
+    }
+  }
   auto gen = std::make_unique<ModelGeneration>();
-  WEIGHTD_RETURN_IF_ERROR(Publish(plan, alloc, hashes, options.mlock, options.device_backend, *gen));
+  WEIGHTD_RETURN_IF_ERROR(Publish(catalog, plan, alloc, reuse, hashes, options.mlock, options.device_backend, *gen));
   gen->request = request;
-  gen->files = reader->stamps();
   gen->fingerprint = Fingerprint(catalog, hashes);
   gen->tensor_count = catalog.tensors.size();
   gen->checkpoint_bytes = catalog.total_bytes();
+  gen->bytes_read = p.bytes_total;
   gen->load_seconds = SecondsSince(start);
   return gen;
 }

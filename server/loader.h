@@ -43,7 +43,8 @@ struct LoadProgress {
   enum class Phase { kCatalog, kPlan, kAllocate, kRead, kSeal, kDone };
   Phase phase = Phase::kCatalog;
   uint64_t bytes_done = 0;
-  uint64_t bytes_total = 0;
+  uint64_t bytes_total = 0;   // tensor bytes to read from storage
+  uint64_t bytes_reused = 0;  // tensor bytes of unchanged files, shared with the generation before
   uint32_t files_done = 0;
   uint32_t files_total = 0;
   double seconds = 0;
@@ -71,12 +72,20 @@ struct LoaderOptions {
 };
 
 // Loads `catalog` (already validated) into a new generation placed per
-// `request`. Progress is reported from the calling thread only, at most every
+// `request`. With `previous` (the READY generation of the name, loaded with
+// the same plan; not owned, must outlive the call), every catalog file whose
+// FileStamp equals one of `previous`'s files is not read: its host segments
+// and arenas are shared with `previous` by reference and its tensors keep
+// their content hashes; only the other files are read. Progress is reported from the calling thread only, at most every
 // 100 ms and at each phase change. On any error everything allocated is freed
 // before returning. Errors name the file and byte offset of a failed read.
 absl::StatusOr<std::unique_ptr<ModelGeneration>> LoadGeneration(const Catalog& catalog, const LoadRequest& request,
                                                                  const LoaderOptions& options,
-                                                                 const ProgressFn& progress);
+                                                                 const ProgressFn& progress,
+                                                                 const ModelGeneration* previous = nullptr);
+
+// The stamp of a cataloged file: its name, identity and header hash.
+FileStamp StampOf(const CatalogFile& file);
 
 // The content hash of `n` bytes, as defined above (for clients and tests).
 uint64_t TensorContentHash(const char* data, uint64_t n);

@@ -1,6 +1,9 @@
 // A model generation: one load of a model name, with its segments and the
-// manifest of each tensor-parallel rank. Immutable once READY; its memory
-// lives exactly as long as the last shared_ptr to it (registry entry or lease).
+// manifest of each tensor-parallel rank. Immutable once READY. Its segments
+// are reference-counted (shared_ptr): a later generation of the name may
+// hold the same sealed segments (a partial reload or a writer's update
+// shares what did not change), and a segment's memory lives exactly as long
+// as the last generation holding it, itself held by the registry or a lease.
 // The registry also keeps records of loads in flight (LOADING) and failed
 // (FAILED) as ModelGenerations without segments and with generation 0.
 #ifndef WEIGHTD_SERVER_MODEL_H_
@@ -15,6 +18,7 @@
 
 #include "common/memory/device.h"
 #include "common/format/dtype.h"
+#include "common/io/env.h"
 #include "common/memory/host_segment.h"
 #include "common/memory/segment_backend.h"
 
@@ -38,6 +42,9 @@ struct LoadRequest {
   uint32_t tp_size = 1;
   std::vector<TpRule> tp_rules;
   std::vector<std::string> devices;
+  // Same placement and TP plan (patterns, tp_size, rules, devices), whatever
+  // the checkpoint path: a generation loaded with the same plan may share the
+  // segments of unchanged files (see LoadGeneration).
   bool SamePlan(const LoadRequest& other) const;
 };
 
@@ -67,6 +74,8 @@ struct SegmentRecord {
   // Whether the fd channel sends this segment's fd (else clients import it
   // from `handle`); SegmentDescriptor.export_kind says the same on the wire.
   bool exports_fd() const { return fd >= 0; }
+  // Index into ModelGeneration::host_segments (host) or ::arenas (device).
+  uint32_t owner = 0;
 };
 
 struct RankManifest {
@@ -74,28 +83,45 @@ struct RankManifest {
   std::vector<TensorRecord> tensors;
 };
 
+// What a generation read of one checkpoint file: its name in the
+// checkpoint, its identity at open time and the hash of its header. Two
+// equal stamps are taken as the same bytes (see FileIdentity).
 struct FileStamp {
   std::string name;
-  uint64_t size = 0;
-  int64_t mtime_ns = 0;
+  FileIdentity identity;
+  uint64_t header_hash = 0;
   bool operator==(const FileStamp&) const = default;
+};
+
+// The segments of a generation that hold one checkpoint file's tensors,
+// which a later generation may share when the file is unchanged.
+struct GenerationFile {
+  FileStamp stamp;
+  std::vector<uint32_t> host_segments;        // ids into ModelGeneration::segments
+  std::vector<std::vector<uint32_t>> arenas;  // [rank] ids into ModelGeneration::segments
 };
 
 class ModelGeneration {
  public:
   LoadRequest request;             // checkpoint_path resolved with realpath
   uint64_t generation = 0;
-  std::vector<FileStamp> files;    // what was read, to detect a rewritten checkpoint
+  std::vector<GenerationFile> files;  // parallel to the catalog's files
   std::vector<std::string> warnings;  // the catalog's advisory findings
-  std::vector<std::unique_ptr<HostSegment>> host_segments;
-  std::vector<std::unique_ptr<DeviceArena>> arenas;  // declared after host_segments: freed first
+  // Sealed memory, possibly shared with other generations of the name.
+  std::vector<std::shared_ptr<const HostSegment>> host_segments;
+  std::vector<std::shared_ptr<DeviceArena>> arenas;  // declared after host_segments: freed first
+  // Every segment clients see: host segments first, then each rank's arenas.
   std::vector<SegmentRecord> segments;
   std::vector<RankManifest> ranks;  // tp_size entries
   std::string fingerprint;          // 32 hex digits
   double load_seconds = 0;
   uint64_t checkpoint_bytes = 0;  // tensor bytes of the checkpoint
-  uint64_t host_bytes = 0;
+  uint64_t host_bytes = 0;     // bytes of its host segments, shared ones included
   uint64_t locked_bytes = 0;
+  // Where its bytes came from: tensor bytes read from storage, and bytes of
+  // segments (host and device) shared with the generation before it.
+  uint64_t bytes_read = 0;
+  uint64_t bytes_reused = 0;
   uint64_t tensor_count = 0;
 
   // The RPC layer's wire encoding of each rank's segments and tensors,

@@ -1,5 +1,7 @@
 #include "server/plan.h"
 
+#include <algorithm>
+
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -50,11 +52,13 @@ absl::Status PlanSplit(const CatalogTensor& t, const TpRule& rule, uint32_t tp_s
   return absl::OkStatus();
 }
 
-// Places `nbytes` in the rank's current arena, opening a new one when full.
-RankSlot Pack(RankPlan& rank, uint64_t nbytes, uint64_t max_arena_bytes) {
-  if (rank.arena_bytes.empty() ||
+// Places `nbytes` of `file` in the rank's current arena, opening a new one
+// when full or when the arena holds another file's tensors.
+RankSlot Pack(RankPlan& rank, uint32_t file, uint64_t nbytes, uint64_t max_arena_bytes) {
+  if (rank.arena_bytes.empty() || rank.arena_file.back() != file ||
       (rank.arena_bytes.back() > 0 && AlignUp(rank.arena_bytes.back(), kDeviceAlignment) + nbytes > max_arena_bytes)) {
     rank.arena_bytes.push_back(0);
+    rank.arena_file.push_back(file);
   }
   uint64_t offset = AlignUp(rank.arena_bytes.back(), kDeviceAlignment);
   rank.arena_bytes.back() = offset + nbytes;
@@ -62,6 +66,10 @@ RankSlot Pack(RankPlan& rank, uint64_t nbytes, uint64_t max_arena_bytes) {
 }
 
 }  // namespace
+
+uint64_t HostChunkBytes(uint64_t file_host_bytes) {
+  return std::max(kMinHostChunkBytes, (file_host_bytes + kHostChunksPerFile - 1) / kHostChunksPerFile);
+}
 
 uint64_t LoadPlan::device_bytes_per_rank(uint32_t rank) const {
   uint64_t total = 0;
@@ -85,14 +93,30 @@ absl::StatusOr<LoadPlan> MakeLoadPlan(const Catalog& catalog, const LoadRequest&
   LoadPlan plan;
   plan.tensors.resize(catalog.tensors.size());
   plan.ranks.resize(tp_size);
+  auto on_host = [&](const CatalogTensor& t) {
+    return device_count == 0 || MatchesAny(t.name, request.host_resident_patterns);
+  };
+  std::vector<uint64_t> file_host_bytes(catalog.files.size());
+  for (const CatalogTensor& t : catalog.tensors) {
+    if (on_host(t)) file_host_bytes[t.file] += AlignUp(t.nbytes, kHostAlignment);
+  }
   for (size_t i = 0; i < catalog.tensors.size(); ++i) {
     const CatalogTensor& t = catalog.tensors[i];
     TensorPlan& tp = plan.tensors[i];
     TensorRecord base{t.name, t.dtype, t.shape, Placement::kHost, 0, 0, t.nbytes, t.shape, -1, 0, 0};
-    if (device_count == 0 || MatchesAny(t.name, request.host_resident_patterns)) {
+    if (on_host(t)) {
+      // The file's current chunk, or a new one when the file changes or the chunk is full.
+      std::vector<HostChunk>& chunks = plan.host_segments;
+      uint64_t limit = HostChunkBytes(file_host_bytes[t.file]);
+      if (chunks.empty() || chunks.back().file != t.file ||
+          (chunks.back().bytes > 0 && AlignUp(chunks.back().bytes, kHostAlignment) + t.nbytes > limit)) {
+        chunks.push_back({t.file, 0});
+      }
       tp.placement = Placement::kHost;
-      tp.host_offset = AlignUp(plan.host_bytes, kHostAlignment);
-      plan.host_bytes = tp.host_offset + t.nbytes;
+      tp.host_segment = static_cast<uint32_t>(chunks.size() - 1);
+      tp.host_offset = AlignUp(chunks.back().bytes, kHostAlignment);
+      chunks.back().bytes = tp.host_offset + t.nbytes;
+      base.segment = tp.host_segment;
       base.offset = tp.host_offset;
       for (RankPlan& rank : plan.ranks) rank.tensors.push_back(base);
       continue;
@@ -101,11 +125,11 @@ absl::StatusOr<LoadPlan> MakeLoadPlan(const Catalog& catalog, const LoadRequest&
     if (const TpRule* rule = RuleFor(t.name, request.tp_rules)) WEIGHTD_RETURN_IF_ERROR(PlanSplit(t, *rule, tp_size, tp));
     uint64_t rank_bytes = tp.split_dim < 0 ? t.nbytes : t.nbytes / tp_size;
     for (uint32_t r = 0; r < tp_size; ++r) {
-      RankSlot slot = Pack(plan.ranks[r], rank_bytes, max_arena_bytes);
+      RankSlot slot = Pack(plan.ranks[r], t.file, rank_bytes, max_arena_bytes);
       tp.ranks.push_back(slot);
       TensorRecord rec = base;
       rec.placement = Placement::kDevice;
-      rec.segment = 1 + slot.arena;
+      rec.segment = slot.arena;  // offset by the host segment count below
       rec.offset = slot.offset;
       rec.nbytes = rank_bytes;
       if (tp.split_dim >= 0) {
@@ -114,6 +138,13 @@ absl::StatusOr<LoadPlan> MakeLoadPlan(const Catalog& catalog, const LoadRequest&
         rec.split_start = r * tp.slice_elements;
       }
       plan.ranks[r].tensors.push_back(std::move(rec));
+    }
+  }
+  uint32_t host_count = static_cast<uint32_t>(plan.host_segments.size());
+  for (const HostChunk& c : plan.host_segments) plan.host_bytes += c.bytes;
+  for (RankPlan& rank : plan.ranks) {
+    for (TensorRecord& rec : rank.tensors) {
+      if (rec.placement == Placement::kDevice) rec.segment += host_count;
     }
   }
   return plan;

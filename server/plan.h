@@ -11,9 +11,22 @@
 //    rule's dim and rank r holds slice r, else it is replicated;
 //  - a rule's dim must be < the tensor's rank, the dim divisible by tp_size,
 //    and for sub-byte dtypes (F4, F6) a slice row must be whole bytes;
-//  - host tensors are packed at 64-byte alignment in one memfd; each rank's
-//    device tensors at 256-byte alignment (cudaMalloc's guarantee) into
-//    arenas of at most max_arena_bytes (a larger tensor gets its own).
+//  - host tensors are packed at 64-byte alignment into host segments (one
+//    memfd each): every checkpoint file's host tensors, in file order, into
+//    chunks of at most HostChunkBytes(file) (a larger tensor gets its own);
+//    each rank's device tensors at 256-byte alignment (cudaMalloc's
+//    guarantee) into arenas of at most max_arena_bytes, again never mixing
+//    two files (a larger tensor gets its own).
+//
+// Why segments follow files and bounded chunks (issue "Generations from a
+// writer"): a segment is the unit that generations share by reference. A
+// reload that finds one file of a sharded checkpoint changed re-reads just
+// that file's segments and shares the rest; a writer that updates a few
+// tensors copies just the chunks holding them. Chunk size is a function of
+// the file alone, max(64 MiB, file's host bytes / 16), so one file's layout
+// never depends on another's and a model gets at most ~16 segments per file:
+// few enough that Attach stays a handful of fds and mmaps, small enough that
+// an update of a tenth of the tensors copies little more than a tenth.
 #ifndef WEIGHTD_SERVER_PLAN_H_
 #define WEIGHTD_SERVER_PLAN_H_
 
@@ -39,7 +52,8 @@ struct RankSlot {
 // How one checkpoint tensor is placed.
 struct TensorPlan {
   Placement placement = Placement::kHost;
-  uint64_t host_offset = 0;     // host tensors
+  uint32_t host_segment = 0;    // host tensors: index into LoadPlan::host_segments
+  uint64_t host_offset = 0;     // host tensors: byte offset within that segment
   int32_t split_dim = -1;       // device tensors: -1 = replicated
   uint64_t slice_elements = 0;  // split tensors: shape[split_dim] / tp_size
   uint64_t row_bytes = 0;       // split tensors: bytes of one index of split_dim's inner block
@@ -49,11 +63,27 @@ struct TensorPlan {
 
 struct RankPlan {
   std::vector<uint64_t> arena_bytes;
-  std::vector<TensorRecord> tensors;  // the rank's manifest; segment 0 = host, 1.. = arenas
+  std::vector<uint32_t> arena_file;   // parallel to arena_bytes: the catalog file whose tensors it holds
+  // The rank's manifest, parallel to catalog.tensors. TensorRecord::segment
+  // indexes the rank's segments: the host segments first (in
+  // LoadPlan::host_segments order), then this rank's arenas.
+  std::vector<TensorRecord> tensors;
 };
 
+// One host segment: tensors of one catalog file.
+struct HostChunk {
+  uint32_t file = 0;   // index into catalog.files
+  uint64_t bytes = 0;  // end of its last tensor
+};
+
+inline constexpr uint64_t kMinHostChunkBytes = 64ull << 20;
+inline constexpr uint64_t kHostChunksPerFile = 16;
+// The chunk bound for a file with `file_host_bytes` of host tensors.
+uint64_t HostChunkBytes(uint64_t file_host_bytes);
+
 struct LoadPlan {
-  uint64_t host_bytes = 0;
+  uint64_t host_bytes = 0;  // sum of host_segments' bytes
+  std::vector<HostChunk> host_segments;
   std::vector<TensorPlan> tensors;  // parallel to catalog.tensors
   std::vector<RankPlan> ranks;      // tp_size entries
   uint64_t device_bytes_per_rank(uint32_t rank) const;

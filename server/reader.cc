@@ -138,7 +138,6 @@ absl::StatusOr<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(const C
     }
     std::unique_ptr<RandomAccessFile> direct = MaybeOpenDirect(*f.file, options.direct_io);
     if (direct == nullptr) (void)f.file->Advise(POSIX_FADV_SEQUENTIAL);  // a hint: larger readahead
-    reader->stamps_.push_back({f.name, f.size, f.mtime_ns});
     reader->files_.push_back(f.file);
     reader->direct_.push_back(std::move(direct));
   }

@@ -94,13 +94,10 @@ class CheckpointReader {
   absl::StatusOr<const char*> ReadInto(uint32_t file, uint64_t offset, uint64_t n, ReadBuffer& scratch) const;
   // Whether `file` is read with O_DIRECT.
   bool direct(uint32_t file) const { return direct_[file] != nullptr; }
-  // Size and mtime of each file as opened.
-  const std::vector<FileStamp>& stamps() const { return stamps_; }
 
  private:
   std::vector<std::shared_ptr<const RandomAccessFile>> files_;
   std::vector<std::unique_ptr<RandomAccessFile>> direct_;  // null where buffered
-  std::vector<FileStamp> stamps_;
 };
 
 }  // namespace weightd

@@ -4,6 +4,7 @@
 #include <random>
 
 #include "absl/cleanup/cleanup.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -19,7 +20,7 @@ namespace {
 // with cuMemFree whatever importers still have open.
 bool HasHandleExportedArenas(const ModelGeneration& model) {
   return std::any_of(model.arenas.begin(), model.arenas.end(),
-                     [](const std::unique_ptr<DeviceArena>& arena) { return arena->export_fd() < 0; });
+                     [](const std::shared_ptr<DeviceArena>& arena) { return arena->export_fd() < 0; });
 }
 
 std::string NewLeaseId() {
@@ -63,8 +64,8 @@ bool LoadRequest::SamePlan(const LoadRequest& o) const {
     }
     return true;
   };
-  return checkpoint_path == o.checkpoint_path && host_resident_patterns == o.host_resident_patterns &&
-         tp_size == o.tp_size && devices == o.devices && same_rules();
+  return host_resident_patterns == o.host_resident_patterns && tp_size == o.tp_size && devices == o.devices &&
+         same_rules();
 }
 
 absl::Status ValidateModelName(const std::string& name) {
@@ -121,10 +122,12 @@ std::shared_ptr<ModelGeneration> ModelRegistry::Reusable(const LoadRequest& requ
   auto it = current_.find(request.name);
   if (it == current_.end() || it->second->state != ModelState::kReady) return nullptr;
   const ModelGeneration& model = *it->second;
-  if (!model.request.SamePlan(request) || model.files.size() != catalog.files.size()) return nullptr;
+  if (model.request.checkpoint_path != request.checkpoint_path || !model.request.SamePlan(request) ||
+      model.files.size() != catalog.files.size()) {
+    return nullptr;
+  }
   for (size_t i = 0; i < catalog.files.size(); ++i) {
-    const CatalogFile& f = catalog.files[i];
-    if (!(model.files[i] == FileStamp{f.name, f.size, f.mtime_ns})) return nullptr;
+    if (model.files[i].stamp != StampOf(catalog.files[i])) return nullptr;
   }
   return it->second;
 }
@@ -152,6 +155,7 @@ absl::StatusOr<ModelRegistry::LoadResult> ModelRegistry::Load(LoadRequest reques
   absl::StatusOr<Catalog> catalog = BuildCatalog(request.checkpoint_path, CatalogOptions{&env(), options_.model_roots});
   if (!catalog.ok()) return fail(catalog.status());
   record->bytes_total = catalog->total_bytes();
+  std::shared_ptr<ModelGeneration> previous;  // the name's READY generation, when its plan is the same
   {
     absl::MutexLock lock(&mu_);
     if (std::shared_ptr<ModelGeneration> same = Reusable(request, *catalog)) {
@@ -159,15 +163,33 @@ absl::StatusOr<ModelRegistry::LoadResult> ModelRegistry::Load(LoadRequest reques
       failed_.erase(request.name);
       return LoadResult{same, true};
     }
+    auto it = current_.find(request.name);
+    if (it != current_.end() && it->second->state == ModelState::kReady && it->second->request.SamePlan(request)) {
+      previous = it->second;
+    }
   }
   ProgressFn track = [&](const LoadProgress& p) {
     accepted = accepted || p.phase >= LoadProgress::Phase::kAllocate;
     record->bytes_done = p.bytes_done;
     if (progress) progress(p);
   };
-  absl::StatusOr<std::unique_ptr<ModelGeneration>> loaded = LoadGeneration(*catalog, request, options_.loader, track);
+  absl::StatusOr<std::unique_ptr<ModelGeneration>> loaded =
+      LoadGeneration(*catalog, request, options_.loader, track, previous.get());
   if (!loaded.ok()) return fail(loaded.status());
   return Publish(std::move(*loaded), *catalog);
+}
+
+absl::StatusOr<ModelRegistry::LoadResult> ModelRegistry::Reload(const std::string& name,
+                                                                const std::string& checkpoint_path,
+                                                                const ProgressFn& progress) {
+  LoadRequest request;
+  {
+    absl::MutexLock lock(&mu_);
+    WEIGHTD_ASSIGN_OR_RETURN(std::shared_ptr<ModelGeneration> current, GetLocked(name));
+    request = current->request;
+  }
+  if (!checkpoint_path.empty()) request.checkpoint_path = checkpoint_path;
+  return Load(std::move(request), progress);
 }
 
 ModelRegistry::LoadResult ModelRegistry::Publish(std::unique_ptr<ModelGeneration> loaded, const Catalog& catalog) {
@@ -389,9 +411,13 @@ int ModelRegistry::ExpirePending() {
 void ModelRegistry::NotifyMemory() {
   if (!listener_) return;
   uint64_t host = 0, locked = 0;
+  absl::flat_hash_set<const HostSegment*> seen;  // generations share segments: count each once
   auto add = [&](const ModelGeneration& m) {
-    host += m.host_bytes;
-    locked += m.locked_bytes;
+    for (const auto& segment : m.host_segments) {
+      if (!seen.insert(segment.get()).second) continue;
+      host += segment->size();
+      locked += segment->locked() ? segment->size() : 0;
+    }
   };
   for (const auto& [name, model] : current_) add(*model);
   for (const auto& model : draining_) add(*model);

@@ -78,6 +78,12 @@ class ModelRegistry {
   // request and leaves nothing. A READY generation of the name keeps
   // serving either way.
   absl::StatusOr<LoadResult> Load(LoadRequest request, const ProgressFn& progress);
+  // Load() of the READY generation's request of `name`, from
+  // `checkpoint_path` when not empty: the plan is kept, so every file whose
+  // stamp is unchanged is shared, not read (see LoadGeneration). NOT_FOUND
+  // or FAILED_PRECONDITION when the name has no READY generation.
+  absl::StatusOr<LoadResult> Reload(const std::string& name, const std::string& checkpoint_path,
+                                    const ProgressFn& progress);
 
   struct UnloadResult {
     std::shared_ptr<ModelGeneration> model;

@@ -37,20 +37,39 @@ WeightdService::WeightdService(ModelRegistry* registry, std::string fd_socket_pa
 grpc::Status WeightdService::LoadModel(grpc::ServerContext* context, const v1::LoadModelRequest* request,
                                        grpc::ServerWriter<v1::LoadModelProgress>* writer) {
   if (absl::Status bad = CheckLoadRequest(*request); !bad.ok()) return ToGrpcStatus(bad);
-  auto progress = [&](const LoadProgress& p) {
+  return FinishLoad(registry_->Load(FromProto(*request), MakeProgress(writer)), writer);
+}
+
+grpc::Status WeightdService::ReloadModel(grpc::ServerContext*, const v1::ReloadModelRequest* request,
+                                         grpc::ServerWriter<v1::LoadModelProgress>* writer) {
+  if (request->checkpoint_path().size() > kMaxPathBytes) {
+    return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat("checkpoint path is longer than ", kMaxPathBytes, " bytes")));
+  }
+  return FinishLoad(registry_->Reload(request->name(), request->checkpoint_path(), MakeProgress(writer)), writer);
+}
+
+ProgressFn WeightdService::MakeProgress(grpc::ServerWriter<v1::LoadModelProgress>* writer) {
+  return [writer](const LoadProgress& p) {
     v1::LoadModelProgress message;
     ToProto(p, &message);
     writer->Write(message);  // a gone client does not stop the load: others may attach
   };
-  absl::StatusOr<ModelRegistry::LoadResult> result = registry_->Load(FromProto(*request), progress);
+}
+
+grpc::Status WeightdService::FinishLoad(const absl::StatusOr<ModelRegistry::LoadResult>& result,
+                                        grpc::ServerWriter<v1::LoadModelProgress>* writer) {
   if (!result.ok()) return ToGrpcStatus(result.status());
+  const ModelGeneration& model = *result->model;
   v1::LoadModelProgress done;
   done.set_phase(v1::LoadModelProgress::DONE);
   done.set_reused(result->reused);
-  done.set_bytes_done(result->model->checkpoint_bytes);
-  done.set_bytes_total(result->model->checkpoint_bytes);
-  done.set_seconds(result->reused ? 0 : result->model->load_seconds);
-  ToProto(*result->model, done.mutable_model());
+  // Reused whole: nothing was read. Otherwise what this load read and shared.
+  uint64_t read = result->reused ? 0 : model.bytes_read;
+  done.set_bytes_done(read);
+  done.set_bytes_total(read);
+  done.set_bytes_reused(model.checkpoint_bytes - read);
+  done.set_seconds(result->reused ? 0 : model.load_seconds);
+  ToProto(model, done.mutable_model());
   writer->Write(done);
   return grpc::Status::OK;
 }
@@ -143,6 +162,11 @@ grpc::Status ReadOnlyWeightdService::GetManifest(grpc::ServerContext* context, c
 grpc::Status ReadOnlyWeightdService::LoadModel(grpc::ServerContext*, const v1::LoadModelRequest*,
                                                grpc::ServerWriter<v1::LoadModelProgress>*) {
   return AdminOnly("LoadModel");
+}
+
+grpc::Status ReadOnlyWeightdService::ReloadModel(grpc::ServerContext*, const v1::ReloadModelRequest*,
+                                                 grpc::ServerWriter<v1::LoadModelProgress>*) {
+  return AdminOnly("ReloadModel");
 }
 
 grpc::Status ReadOnlyWeightdService::UnloadModel(grpc::ServerContext*, const v1::UnloadModelRequest*,

@@ -24,6 +24,8 @@ class WeightdService final : public v1::Weightd::WithRawCallbackMethod_Attach<v1
 
   grpc::Status LoadModel(grpc::ServerContext* context, const v1::LoadModelRequest* request,
                          grpc::ServerWriter<v1::LoadModelProgress>* writer) override;
+  grpc::Status ReloadModel(grpc::ServerContext* context, const v1::ReloadModelRequest* request,
+                           grpc::ServerWriter<v1::LoadModelProgress>* writer) override;
   grpc::Status UnloadModel(grpc::ServerContext* context, const v1::UnloadModelRequest* request,
                            v1::UnloadModelResponse* response) override;
   grpc::Status ListModels(grpc::ServerContext* context, const v1::ListModelsRequest* request,
@@ -37,6 +39,13 @@ class WeightdService final : public v1::Weightd::WithRawCallbackMethod_Attach<v1
 
  private:
   grpc::Status AttachEncoded(const grpc::ByteBuffer& request, grpc::ByteBuffer* response);
+
+ private:
+  static ProgressFn MakeProgress(grpc::ServerWriter<v1::LoadModelProgress>* writer);
+  // Writes the DONE message of a load or reload.
+  static grpc::Status FinishLoad(const absl::StatusOr<ModelRegistry::LoadResult>& result,
+                                 grpc::ServerWriter<v1::LoadModelProgress>* writer);
+ public:
 
   ModelRegistry* registry_;
   std::string fd_socket_path_;
@@ -58,6 +67,8 @@ class ReadOnlyWeightdService final : public v1::Weightd::Service {
                            grpc::ServerWriter<v1::ManifestPage>* writer) override;
   grpc::Status LoadModel(grpc::ServerContext*, const v1::LoadModelRequest*,
                          grpc::ServerWriter<v1::LoadModelProgress>*) override;
+  grpc::Status ReloadModel(grpc::ServerContext*, const v1::ReloadModelRequest*,
+                           grpc::ServerWriter<v1::LoadModelProgress>*) override;
   grpc::Status UnloadModel(grpc::ServerContext*, const v1::UnloadModelRequest*, v1::UnloadModelResponse*) override;
   grpc::Status Attach(grpc::ServerContext*, const v1::AttachRequest*, v1::AttachResponse*) override;
   grpc::Status Detach(grpc::ServerContext*, const v1::DetachRequest*, v1::DetachResponse*) override;

@@ -44,6 +44,7 @@ int RunWeightctl(const std::vector<std::string>& argv, std::ostream& out, std::o
 int RunInspect(const Args& args, Context& ctx);
 int RunMakeDemo(const Args& args, Context& ctx);
 int RunLoad(const Args& args, Context& ctx);
+int RunReload(const Args& args, Context& ctx);
 int RunList(const Args& args, Context& ctx);
 int RunManifest(const Args& args, Context& ctx);
 int RunAttach(const Args& args, Context& ctx);

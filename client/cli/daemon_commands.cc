@@ -57,17 +57,10 @@ absl::StatusOr<LoadOptions> ParseLoadOptions(const Args& args) {
 
 }  // namespace
 
-int RunLoad(const Args& args, Context& ctx) {
-  absl::StatusOr<LoadOptions> options = ParseLoadOptions(args);
-  if (!options.ok()) return ReportError(options.status(), ctx.err);
-  absl::StatusOr<std::unique_ptr<Client>> client = ConnectTo(ctx);
-  if (!client.ok()) return ReportError(client.status(), ctx.err);
-  bool as_json = args.Flag("--json");
-  ProgressBar bar("load", !as_json);
-  absl::StatusOr<LoadResult> result =
-      (*client)->Load(args.positional[0], args.positional[1], *options,
-                      [&](const LoadProgressInfo& p) { bar.Update(p.bytes_done, p.bytes_total); });
-  bar.Finish();
+namespace {
+
+// Prints the outcome of a load or reload (`verb`: "loaded", "reloaded").
+int ReportLoad(const absl::StatusOr<LoadResult>& result, bool as_json, const char* verb, Context& ctx) {
   if (!result.ok()) return ReportError(result.status(), ctx.err);
   const ModelSummary& m = result->model;
   uint64_t bytes = m.checkpoint_bytes;
@@ -79,17 +72,50 @@ int RunLoad(const Args& args, Context& ctx) {
     json doc = {{"model", m.name},       {"generation", m.generation}, {"state", m.state},
                 {"bytes", bytes},        {"seconds", seconds},         {"fingerprint", m.fingerprint},
                 {"reused", result->reused}, {"tensors", m.tensor_count}, {"host_bytes", m.host_bytes},
-                {"device_bytes", m.device_bytes}, {"locked_bytes", m.locked_bytes}, {"warnings", m.warnings}};
+                {"device_bytes", m.device_bytes}, {"locked_bytes", m.locked_bytes}, {"warnings", m.warnings},
+                {"bytes_read", result->bytes_read}, {"bytes_reused", result->bytes_reused},
+                {"bytes_shared", m.bytes_shared}};
     ctx.out << doc.dump(2) << "\n";
   } else if (result->reused) {
     ctx.out << absl::StrFormat("'%s' generation %d is already loaded from the same files: reused (fingerprint %s)\n",
                                m.name, m.generation, m.fingerprint);
   } else {
-    ctx.out << absl::StrFormat("loaded '%s' generation %d: %d tensors, %s in %.3f s (%.2f GB/s), fingerprint %s\n",
+    uint64_t read = result->bytes_read;
+    ctx.out << absl::StrFormat("%s '%s' generation %d: %d tensors, %s in %.3f s (%.2f GB/s), fingerprint %s\n", verb,
                                m.name, m.generation, m.tensor_count, HumanBytes(bytes), seconds,
-                               seconds > 0 ? static_cast<double>(bytes) / seconds / 1e9 : 0.0, m.fingerprint);
+                               seconds > 0 ? static_cast<double>(read) / seconds / 1e9 : 0.0, m.fingerprint);
+    ctx.out << absl::StrFormat("  read %s (%d bytes) from storage, reused %s (%d bytes) of unchanged files\n",
+                               HumanBytes(read), read, HumanBytes(result->bytes_reused), result->bytes_reused);
   }
   return kExitOk;
+}
+
+}  // namespace
+
+int RunLoad(const Args& args, Context& ctx) {
+  absl::StatusOr<LoadOptions> options = ParseLoadOptions(args);
+  if (!options.ok()) return ReportError(options.status(), ctx.err);
+  absl::StatusOr<std::unique_ptr<Client>> client = ConnectTo(ctx);
+  if (!client.ok()) return ReportError(client.status(), ctx.err);
+  bool as_json = args.Flag("--json");
+  ProgressBar bar("load", !as_json);
+  absl::StatusOr<LoadResult> result =
+      (*client)->Load(args.positional[0], args.positional[1], *options,
+                      [&](const LoadProgressInfo& p) { bar.Update(p.bytes_done, p.bytes_total); });
+  bar.Finish();
+  return ReportLoad(result, as_json, "loaded", ctx);
+}
+
+int RunReload(const Args& args, Context& ctx) {
+  absl::StatusOr<std::unique_ptr<Client>> client = ConnectTo(ctx);
+  if (!client.ok()) return ReportError(client.status(), ctx.err);
+  bool as_json = args.Flag("--json");
+  ProgressBar bar("reload", !as_json);
+  std::string path = args.positional.size() > 1 ? args.positional[1] : "";
+  absl::StatusOr<LoadResult> result = (*client)->Reload(
+      args.positional[0], path, [&](const LoadProgressInfo& p) { bar.Update(p.bytes_done, p.bytes_total); });
+  bar.Finish();
+  return ReportLoad(result, as_json, "reloaded", ctx);
 }
 
 int RunList(const Args& args, Context& ctx) {

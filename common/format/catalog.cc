@@ -54,8 +54,8 @@ absl::Status AddFile(Walk& w, FilePtr file, const std::string& path, const std::
   WEIGHTD_ASSIGN_OR_RETURN(SafetensorsHeader header, ReadHeader(*file, name));
   Catalog& catalog = w.catalog;
   uint32_t index = static_cast<uint32_t>(catalog.files.size());
-  catalog.files.push_back({name, path, file->size(), header.data_start, file->mtime_ns(), std::move(header.metadata),
-                           std::move(file)});
+  catalog.files.push_back({name, path, file->size(), header.data_start, file->mtime_ns(), file->identity(),
+                           header.header_hash, std::move(header.metadata), std::move(file)});
   for (TensorHeader& t : header.tensors) {
     catalog.tensors.push_back(
         {std::move(t.name), t.dtype, std::move(t.shape), index, header.data_start + t.begin, t.end - t.begin});

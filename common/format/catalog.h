@@ -51,6 +51,8 @@ struct CatalogFile {
   uint64_t size = 0;        // bytes
   uint64_t data_start = 0;  // file offset of the data section (8 + header length)
   int64_t mtime_ns = 0;     // modification time when cataloged
+  FileIdentity identity;    // of the open file (common/io/env.h)
+  uint64_t header_hash = 0;  // SafetensorsHeader::header_hash
   std::map<std::string, std::string> metadata;  // the header's __metadata__
   // The file as opened and checked by BuildCatalog, shared by every copy of
   // the catalog and closed with the last; readers use it, never `path`.

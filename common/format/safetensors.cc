@@ -1,5 +1,7 @@
 #include "common/format/safetensors.h"
 
+#include <xxhash.h>
+
 #include <algorithm>
 #include <cstring>
 #include <functional>
@@ -430,12 +432,15 @@ absl::StatusOr<SafetensorsHeader> ReadHeader(const RandomAccessFile& file, absl:
   std::string prefix(std::min<uint64_t>(file.size(), 64), '\0');
   absl::Status read = file.ReadAt(0, prefix.size(), prefix.data());
   if (!read.ok()) return Annotate(read, ElideName(file_label));
+  uint64_t hash = 0;
   auto header = ParsePrefixed(prefix, file.size(), [&](uint64_t n) -> absl::StatusOr<std::string> {
     std::string text(n, '\0');
     WEIGHTD_RETURN_IF_ERROR(file.ReadAt(8, n, text.data()));
+    hash = XXH3_64bits(text.data(), text.size());
     return text;
   });
   if (!header.ok()) return Annotate(header.status(), ElideName(file_label));
+  header->header_hash = hash;
   return header;
 }
 

@@ -56,6 +56,10 @@ struct SafetensorsHeader {
   uint64_t data_length = 0;    // bytes of the data section
   std::vector<TensorHeader> tensors;  // sorted by begin offset
   std::map<std::string, std::string> metadata;
+  // XXH3-64 of the header's JSON bytes as read (set by ReadHeader; 0 from
+  // ParseHeaderJson alone): with the file's identity it tells an unchanged
+  // file from a rewritten one (server/registry.h, partial reload).
+  uint64_t header_hash = 0;
 };
 
 // Validates a header given its JSON text and the file's total size.

@@ -103,6 +103,10 @@ class PosixFile final : public RandomAccessFile {
   uint64_t size() const override { return size_; }
   int fd() const override { return fd_; }
   int64_t mtime_ns() const override { return mtime_ns_; }
+  FileIdentity identity() const override {
+    return FileIdentity{static_cast<uint64_t>(st_.st_dev), static_cast<uint64_t>(st_.st_ino), size_, mtime_ns_,
+                        int64_t{st_.st_ctim.tv_sec} * 1'000'000'000 + st_.st_ctim.tv_nsec};
+  }
   uint64_t direct_alignment() const override { return direct_alignment_; }
 
   absl::StatusOr<size_t> ReadSome(uint64_t offset, size_t n, char* dst) const override {

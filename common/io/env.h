@@ -15,6 +15,21 @@
 namespace weightd {
 
 // An open, read-only file. Thread-safe: ReadAt may be called concurrently.
+// What tells one version of a file from another without reading its bytes:
+// st_dev, st_ino, st_size, st_mtim and st_ctim (stat(2)) at open time. A
+// rewrite in place changes the times; a replacement by rename changes the
+// inode; ctime also moves on chmod/link changes, which errs on the side of
+// re-reading. Equal identities of a file are taken as equal bytes only
+// together with an equal header (see CatalogFile::header_hash).
+struct FileIdentity {
+  uint64_t dev = 0;
+  uint64_t ino = 0;
+  uint64_t size = 0;  // bytes
+  int64_t mtime_ns = 0;  // nanoseconds since the epoch
+  int64_t ctime_ns = 0;
+  bool operator==(const FileIdentity&) const = default;
+};
+
 class RandomAccessFile {
  public:
   virtual ~RandomAccessFile() = default;
@@ -46,6 +61,9 @@ class RandomAccessFile {
   // Last modification time in nanoseconds since the epoch, at open time
   // (used to tell a rewritten checkpoint from the one already loaded).
   virtual int64_t mtime_ns() const = 0;
+  // The identity at open time (see FileIdentity). The default, for files
+  // that are no inode (test fakes), has dev = ino = ctime = 0.
+  virtual FileIdentity identity() const { return FileIdentity{0, 0, size(), mtime_ns(), 0}; }
 
   // The methods below let callers keep using the file they opened instead of
   // opening its path again (which may name another file by then). Their

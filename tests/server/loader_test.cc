@@ -113,7 +113,8 @@ TEST_F(LoaderTest, HostSegmentHoldsFileBytesAndHashesMatch) {
   EXPECT_EQ(segment.size(), end);
   EXPECT_EQ(gen->host_bytes, end);
   EXPECT_EQ(gen->files.size(), 1u);
-  EXPECT_EQ(gen->files[0].size, file.size());
+  EXPECT_EQ(gen->files[0].stamp.identity.size, file.size());
+  EXPECT_EQ(gen->files[0].host_segments, std::vector<uint32_t>{0});
 }
 
 // O_DIRECT reads (where the file system of the temp dir allows them; the

@@ -10,7 +10,7 @@ namespace {
 
 Catalog MakeCatalog(const std::vector<std::tuple<std::string, DType, std::vector<uint64_t>>>& tensors) {
   Catalog c;
-  c.files.push_back({"m.safetensors", "/m.safetensors", 0, 0, 0, {}, nullptr});  // planning reads no file
+  c.files.push_back({"m.safetensors", "/m.safetensors", 0, 0, 0, {}, 0, {}, nullptr});  // planning reads no file
   uint64_t offset = 0;
   for (const auto& [name, dtype, shape] : tensors) {
     uint64_t bits = DTypeBits(dtype);
@@ -21,6 +21,24 @@ Catalog MakeCatalog(const std::vector<std::tuple<std::string, DType, std::vector
   c.Finish();
   return c;
 }
+
+// A catalog of several files: each tensor names its file (by index).
+Catalog MakeFilesCatalog(size_t files, const std::vector<std::tuple<std::string, uint32_t, uint64_t>>& tensors) {
+  Catalog c;
+  for (size_t f = 0; f < files; ++f) {
+    std::string name = "f" + std::to_string(f) + ".safetensors";
+    c.files.push_back({name, "/" + name, 0, 0, 0, {}, 0, {}, nullptr});
+  }
+  std::vector<uint64_t> offsets(files);
+  for (const auto& [name, file, nbytes] : tensors) {
+    c.tensors.push_back({name, DType::kU8, {nbytes}, file, offsets[file], nbytes});
+    offsets[file] += nbytes;
+  }
+  c.Finish();
+  return c;
+}
+
+constexpr uint64_t kMiB = 1ull << 20;
 
 LoadRequest Tp2(std::vector<TpRule> rules, std::vector<std::string> host = {}) {
   LoadRequest r;
@@ -85,7 +103,47 @@ TEST(LoadPlan, ArenasAreBoundedAndABigTensorGetsItsOwn) {
   LoadRequest r = Tp2({});
   WEIGHTD_ASSERT_OK_AND_ASSIGN(LoadPlan plan, MakeLoadPlan(c, r, 2, /*max_arena_bytes=*/1024));
   EXPECT_EQ(plan.ranks[0].arena_bytes, (std::vector<uint64_t>{812, 5000}));
-  EXPECT_EQ(plan.ranks[1].tensors[2].segment, 2u);
+  EXPECT_EQ(plan.ranks[1].tensors[2].segment, 1u);  // no host tensors, so no host segment before the arenas
+}
+
+TEST(LoadPlan, HostSegmentsNeverMixFilesAndHoldAtMost64MiBOfASmallFile) {
+  // f0 has 90 MiB of host tensors: chunks of at most max(64 MiB, 90/16 MiB) = 64 MiB.
+  Catalog c = MakeFilesCatalog(2, {{"a", 0, 30 * kMiB}, {"b", 0, 30 * kMiB}, {"c", 0, 30 * kMiB}, {"d", 1, 3}});
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(LoadPlan plan, MakeLoadPlan(c, LoadRequest{}, 0));
+  ASSERT_EQ(plan.host_segments.size(), 3u);
+  EXPECT_EQ(plan.host_segments[0].file, 0u);
+  EXPECT_EQ(plan.host_segments[0].bytes, 60 * kMiB);
+  EXPECT_EQ(plan.host_segments[1].file, 0u);
+  EXPECT_EQ(plan.host_segments[1].bytes, 30 * kMiB);
+  EXPECT_EQ(plan.host_segments[2].file, 1u);
+  EXPECT_EQ(plan.host_segments[2].bytes, 3u);
+  EXPECT_EQ(plan.host_bytes, 90 * kMiB + 3);
+  std::vector<std::pair<uint32_t, uint64_t>> where;
+  for (const TensorPlan& t : plan.tensors) where.emplace_back(t.host_segment, t.host_offset);
+  EXPECT_EQ(where, (std::vector<std::pair<uint32_t, uint64_t>>{{0, 0}, {0, 30 * kMiB}, {1, 0}, {2, 0}}));
+  EXPECT_EQ(plan.ranks[0].tensors[3].segment, 2u);
+}
+
+TEST(LoadPlan, ALargeFileIsCutIntoAtMostSixteenHostSegments) {
+  std::vector<std::tuple<std::string, uint32_t, uint64_t>> tensors;
+  for (int i = 0; i < 64; ++i) tensors.emplace_back("t" + std::to_string(i), 0, 25 * kMiB);  // 1600 MiB
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(LoadPlan plan, MakeLoadPlan(MakeFilesCatalog(1, tensors), LoadRequest{}, 0));
+  EXPECT_EQ(HostChunkBytes(1600 * kMiB), 100 * kMiB);
+  ASSERT_EQ(plan.host_segments.size(), 16u);  // 4 tensors of 25 MiB per 100 MiB chunk
+  for (const HostChunk& chunk : plan.host_segments) EXPECT_EQ(chunk.bytes, 100 * kMiB);
+}
+
+TEST(LoadPlan, ArenasNeverMixFilesAndFollowTheHostSegments) {
+  Catalog c = MakeFilesCatalog(2, {{"embed", 0, 100}, {"w0", 0, 10}, {"w1", 1, 20}});
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(LoadPlan plan, MakeLoadPlan(c, Tp2({}, {"embed"}), 2));
+  ASSERT_EQ(plan.host_segments.size(), 1u);
+  for (const RankPlan& rank : plan.ranks) {
+    EXPECT_EQ(rank.arena_bytes, (std::vector<uint64_t>{10, 20}));
+    EXPECT_EQ(rank.arena_file, (std::vector<uint32_t>{0, 1}));
+    EXPECT_EQ(rank.tensors[0].segment, 0u);  // the host segment
+    EXPECT_EQ(rank.tensors[1].segment, 1u);  // the arena of f0
+    EXPECT_EQ(rank.tensors[2].segment, 2u);  // the arena of f1
+  }
 }
 
 TEST(LoadPlan, RefusesRuleDimOutOfRange) {

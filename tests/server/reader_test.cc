@@ -38,7 +38,7 @@ using ::weightd::testing::Xxh3Hex;
 Catalog CatalogOf(FakeEnv& env) {
   Catalog catalog;
   for (const auto& [path, data] : env.files) {
-    catalog.files.push_back({path, path, data.size(), 0, 0, {}, std::move(env.OpenForRead(path)).value()});
+    catalog.files.push_back({path, path, data.size(), 0, 0, {}, 0, {}, std::move(env.OpenForRead(path)).value()});
   }
   return catalog;
 }
@@ -120,7 +120,7 @@ absl::StatusOr<std::string> ReadWithShortReads(size_t max_read, const std::strin
   FaultInjectingEnv env(Faults{"ckpt", -1, max_read}, &fake);
   Catalog catalog;
   WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<RandomAccessFile> file, env.OpenForRead("ckpt"));
-  catalog.files.push_back({"ckpt", "ckpt", data.size(), 0, 0, {}, std::move(file)});
+  catalog.files.push_back({"ckpt", "ckpt", data.size(), 0, 0, {}, 0, {}, std::move(file)});
   WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader, CheckpointReader::Open(catalog, {DirectIo::kOn}));
   *direct = reader->direct(0);
   std::string out(n, '\0');

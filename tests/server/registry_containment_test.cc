@@ -91,7 +91,7 @@ TEST_F(ContainmentTest, HuggingFaceCacheLayoutLoads) {
   EXPECT_EQ(result.model->tensor_count, 3u);
   EXPECT_TRUE(result.model->warnings.empty());
   ASSERT_EQ(result.model->files.size(), 1u);
-  EXPECT_EQ(result.model->files[0].name, "model-00001-of-00001.safetensors");
+  EXPECT_EQ(result.model->files[0].stamp.name, "model-00001-of-00001.safetensors");
 }
 
 // A symlink that leaves the checkpoint folder but stays inside a root loads.

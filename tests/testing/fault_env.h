@@ -65,6 +65,7 @@ class FaultInjectingEnv final : public Env {
     absl::StatusOr<double> CachedFraction() const override { return base_->CachedFraction(); }
     absl::Status Advise(int advice) const override { return base_->Advise(advice); }
     int64_t mtime_ns() const override { return base_->mtime_ns(); }
+    FileIdentity identity() const override { return base_->identity(); }
     absl::StatusOr<std::string> ResolvedPath() const override { return base_->ResolvedPath(); }
 
     absl::Status ReadAt(uint64_t offset, size_t n, char* dst) const override {

@@ -96,6 +96,10 @@ struct ModelSummary {
   uint64_t bytes_done = 0;   // LOADING: tensor bytes read so far; FAILED: those the load reached
   uint64_t bytes_total = 0;  // LOADING, FAILED: tensor bytes of the checkpoint
   std::string error;         // FAILED: "CODE: message" of the failed load
+  // Where this generation's bytes came from: tensor bytes read from storage
+  // (or written by a writer), and segment bytes shared with the generation before.
+  uint64_t bytes_read = 0;
+  uint64_t bytes_shared = 0;
 };
 
 struct LoadOptions {
@@ -115,6 +119,8 @@ struct LoadProgressInfo {
 struct LoadResult {
   ModelSummary model;
   bool reused = false;  // an identical READY generation was reused
+  uint64_t bytes_read = 0;    // tensor bytes this load read from storage (0 when reused)
+  uint64_t bytes_reused = 0;  // tensor bytes of unchanged files shared with the generation before
 };
 
 // A leased, mapped model. Owns its mappings and its lease (the fd-socket
@@ -177,6 +183,11 @@ class Client {
   absl::StatusOr<LoadResult> Load(const std::string& name, const std::string& checkpoint_path,
                                   const LoadOptions& options,
                                   const std::function<void(const LoadProgressInfo&)>& progress = nullptr);
+  // Loads the next generation of READY model `name` with its plan, from
+  // `checkpoint_path` (empty: the path it was loaded from), reading only the
+  // files that changed (ReloadModel in proto/weightd/v1/weightd.proto).
+  absl::StatusOr<LoadResult> Reload(const std::string& name, const std::string& checkpoint_path,
+                                    const std::function<void(const LoadProgressInfo&)>& progress = nullptr);
   absl::StatusOr<std::vector<ModelSummary>> List();
   absl::StatusOr<Manifest> GetManifest(const std::string& name, uint32_t rank);
   // Takes a lease, receives the segment fds and maps them (host segments

@@ -57,15 +57,26 @@ class Client:
         request = pb.LoadModelRequest(
             name=name, checkpoint_path=os.fspath(checkpoint_path), host_resident_patterns=list(host_resident),
             tp_size=tp_size, tp_rules=[pb.TpRule(pattern=p, dim=d) for p, d in tp_rules], devices=list(devices))
+        return self._load_stream(self._stub.LoadModel, request, progress)
+
+    def reload(self, name, checkpoint_path=None, *, progress=None):
+        """Loads the next generation of READY model `name` with its plan, from `checkpoint_path`
+        (None: the path it was loaded from), reading only the files whose identity or header
+        changed and sharing the others' segments. Returns a LoadResult (bytes_read, bytes_reused)."""
+        request = pb.ReloadModelRequest(name=name, checkpoint_path=os.fspath(checkpoint_path or ""))
+        return self._load_stream(self._stub.ReloadModel, request, progress)
+
+    def _load_stream(self, method, request, progress):
         result = None
         try:
-            for message in self._stub.LoadModel(request):
+            for message in method(request):
                 if progress is not None:
                     progress(LoadProgress(pb.LoadModelProgress.Phase.Name(message.phase), message.bytes_done,
                                           message.bytes_total, message.files_done, message.files_total,
                                           message.seconds))
                 if message.phase == pb.LoadModelProgress.DONE:
-                    result = LoadResult(ModelInfo.from_proto(message.model), message.reused)
+                    result = LoadResult(ModelInfo.from_proto(message.model), message.reused,
+                                        message.bytes_total, message.bytes_reused)
         except grpc.RpcError as e:
             raise WeightdError.from_rpc(e) from None
         if result is None:

@@ -21,6 +21,8 @@ class ModelInfo:
     tp_size: int
     load_seconds: float
     error: str
+    bytes_read: int = 0    # tensor bytes read from storage (or written by a writer)
+    bytes_shared: int = 0  # segment bytes shared with the generation before
 
     @classmethod
     def from_proto(cls, m):
@@ -29,13 +31,15 @@ class ModelInfo:
             checkpoint_path=m.checkpoint_path, host_bytes=m.host_bytes, locked_bytes=m.locked_bytes,
             device_bytes={d.gpu_uuid: d.bytes for d in m.device_bytes}, leases=m.leases,
             fingerprint=m.fingerprint, tensor_count=m.tensor_count, tp_size=m.tp_size,
-            load_seconds=m.load_seconds, error=m.error)
+            load_seconds=m.load_seconds, error=m.error, bytes_read=m.bytes_read, bytes_shared=m.bytes_shared)
 
 
 @dataclass(frozen=True)
 class LoadResult:
     model: ModelInfo
     reused: bool  # an identical READY generation was reused; nothing was read
+    bytes_read: int = 0    # tensor bytes this load read from storage
+    bytes_reused: int = 0  # tensor bytes of unchanged files shared with the generation before
 
 
 @dataclass(frozen=True)
