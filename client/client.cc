@@ -439,4 +439,113 @@ absl::StatusOr<std::string> Client::Health(const std::string& service) {
   return grpc::health::v1::HealthCheckResponse::ServingStatus_Name(response.status());
 }
 
+// ---------------------------------------------------------------- Updater
+
+struct Updater::State {
+  v1::Weightd::Stub* stub = nullptr;  // the Client's
+  std::string update_id;
+  uint64_t base_generation = 0, bytes_staged = 0, bytes_shared = 0;
+  std::vector<WritableTensor> tensors;
+  std::vector<std::pair<void*, size_t>> mappings;  // by staged segment
+  ScopedFd conn;  // the fd-socket connection: the update's lease
+  bool ended = false;
+
+  void Unmap() {
+    for (auto& [addr, size] : mappings) {
+      if (addr != nullptr) munmap(addr, size);
+    }
+    mappings.clear();
+    for (WritableTensor& t : tensors) t.data = nullptr;
+  }
+  ~State() { Unmap(); }  // then `conn` closes: the daemon aborts an update not committed
+};
+
+Updater::Updater(std::unique_ptr<State> state) : state_(std::move(state)) {}
+Updater::Updater(Updater&&) noexcept = default;
+Updater& Updater::operator=(Updater&&) noexcept = default;
+Updater::~Updater() = default;
+
+const std::vector<WritableTensor>& Updater::tensors() const { return state_->tensors; }
+WritableTensor* Updater::Find(absl::string_view name, uint32_t rank) {
+  for (WritableTensor& t : state_->tensors) {
+    if (t.info.name == name && t.rank == rank) return &t;
+  }
+  return nullptr;
+}
+uint64_t Updater::base_generation() const { return state_->base_generation; }
+uint64_t Updater::bytes_staged() const { return state_->bytes_staged; }
+uint64_t Updater::bytes_shared() const { return state_->bytes_shared; }
+
+absl::StatusOr<CommitInfo> Updater::Commit(const std::map<std::string, std::string>& expected_hashes,
+                                           const std::string& version_label) {
+  if (state_->ended) return absl::FailedPreconditionError("this update was already committed or aborted");
+  state_->Unmap();
+  v1::CommitUpdateRequest request;
+  request.set_update_id(state_->update_id);
+  for (const auto& [name, hash] : expected_hashes) (*request.mutable_expected_hashes())[name] = hash;
+  request.set_version_label(version_label);
+  grpc::ClientContext context;
+  v1::CommitUpdateResponse response;
+  absl::Status status = FromGrpc(state_->stub->CommitUpdate(&context, request, &response));
+  state_->ended = true;
+  state_->conn.Reset();
+  if (!status.ok()) return status;
+  return CommitInfo{FromProto(response.model()), response.tensors_changed(), response.bytes_written(),
+                    response.bytes_shared(), response.seconds()};
+}
+
+absl::Status Updater::Abort() {
+  if (state_->ended) return absl::OkStatus();
+  state_->Unmap();
+  v1::AbortUpdateRequest request;
+  request.set_update_id(state_->update_id);
+  grpc::ClientContext context;
+  v1::AbortUpdateResponse response;
+  absl::Status status = FromGrpc(state_->stub->AbortUpdate(&context, request, &response));
+  state_->ended = true;
+  state_->conn.Reset();  // also ends it, should the RPC have failed
+  return absl::IsNotFound(status) ? absl::OkStatus() : status;
+}
+
+absl::StatusOr<Updater> Client::BeginUpdate(const std::string& name, const std::vector<std::string>& tensors) {
+  v1::BeginUpdateRequest request;
+  request.set_name(name);
+  for (const std::string& t : tensors) request.add_tensors(t);
+  grpc::ClientContext context;
+  v1::BeginUpdateResponse response;
+  WEIGHTD_RETURN_IF_ERROR(FromGrpc(impl_->stub->BeginUpdate(&context, request, &response)));
+  auto state = std::make_unique<Updater::State>();
+  state->stub = impl_->stub.get();
+  state->update_id = response.update_id();
+  state->base_generation = response.base_generation();
+  state->bytes_staged = response.bytes_staged();
+  state->bytes_shared = response.bytes_shared();
+  std::vector<ScopedFd> fds;
+  int timeout_ms = static_cast<int>(response.claim_timeout_seconds() * 1000);
+  WEIGHTD_RETURN_IF_ERROR(ClaimLease(response.fd_socket(), response.update_id(), timeout_ms, &state->conn, &fds));
+  if (fds.size() != static_cast<size_t>(response.segments_size())) {
+    return absl::InternalError(absl::StrCat("fd socket: ", fds.size(), " fds for ", response.segments_size(),
+                                            " staged segments"));
+  }
+  for (int i = 0; i < response.segments_size(); ++i) {
+    uint64_t size = response.segments(i).size();
+    void* addr = nullptr;
+    if (size > 0) {
+      addr = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fds[i].get(), 0);
+      if (addr == MAP_FAILED) return ErrnoToStatus(absl::StrCat("mmap staged segment ", i, " read-write"), errno);
+    }
+    state->mappings.emplace_back(addr, size);
+  }
+  for (const v1::UpdateTensor& t : response.tensors()) {
+    WritableTensor w{FromProto(t.entry()), t.rank(), nullptr};
+    if (w.info.segment >= state->mappings.size() || w.info.offset > state->mappings[w.info.segment].second ||
+        w.info.nbytes > state->mappings[w.info.segment].second - w.info.offset) {
+      return absl::InternalError(absl::StrCat("update tensor ", w.info.name, " lies outside its staged segment"));
+    }
+    w.data = static_cast<char*>(state->mappings[w.info.segment].first) + w.info.offset;
+    state->tensors.push_back(std::move(w));
+  }
+  return Updater(std::move(state));
+}
+
 }  // namespace weightd

@@ -59,6 +59,21 @@ class DaemonListener final : public RegistryListener {
     for (const std::string& w : m.warnings) LogWarning(absl::StrCat("'", m.request.name, "': ", w));
     sd_notify(0, ("STATUS=" + line).c_str());
   }
+  void OnUpdateStarted(const std::string& name, uint64_t bytes_staged) override {
+    LogInfo(absl::StrFormat("update of '%s' staged: %d bytes copied into writable segments", name, bytes_staged));
+  }
+  void OnUpdateCommitted(const ModelGeneration& m, uint64_t bytes_written, uint64_t bytes_shared, uint32_t changed,
+                         double seconds) override {
+    std::string line = absl::StrFormat(
+        "committed update of '%s' as generation %d (version label '%s'): %d tensors changed, %d bytes written, %d "
+        "bytes shared, commit %.3f s, fingerprint %s",
+        m.request.name, m.generation, m.version_label, changed, bytes_written, bytes_shared, seconds, m.fingerprint);
+    LogInfo(line);
+    sd_notify(0, ("STATUS=" + line).c_str());
+  }
+  void OnUpdateAborted(const std::string& name, const std::string& reason) override {
+    LogWarning(absl::StrCat("update of '", name, "' aborted: ", reason));
+  }
   void OnLoadFailed(const LoadRequest& request, const absl::Status& status) override {
     LogWarning(absl::StrCat("load of '", request.name, "' from ", request.checkpoint_path, " failed: ", status.message()));
   }
@@ -98,6 +113,16 @@ class ListenerFanOut final : public RegistryListener {
   }
   void OnMemoryChanged(uint64_t host, uint64_t locked) override {
     for (auto* l : listeners_) l->OnMemoryChanged(host, locked);
+  }
+  void OnUpdateStarted(const std::string& name, uint64_t bytes) override {
+    for (auto* l : listeners_) l->OnUpdateStarted(name, bytes);
+  }
+  void OnUpdateCommitted(const ModelGeneration& m, uint64_t written, uint64_t shared, uint32_t changed,
+                         double seconds) override {
+    for (auto* l : listeners_) l->OnUpdateCommitted(m, written, shared, changed, seconds);
+  }
+  void OnUpdateAborted(const std::string& name, const std::string& reason) override {
+    for (auto* l : listeners_) l->OnUpdateAborted(name, reason);
   }
 
  private:
@@ -149,7 +174,7 @@ class DaemonImpl final : public Daemon {
                                                                          registry_.get());
     if (!channel.ok()) return channel.status();
     fd_channel_ = std::move(*channel);
-    service_ = std::make_unique<WeightdService>(registry_.get(), config_.fd_socket);
+    service_ = std::make_unique<WeightdService>(registry_.get(), config_.fd_socket, config_.mlock);
     grpc::EnableDefaultHealthCheckService(true);
     grpc::reflection::InitProtoReflectionServerBuilderPlugin();  // every builder from here on; the health port opts out
     WEIGHTD_RETURN_IF_ERROR(StartGrpc());

@@ -20,12 +20,7 @@ namespace {
 
 // "OK <n>" with the first fds, then "MORE"s: one fd per segment of the rank
 // that is exported by fd, in segment order.
-bool SendSegmentFds(int sock, const ModelRegistry::Grant& grant) {
-  std::vector<int> fds;
-  for (uint32_t id : grant.model->ranks[grant.rank].segments) {
-    const SegmentRecord& segment = grant.model->segments[id];
-    if (segment.exports_fd()) fds.push_back(segment.fd);
-  }
+bool SendFds(int sock, const std::vector<int>& fds) {
   size_t sent = std::min(fds.size(), kMaxFdsPerMessage);
   if (!SendMessage(sock, EncodeOk(fds.size()), {fds.begin(), fds.begin() + sent}).ok()) return false;
   while (sent < fds.size()) {
@@ -36,11 +31,21 @@ bool SendSegmentFds(int sock, const ModelRegistry::Grant& grant) {
   return true;
 }
 
+bool SendSegmentFds(int sock, const ModelRegistry::Grant& grant) {
+  std::vector<int> fds;
+  for (uint32_t id : grant.model->ranks[grant.rank].segments) {
+    const SegmentRecord& segment = grant.model->segments[id];
+    if (segment.exports_fd()) fds.push_back(segment.fd);
+  }
+  return SendFds(sock, fds);
+}
+
 }  // namespace
 
 struct FdChannel::Connection {
   ScopedFd sock;
-  std::string lease_id;  // empty until claimed
+  std::string lease_id;   // empty until claimed
+  std::string update_id;  // a writer's claimed update instead: the connection is its lease
   bool refused = false;  // ERR sent and writing shut down: drained until the deadline
   std::chrono::steady_clock::time_point deadline;
 };
@@ -69,6 +74,7 @@ FdChannel::~FdChannel() {
   if (thread_.joinable()) thread_.join();
   for (auto& c : connections_) {
     if (!c->lease_id.empty()) registry_->Release(c->lease_id);
+    if (!c->update_id.empty()) (void)registry_->AbortUpdate(c->update_id, "writer_disconnected");
   }
   unlink(options_.path.c_str());
 }
@@ -89,6 +95,8 @@ void FdChannel::Loop() {
       bool alive = true;
       if (revents & (POLLIN | POLLHUP | POLLERR)) {
         alive = Serve(c);
+      } else if (!c.update_id.empty()) {
+        alive = registry_->IsUpdateOpen(c.update_id);  // committed or aborted: the writer sees EOF
       } else if (c.lease_id.empty()) {
         alive = now < c.deadline;  // never claimed (or refused): give up after the deadline
       } else {
@@ -96,6 +104,8 @@ void FdChannel::Loop() {
       }
       if (!alive) {
         if (!c.lease_id.empty()) registry_->Release(c.lease_id);
+        // A writer gone before committing: its update ends (NOT_FOUND once committed; ignored).
+        if (!c.update_id.empty()) (void)registry_->AbortUpdate(c.update_id, "writer_disconnected");
         continue;
       }
       keep.push_back(std::move(connections_[i]));
@@ -168,7 +178,7 @@ bool FdChannel::Serve(Connection& c) {
   absl::StatusOr<std::string> message = ReceiveMessage(c.sock.get(), nullptr, 0);
   if (!message.ok()) return false;  // EOF or error: the lease (if any) ends
   if (c.refused) return true;            // drained; closed at EOF or the deadline
-  if (!c.lease_id.empty()) return true;  // clients send nothing after CLAIM; ignore
+  if (!c.lease_id.empty() || !c.update_id.empty()) return true;  // clients send nothing after CLAIM; ignore
   auto refuse = [&](const absl::Status& error) {
     (void)SendMessage(c.sock.get(), EncodeErr(error), {});
     return false;
@@ -178,6 +188,16 @@ bool FdChannel::Serve(Connection& c) {
     return refuse(absl::InvalidArgumentError("expected 'CLAIM <lease_id>'"));
   }
   absl::StatusOr<ModelRegistry::Grant> grant = registry_->Claim(claim->lease_id);
+  if (absl::IsNotFound(grant.status())) {
+    // Not a lease: a writer's update (BeginUpdate) is claimed the same way.
+    absl::StatusOr<std::shared_ptr<const StagedUpdate>> update = registry_->ClaimUpdate(claim->lease_id);
+    if (absl::IsNotFound(update.status())) return refuse(absl::NotFoundError("unknown or expired lease id"));
+    if (!update.ok()) return refuse(update.status());
+    c.update_id = claim->lease_id;
+    std::vector<int> fds;
+    for (const StagedSegment& s : (*update)->segments) fds.push_back(s.memory->fd());
+    return SendFds(c.sock.get(), fds);
+  }
   if (!grant.ok()) return refuse(grant.status());
   c.lease_id = grant->lease_id;
   return SendSegmentFds(c.sock.get(), *grant);

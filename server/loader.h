@@ -15,10 +15,8 @@
 // copies' fences complete. Peak host memory: host-resident bytes +
 // threads * (2 * kReadBlockBytes staging + one block of bounce buffer).
 //
-// Content hash of a tensor (xxHash's XXH3-64, seed 0): the tensor's bytes are
-// cut into kHashBlockBytes blocks; a tensor of one block (or empty) hashes to
-// XXH3-64 of its bytes, a larger one to XXH3-64 of the little-endian array of
-// its block hashes. The model fingerprint is XXH3-128 over, for each tensor in
+// Content hash of a tensor: see common/format/content_hash.h (each read
+// block is one hash block, hashed as it is read). The model fingerprint is XXH3-128 over, for each tensor in
 // name order, "name\0dtype\0dim,dim,...\0<16 hex hash>\n".
 #ifndef WEIGHTD_SERVER_LOADER_H_
 #define WEIGHTD_SERVER_LOADER_H_
@@ -29,6 +27,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/format/catalog.h"
+#include "common/format/content_hash.h"
 #include "server/memory_admission.h"
 #include "server/model.h"
 #include "server/plan.h"
@@ -37,7 +36,6 @@
 namespace weightd {
 
 inline constexpr uint64_t kReadBlockBytes = 16ull << 20;
-inline constexpr uint64_t kHashBlockBytes = 16ull << 20;
 
 struct LoadProgress {
   enum class Phase { kCatalog, kPlan, kAllocate, kRead, kSeal, kDone };
@@ -87,8 +85,6 @@ absl::StatusOr<std::unique_ptr<ModelGeneration>> LoadGeneration(const Catalog& c
 // The stamp of a cataloged file: its name, identity and header hash.
 FileStamp StampOf(const CatalogFile& file);
 
-// The content hash of `n` bytes, as defined above (for clients and tests).
-uint64_t TensorContentHash(const char* data, uint64_t n);
 
 }  // namespace weightd
 

@@ -1,5 +1,7 @@
 #include "server/metrics.h"
 
+#include "server/registry.h"
+
 #include <prometheus/collectable.h>
 #include <prometheus/counter.h>
 #include <prometheus/exposer.h>
@@ -73,7 +75,23 @@ class SampledGauges final : public prometheus::Collectable {
     return {GaugeFamily("weightd_models", "Model generations held, by state.", "state", s.by_state),
             GaugeFamily("weightd_device_bytes", "Bytes of device segments held, by GPU.", "gpu_uuid", s.device_bytes),
             GaugeFamily("weightd_leases_active", "Leases held by clients (pending or claimed), by model.", "model",
-                        s.leases)};
+                        s.leases),
+            VersionFamily(s)};
+  }
+
+  // Always 1 per READY generation; its labels say which version is served.
+  static prometheus::MetricFamily VersionFamily(const ModelsSample& s) {
+    prometheus::MetricFamily family{"weightd_model_version_info",
+                                    "Always 1 for each model's READY generation: its number and version label "
+                                    "(set by a writer's commit; empty for loads from disk).",
+                                    prometheus::MetricType::Gauge, {}};
+    for (const auto& [name, version] : s.versions) {
+      prometheus::ClientMetric metric;
+      metric.label = {{"model", name}, {"generation", std::to_string(version.first)}, {"version_label", version.second}};
+      metric.gauge.value = 1;
+      family.metric.push_back(std::move(metric));
+    }
+    return family;
   }
 
  private:
@@ -89,6 +107,7 @@ ModelsSample SampleModels(const std::vector<std::shared_ptr<ModelGeneration>>& m
   }
   for (const auto& m : models) {
     ++s.by_state[StateName(m->state.load())];
+    if (m->state.load() == ModelState::kReady) s.versions[m->request.name] = {m->generation, m->version_label};
     s.leases[m->request.name] += m->leases.load();
     for (const SegmentRecord& seg : m->segments) {
       if (seg.placement == Placement::kDevice) s.device_bytes[seg.gpu_uuid] += seg.size;
@@ -125,6 +144,12 @@ struct PrometheusMetrics::State {
   prometheus::Family<prometheus::Counter>* checkpoint_errors;
   prometheus::Family<prometheus::Counter>* rpc_requests;
   prometheus::Family<prometheus::Histogram>* rpc_duration;
+  prometheus::Counter* updates_started;
+  prometheus::Counter* updates_committed;
+  prometheus::Family<prometheus::Counter>* updates_aborted;
+  prometheus::Counter* update_bytes_written;
+  prometheus::Counter* update_bytes_shared;
+  prometheus::Histogram* commit_duration;
 
   explicit State(const PrometheusOptions& o) : sampled(std::make_shared<SampledGauges>(o.sampler)) {
     using prometheus::BuildCounter, prometheus::BuildGauge, prometheus::BuildHistogram;
@@ -150,6 +175,21 @@ struct PrometheusMetrics::State {
                         .Help("Finished gRPC calls, by method and status code.").Register(r);
     rpc_duration = &BuildHistogram().Name("weightd_rpc_duration_seconds")
                         .Help("Duration of finished gRPC calls, by method.").Register(r);
+    updates_started = &BuildCounter().Name("weightd_updates_started_total")
+                           .Help("Writer updates staged (BeginUpdate).").Register(r).Add({});
+    updates_committed = &BuildCounter().Name("weightd_updates_committed_total")
+                             .Help("Writer updates committed and published.").Register(r).Add({});
+    updates_aborted = &BuildCounter().Name("weightd_updates_aborted_total")
+                           .Help("Writer updates ended without a commit, by reason.").Register(r);
+    for (const char* reason : kUpdateAbortReasons) updates_aborted->Add({{"reason", reason}});
+    update_bytes_written = &BuildCounter().Name("weightd_update_bytes_written_total")
+                                .Help("Bytes of staged segments published by committed updates.").Register(r).Add({});
+    update_bytes_shared = &BuildCounter().Name("weightd_update_bytes_shared_total")
+                               .Help("Bytes of segments committed updates shared with the generation before, "
+                                     "summed over commits.").Register(r).Add({});
+    commit_duration = &BuildHistogram().Name("weightd_update_commit_duration_seconds")
+                           .Help("Duration of successful commits: seal, hash, verify, publish.").Register(r)
+                           .Add({}, AttachBuckets());
     BuildGauge().Name("weightd_build_info").Help("Always 1; the version of this weightd binary.").Register(r)
         .Add({{"version", o.version}}).Set(1);
   }
@@ -193,6 +233,19 @@ void PrometheusMetrics::LoadFinished(uint64_t bytes, double seconds) {
   state_->load_bytes->Increment(static_cast<double>(bytes));
   state_->load_duration->Observe(seconds);
   if (seconds > 0) state_->load_throughput->Set(static_cast<double>(bytes) / seconds);
+}
+
+void PrometheusMetrics::UpdateStarted() { state_->updates_started->Increment(); }
+
+void PrometheusMetrics::UpdateCommitted(uint64_t bytes_written, uint64_t bytes_shared, double seconds) {
+  state_->updates_committed->Increment();
+  state_->update_bytes_written->Increment(static_cast<double>(bytes_written));
+  state_->update_bytes_shared->Increment(static_cast<double>(bytes_shared));
+  state_->commit_duration->Observe(seconds);
+}
+
+void PrometheusMetrics::UpdateAborted(absl::string_view reason) {
+  state_->updates_aborted->Add({{"reason", std::string(reason)}}).Increment();
 }
 
 void PrometheusMetrics::LoadFailed(const absl::Status& status) {

@@ -38,6 +38,13 @@ class Metrics {
   // One finished RPC: `method` is "package.Service/Method" or "unknown",
   // `code` a gRPC code name ("OK", "NOT_FOUND").
   virtual void RpcFinished(absl::string_view method, absl::string_view code, double seconds) = 0;
+  // The writer path: an update was staged; committed, having written
+  // `bytes_written` bytes of staged segments and shared `bytes_shared`, in
+  // `seconds` (seal, hash, publish); or aborted for `reason` (one of
+  // kUpdateAbortReasons in server/registry.h).
+  virtual void UpdateStarted() {}
+  virtual void UpdateCommitted(uint64_t bytes_written, uint64_t bytes_shared, double seconds) {}
+  virtual void UpdateAborted(absl::string_view reason) {}
 };
 
 // The models held, as the registry lists them at one moment.
@@ -45,6 +52,9 @@ struct ModelsSample {
   std::map<std::string, int> by_state;             // "READY" -> 2; every state is present
   std::map<std::string, uint64_t> device_bytes;    // GPU UUID -> bytes
   std::map<std::string, int> leases;               // model name -> leases over all its generations
+  // READY generations: model name -> (generation, version label), for
+  // weightd_model_version_info{model, generation, version_label}.
+  std::map<std::string, std::pair<uint64_t, std::string>> versions;
 };
 // Builds the sample from ModelRegistry::ListAll().
 ModelsSample SampleModels(const std::vector<std::shared_ptr<ModelGeneration>>& models);
@@ -84,6 +94,9 @@ class PrometheusMetrics : public Metrics {
   void HostMemory(uint64_t resident_bytes, uint64_t locked_bytes) override;
   void AttachFinished(double seconds) override;
   void RpcFinished(absl::string_view method, absl::string_view code, double seconds) override;
+  void UpdateStarted() override;
+  void UpdateCommitted(uint64_t bytes_written, uint64_t bytes_shared, double seconds) override;
+  void UpdateAborted(absl::string_view reason) override;
 
   struct State;
 

@@ -24,6 +24,12 @@ class MetricsListener final : public RegistryListener {
   void OnMemoryChanged(uint64_t host_bytes, uint64_t locked_bytes) override {
     metrics_->HostMemory(host_bytes, locked_bytes);
   }
+  void OnUpdateStarted(const std::string&, uint64_t) override { metrics_->UpdateStarted(); }
+  void OnUpdateCommitted(const ModelGeneration&, uint64_t bytes_written, uint64_t bytes_shared, uint32_t,
+                         double seconds) override {
+    metrics_->UpdateCommitted(bytes_written, bytes_shared, seconds);
+  }
+  void OnUpdateAborted(const std::string&, const std::string& reason) override { metrics_->UpdateAborted(reason); }
 
  private:
   Metrics* metrics_;

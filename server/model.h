@@ -114,6 +114,7 @@ class ModelGeneration {
   std::vector<SegmentRecord> segments;
   std::vector<RankManifest> ranks;  // tp_size entries
   std::string fingerprint;          // 32 hex digits
+  std::string version_label;        // set by a writer's commit (e.g. "step-1200"); empty for loads from disk
   double load_seconds = 0;
   uint64_t checkpoint_bytes = 0;  // tensor bytes of the checkpoint
   uint64_t host_bytes = 0;     // bytes of its host segments, shared ones included

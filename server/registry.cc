@@ -197,19 +197,146 @@ ModelRegistry::LoadResult ModelRegistry::Publish(std::unique_ptr<ModelGeneration
   std::shared_ptr<ModelGeneration> model = std::move(loaded);
   const std::string& name = model->request.name;
   model->warnings = catalog.warnings;
-  model->generation = next_generation_++;
-  model->state = ModelState::kReady;
   loading_.erase(name);  // one load of a name at a time: this load's record
   failed_.erase(name);
+  InstallLocked(model);
+  if (listener_) listener_->OnLoadFinished(*model, catalog.total_bytes(), model->load_seconds);
+  NotifyMemory();
+  return LoadResult{model, false};
+}
+
+void ModelRegistry::InstallLocked(const std::shared_ptr<ModelGeneration>& model) {
+  const std::string& name = model->request.name;
+  model->generation = next_generation_++;
+  model->state = ModelState::kReady;
   auto it = current_.find(name);
   if (it != current_.end()) Retire(std::move(it->second));
   current_[name] = model;
+  if (listener_) listener_->OnModelServing(name, true);
+}
+
+absl::StatusOr<ModelRegistry::UpdateGrant> ModelRegistry::BeginUpdate(const std::string& name,
+                                                                      const std::vector<std::string>& tensors) {
+  std::string id = NewLeaseId();
+  std::shared_ptr<ModelGeneration> base;
+  {
+    absl::MutexLock lock(&mu_);
+    WEIGHTD_ASSIGN_OR_RETURN(base, GetLocked(name));
+    if (updates_.count(name)) {
+      return absl::AlreadyExistsError(
+          absl::StrCat("model '", name, "' already has an open update (one writer per model at a time)"));
+    }
+    updates_[name] = OpenUpdate{id, nullptr, false, false, Now() + options_.claim_timeout};
+  }
+  absl::StatusOr<std::unique_ptr<StagedUpdate>> staged = StageUpdate(base, tensors, options_.loader.admission);
+  std::shared_ptr<StagedUpdate> dropped;  // freed after the lock
+  absl::MutexLock lock(&mu_);
+  auto it = updates_.find(name);
+  bool ours = it != updates_.end() && it->second.id == id;
+  if (!staged.ok()) {
+    if (ours) updates_.erase(it);
+    return staged.status();
+  }
+  if (!ours) {
+    dropped = std::move(*staged);
+    return absl::AbortedError(absl::StrCat("model '", name, "' was unloaded while the update was being staged"));
+  }
+  it->second.staged = std::move(*staged);
+  it->second.deadline = Now() + options_.claim_timeout;
+  if (listener_) listener_->OnUpdateStarted(name, it->second.staged->bytes_staged);
+  NotifyMemory();
+  return UpdateGrant{id, it->second.staged};
+}
+
+std::map<std::string, ModelRegistry::OpenUpdate>::iterator ModelRegistry::FindUpdateLocked(const std::string& id) {
+  return std::find_if(updates_.begin(), updates_.end(), [&](const auto& u) { return u.second.id == id; });
+}
+
+std::shared_ptr<StagedUpdate> ModelRegistry::EndUpdateLocked(std::map<std::string, OpenUpdate>::iterator it,
+                                                             const std::string& reason) {
+  std::shared_ptr<StagedUpdate> staged = std::move(it->second.staged);
+  std::string name = it->first;
+  updates_.erase(it);
+  if (listener_ && !reason.empty()) listener_->OnUpdateAborted(name, reason);
+  return staged;
+}
+
+absl::StatusOr<std::shared_ptr<const StagedUpdate>> ModelRegistry::ClaimUpdate(const std::string& update_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = FindUpdateLocked(update_id);
+  if (it == updates_.end() || it->second.staged == nullptr) return absl::NotFoundError("unknown or ended update id");
+  if (it->second.claimed) return absl::FailedPreconditionError("update already claimed on another connection");
+  it->second.claimed = true;
+  return std::shared_ptr<const StagedUpdate>(it->second.staged);
+}
+
+bool ModelRegistry::IsUpdateOpen(const std::string& update_id) const {
+  absl::MutexLock lock(&mu_);
+  return std::any_of(updates_.begin(), updates_.end(), [&](const auto& u) { return u.second.id == update_id; });
+}
+
+absl::StatusOr<ModelRegistry::CommitResult> ModelRegistry::CommitUpdate(const std::string& update_id,
+                                                                        const CommitOptions& options) {
+  auto start = std::chrono::steady_clock::now();
+  std::shared_ptr<StagedUpdate> staged;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = FindUpdateLocked(update_id);
+    if (it == updates_.end() || it->second.staged == nullptr) return absl::NotFoundError("unknown or ended update id");
+    if (it->second.committing) return absl::FailedPreconditionError("this update is already being committed");
+    it->second.committing = true;
+    staged = it->second.staged;
+  }
+  bool sealed = false;
+  absl::StatusOr<CommitOutcome> outcome = SealAndVerify(*staged, options, &sealed);
+  std::shared_ptr<StagedUpdate> dropped;  // freed after the lock
+  absl::MutexLock lock(&mu_);
+  auto it = FindUpdateLocked(update_id);
+  if (it == updates_.end()) {
+    return absl::AbortedError(absl::StrCat("model '", staged->base->request.name,
+                                           "' was unloaded during the commit; the update is aborted"));
+  }
+  const std::string name = it->first;
+  if (!outcome.ok()) {
+    if (sealed) {
+      dropped = EndUpdateLocked(it, "verification_failed");
+      NotifyMemory();
+    } else {
+      it->second.committing = false;  // e.g. still mapped writable: the writer may unmap and commit again
+    }
+    return outcome.status();
+  }
+  auto current = current_.find(name);
+  if (current == current_.end() || current->second != staged->base) {
+    uint64_t now = current == current_.end() ? 0 : current->second->generation;
+    dropped = EndUpdateLocked(it, "superseded");
+    NotifyMemory();
+    return absl::FailedPreconditionError(absl::StrCat("model '", name, "' is at generation ", now,
+                                                      " but this update began from generation ",
+                                                      staged->base->generation, "; the update is aborted"));
+  }
+  std::shared_ptr<ModelGeneration> model = std::move(outcome->generation);
+  model->load_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  dropped = EndUpdateLocked(it, "");
+  InstallLocked(model);
+  CommitResult result{model, outcome->tensors_changed, model->bytes_read, model->bytes_reused, model->load_seconds};
   if (listener_) {
-    listener_->OnLoadFinished(*model, catalog.total_bytes(), model->load_seconds);
-    listener_->OnModelServing(name, true);
+    listener_->OnUpdateCommitted(*model, result.bytes_written, result.bytes_shared, result.tensors_changed,
+                                 result.seconds);
   }
   NotifyMemory();
-  return LoadResult{model, false};
+  return result;
+}
+
+absl::Status ModelRegistry::AbortUpdate(const std::string& update_id, const std::string& reason) {
+  std::shared_ptr<StagedUpdate> dropped;  // freed after the lock
+  absl::MutexLock lock(&mu_);
+  auto it = FindUpdateLocked(update_id);
+  if (it == updates_.end()) return absl::NotFoundError("unknown or ended update id");
+  if (it->second.committing) return absl::FailedPreconditionError("this update is being committed");
+  dropped = EndUpdateLocked(it, reason);
+  NotifyMemory();
+  return absl::OkStatus();
 }
 
 void ModelRegistry::EndLoad(const LoadRequest& request, const ModelGeneration& record, const absl::Status& failure,
@@ -236,6 +363,10 @@ absl::StatusOr<ModelRegistry::UnloadResult> ModelRegistry::Unload(const std::str
   if (auto f = failed_.find(name); f != failed_.end()) {
     failed = std::move(f->second);
     failed_.erase(f);
+  }
+  std::shared_ptr<StagedUpdate> dropped_update;  // an open update of the name ends with it
+  if (auto u = updates_.find(name); u != updates_.end() && !u->second.committing) {
+    dropped_update = EndUpdateLocked(u, "unloaded");
   }
   auto it = current_.find(name);
   if (it == current_.end()) return UnloadDraining(name, force, std::move(failed));
@@ -404,6 +535,17 @@ int ModelRegistry::ExpirePending() {
     }
     it = next;
   }
+  std::vector<std::shared_ptr<StagedUpdate>> dropped;  // freed after the lock
+  for (auto it = updates_.begin(); it != updates_.end();) {
+    auto next = std::next(it);
+    if (it->second.staged != nullptr && !it->second.claimed && !it->second.committing && it->second.deadline < now) {
+      LogWarning(absl::StrCat("update of model '", it->first, "' was not claimed on the fd socket within ",
+                              options_.claim_timeout.count(), " ms; aborted"));
+      dropped.push_back(EndUpdateLocked(it, "claim_timeout"));
+      ++expired;
+    }
+    it = next;
+  }
   if (expired) NotifyMemory();
   return expired;
 }
@@ -421,6 +563,10 @@ void ModelRegistry::NotifyMemory() {
   };
   for (const auto& [name, model] : current_) add(*model);
   for (const auto& model : draining_) add(*model);
+  for (const auto& [name, update] : updates_) {
+    if (update.staged == nullptr) continue;
+    for (const StagedSegment& s : update.staged->segments) host += s.memory->size();
+  }
   listener_->OnMemoryChanged(host, locked);
 }
 

@@ -24,6 +24,7 @@
 #include "absl/synchronization/mutex.h"
 #include "server/loader.h"
 #include "server/model.h"
+#include "server/update.h"
 
 namespace weightd {
 
@@ -40,7 +41,17 @@ class RegistryListener {
   // A lease was claimed on the fd socket `seconds` after its Attach.
   virtual void OnLeaseClaimed(const std::string& name, double seconds) {}
   virtual void OnMemoryChanged(uint64_t host_bytes, uint64_t locked_bytes) {}
+  // The writer path: an update was staged; committed as `model`; or aborted
+  // for `reason` (one of kUpdateAbortReasons).
+  virtual void OnUpdateStarted(const std::string& name, uint64_t bytes_staged) {}
+  virtual void OnUpdateCommitted(const ModelGeneration& model, uint64_t bytes_written, uint64_t bytes_shared,
+                                 uint32_t tensors_changed, double seconds) {}
+  virtual void OnUpdateAborted(const std::string& name, const std::string& reason) {}
 };
+
+// Why an update ended without a commit (a metric label and a log word).
+inline constexpr const char* kUpdateAbortReasons[] = {"aborted_by_writer", "writer_disconnected", "claim_timeout",
+                                                      "verification_failed", "unloaded", "superseded"};
 
 struct RegistryOptions {
   // A load path must resolve under one of these, and so must every file the
@@ -138,6 +149,37 @@ class ModelRegistry {
   // Drops PENDING leases older than claim_timeout; returns how many.
   int ExpirePending();
 
+  // The writer path (server/update.h, docs/api.md). BeginUpdate stages an
+  // update of `tensors` (empty: all) of the READY generation of `name`: one
+  // open update per name (ALREADY_EXISTS for a second writer), claimed on
+  // the fd socket within claim_timeout (else aborted, "claim_timeout").
+  struct UpdateGrant {
+    std::string update_id;  // 32 hex digits
+    std::shared_ptr<const StagedUpdate> update;
+  };
+  absl::StatusOr<UpdateGrant> BeginUpdate(const std::string& name, const std::vector<std::string>& tensors);
+  // The fd socket's claim of an update: the writer's connection is its
+  // lease. NOT_FOUND for an unknown id, FAILED_PRECONDITION when claimed.
+  // The result keeps the staged memfds open while their fds are sent.
+  absl::StatusOr<std::shared_ptr<const StagedUpdate>> ClaimUpdate(const std::string& update_id);
+  bool IsUpdateOpen(const std::string& update_id) const;
+  struct CommitResult {
+    std::shared_ptr<ModelGeneration> model;
+    uint32_t tensors_changed = 0;
+    uint64_t bytes_written = 0;
+    uint64_t bytes_shared = 0;
+    double seconds = 0;
+  };
+  // Seals, verifies and publishes (see SealAndVerify): Attach returns the
+  // new generation from the moment this returns, the old one until then;
+  // the old one drains as after a reload. A refusal after sealing, a model
+  // unloaded meanwhile, or a base generation no longer current aborts the
+  // update; "still mapped writable" leaves it open.
+  absl::StatusOr<CommitResult> CommitUpdate(const std::string& update_id, const CommitOptions& options);
+  // Frees what the update staged; the served generation is untouched.
+  // NOT_FOUND for an unknown id, FAILED_PRECONDITION while it commits.
+  absl::Status AbortUpdate(const std::string& update_id, const std::string& reason);
+
   std::chrono::milliseconds claim_timeout() const { return options_.claim_timeout; }
   // Makes loads in progress (and later ones) fail with UNAVAILABLE at their
   // next block; for shutdown.
@@ -159,6 +201,24 @@ class ModelRegistry {
   }
   // Makes a loaded generation the current one of its name.
   LoadResult Publish(std::unique_ptr<ModelGeneration> loaded, const Catalog& catalog) ABSL_LOCKS_EXCLUDED(mu_);
+  // Numbers `model`, makes it READY and the current generation of its name
+  // (the one before drains), and tells the listener it serves.
+  void InstallLocked(const std::shared_ptr<ModelGeneration>& model) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  struct OpenUpdate {
+    std::string id;
+    std::shared_ptr<StagedUpdate> staged;  // null while staging
+    bool claimed = false;
+    bool committing = false;
+    std::chrono::steady_clock::time_point deadline;  // to be claimed by
+  };
+  // The open update with `id`, or updates_.end().
+  std::map<std::string, OpenUpdate>::iterator FindUpdateLocked(const std::string& id)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops the update of `name` for `reason`; returns what it staged, to be
+  // freed after the lock is released.
+  std::shared_ptr<StagedUpdate> EndUpdateLocked(std::map<std::string, OpenUpdate>::iterator it,
+                                                const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The end of every Load: drops its LOADING `record`; for a `failure`
   // after the plan was `accepted`, keeps a FAILED record instead.
   void EndLoad(const LoadRequest& request, const ModelGeneration& record, const absl::Status& failure, bool accepted)
@@ -189,6 +249,7 @@ class ModelRegistry {
   std::map<std::string, std::shared_ptr<ModelGeneration>> loading_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::shared_ptr<ModelGeneration>> failed_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Lease> leases_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, OpenUpdate> updates_ ABSL_GUARDED_BY(mu_);  // by model name: one writer per name
   uint64_t next_generation_ ABSL_GUARDED_BY(mu_) = 1;
 };
 

@@ -31,8 +31,8 @@ grpc::Status AdminOnly(const char* method) {
 
 }  // namespace
 
-WeightdService::WeightdService(ModelRegistry* registry, std::string fd_socket_path)
-    : registry_(registry), fd_socket_path_(std::move(fd_socket_path)) {}
+WeightdService::WeightdService(ModelRegistry* registry, std::string fd_socket_path, bool mlock)
+    : registry_(registry), fd_socket_path_(std::move(fd_socket_path)), mlock_(mlock) {}
 
 grpc::Status WeightdService::LoadModel(grpc::ServerContext* context, const v1::LoadModelRequest* request,
                                        grpc::ServerWriter<v1::LoadModelProgress>* writer) {
@@ -145,6 +145,53 @@ grpc::Status WeightdService::AttachEncoded(const grpc::ByteBuffer& raw, grpc::By
   return grpc::Status::OK;
 }
 
+grpc::Status WeightdService::BeginUpdate(grpc::ServerContext*, const v1::BeginUpdateRequest* request,
+                                         v1::BeginUpdateResponse* response) {
+  std::vector<std::string> tensors(request->tensors().begin(), request->tensors().end());
+  absl::StatusOr<ModelRegistry::UpdateGrant> grant = registry_->BeginUpdate(request->name(), tensors);
+  if (!grant.ok()) return ToGrpcStatus(grant.status());
+  const StagedUpdate& update = *grant->update;
+  response->set_update_id(grant->update_id);
+  response->set_fd_socket(fd_socket_path_);
+  response->set_claim_timeout_seconds(std::chrono::duration<double>(registry_->claim_timeout()).count());
+  response->set_model(update.base->request.name);
+  response->set_base_generation(update.base->generation);
+  for (uint32_t i = 0; i < update.segments.size(); ++i) {
+    const HostSegment& memory = *update.segments[i].memory;
+    SegmentRecord record{Placement::kHost, memory.size(), SegmentBackend::kMemfd, "", memory.fd(), ""};
+    ToProto(record, i, response->add_segments());
+  }
+  for (const StagedTensor& t : update.writable) {
+    v1::UpdateTensor* out = response->add_tensors();
+    ToProto(t.record, out->mutable_entry());
+    out->set_rank(t.rank);
+  }
+  response->set_bytes_staged(update.bytes_staged);
+  response->set_bytes_shared(update.bytes_shared);
+  return grpc::Status::OK;
+}
+
+grpc::Status WeightdService::CommitUpdate(grpc::ServerContext*, const v1::CommitUpdateRequest* request,
+                                          v1::CommitUpdateResponse* response) {
+  CommitOptions options;
+  options.expected_hashes.insert(request->expected_hashes().begin(), request->expected_hashes().end());
+  options.version_label = request->version_label();
+  options.mlock = mlock_;
+  absl::StatusOr<ModelRegistry::CommitResult> result = registry_->CommitUpdate(request->update_id(), options);
+  if (!result.ok()) return ToGrpcStatus(result.status());
+  ToProto(*result->model, response->mutable_model());
+  response->set_tensors_changed(result->tensors_changed);
+  response->set_bytes_written(result->bytes_written);
+  response->set_bytes_shared(result->bytes_shared);
+  response->set_seconds(result->seconds);
+  return grpc::Status::OK;
+}
+
+grpc::Status WeightdService::AbortUpdate(grpc::ServerContext*, const v1::AbortUpdateRequest* request,
+                                         v1::AbortUpdateResponse*) {
+  return ToGrpcStatus(registry_->AbortUpdate(request->update_id(), "aborted_by_writer"));
+}
+
 grpc::Status WeightdService::Detach(grpc::ServerContext*, const v1::DetachRequest* request, v1::DetachResponse*) {
   return ToGrpcStatus(registry_->Detach(request->lease_id()));
 }
@@ -176,6 +223,21 @@ grpc::Status ReadOnlyWeightdService::UnloadModel(grpc::ServerContext*, const v1:
 
 grpc::Status ReadOnlyWeightdService::Attach(grpc::ServerContext*, const v1::AttachRequest*, v1::AttachResponse*) {
   return AdminOnly("Attach");
+}
+
+grpc::Status ReadOnlyWeightdService::BeginUpdate(grpc::ServerContext*, const v1::BeginUpdateRequest*,
+                                                 v1::BeginUpdateResponse*) {
+  return AdminOnly("BeginUpdate");
+}
+
+grpc::Status ReadOnlyWeightdService::CommitUpdate(grpc::ServerContext*, const v1::CommitUpdateRequest*,
+                                                  v1::CommitUpdateResponse*) {
+  return AdminOnly("CommitUpdate");
+}
+
+grpc::Status ReadOnlyWeightdService::AbortUpdate(grpc::ServerContext*, const v1::AbortUpdateRequest*,
+                                                 v1::AbortUpdateResponse*) {
+  return AdminOnly("AbortUpdate");
 }
 
 grpc::Status ReadOnlyWeightdService::Detach(grpc::ServerContext*, const v1::DetachRequest*, v1::DetachResponse*) {

@@ -20,7 +20,8 @@ namespace weightd {
 class WeightdService final : public v1::Weightd::WithRawCallbackMethod_Attach<v1::Weightd::Service> {
  public:
   // `registry` must outlive the service.
-  WeightdService(ModelRegistry* registry, std::string fd_socket_path);
+  // `mlock`: lock the sealed segments of a writer's commit (--mlock).
+  WeightdService(ModelRegistry* registry, std::string fd_socket_path, bool mlock = true);
 
   grpc::Status LoadModel(grpc::ServerContext* context, const v1::LoadModelRequest* request,
                          grpc::ServerWriter<v1::LoadModelProgress>* writer) override;
@@ -36,6 +37,12 @@ class WeightdService final : public v1::Weightd::WithRawCallbackMethod_Attach<v1
                                    grpc::ByteBuffer* response) override;
   grpc::Status Detach(grpc::ServerContext* context, const v1::DetachRequest* request,
                       v1::DetachResponse* response) override;
+  grpc::Status BeginUpdate(grpc::ServerContext* context, const v1::BeginUpdateRequest* request,
+                           v1::BeginUpdateResponse* response) override;
+  grpc::Status CommitUpdate(grpc::ServerContext* context, const v1::CommitUpdateRequest* request,
+                            v1::CommitUpdateResponse* response) override;
+  grpc::Status AbortUpdate(grpc::ServerContext* context, const v1::AbortUpdateRequest* request,
+                           v1::AbortUpdateResponse* response) override;
 
  private:
   grpc::Status AttachEncoded(const grpc::ByteBuffer& request, grpc::ByteBuffer* response);
@@ -49,6 +56,7 @@ class WeightdService final : public v1::Weightd::WithRawCallbackMethod_Attach<v1
 
   ModelRegistry* registry_;
   std::string fd_socket_path_;
+  bool mlock_;
 };
 
 // The Weightd service as a read-only TCP listener serves it (see
@@ -72,6 +80,9 @@ class ReadOnlyWeightdService final : public v1::Weightd::Service {
   grpc::Status UnloadModel(grpc::ServerContext*, const v1::UnloadModelRequest*, v1::UnloadModelResponse*) override;
   grpc::Status Attach(grpc::ServerContext*, const v1::AttachRequest*, v1::AttachResponse*) override;
   grpc::Status Detach(grpc::ServerContext*, const v1::DetachRequest*, v1::DetachResponse*) override;
+  grpc::Status BeginUpdate(grpc::ServerContext*, const v1::BeginUpdateRequest*, v1::BeginUpdateResponse*) override;
+  grpc::Status CommitUpdate(grpc::ServerContext*, const v1::CommitUpdateRequest*, v1::CommitUpdateResponse*) override;
+  grpc::Status AbortUpdate(grpc::ServerContext*, const v1::AbortUpdateRequest*, v1::AbortUpdateResponse*) override;
 
  private:
   WeightdService* full_;

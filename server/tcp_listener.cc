@@ -70,7 +70,7 @@ absl::StatusOr<std::unique_ptr<TcpListener>> TcpListener::Start(const DaemonConf
   WEIGHTD_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials, Credentials(config));
   std::unique_ptr<TcpListener> tcp(new TcpListener());
   tcp->mode_ = Mode(config);
-  tcp->full_ = std::make_unique<WeightdService>(registry, config.fd_socket);
+  tcp->full_ = std::make_unique<WeightdService>(registry, config.fd_socket, config.mlock);
   grpc::ServerBuilder builder;
   // Plain TCP is accepted by our own GrpcAcceptor (bounded, recovers after
   // EMFILE); TLS only by gRPC's listener, which cannot take TLS connections

@@ -137,11 +137,21 @@ void HostSegment::Lock(uint64_t offset, uint64_t n) {
   }
 }
 
+absl::Status HostSegment::SealSize() {
+  if (sealed_) return absl::OkStatus();
+  if (fcntl(fd_, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) != 0) return ErrnoToStatus("fcntl(F_ADD_SEALS size)", errno);
+  return absl::OkStatus();
+}
+
 absl::Status HostSegment::Seal(bool lock) {
   if (sealed_) return absl::FailedPreconditionError("segment already sealed");
   if (base_ != nullptr && munmap(base_, size_) != 0) return ErrnoToStatus("munmap writable segment", errno);
   base_ = nullptr;
   if (fcntl(fd_, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL) != 0) {
+    if (errno == EBUSY) {
+      return absl::FailedPreconditionError(
+          "the memfd is still mapped writable by a process (F_SEAL_WRITE refused with EBUSY): unmap it first");
+    }
     return ErrnoToStatus("fcntl(F_ADD_SEALS)", errno);
   }
   sealed_ = true;

@@ -66,8 +66,16 @@ class HostSegment {
   // are RESOURCE_EXHAUSTED).
   absl::Status Write(uint64_t offset, const char* src, uint64_t n);
   // Seals and remaps read-only; then, if `lock`, tries mlock(). A refused
-  // mlock is not an error: locked() says whether it took.
+  // mlock is not an error: locked() says whether it took. While another
+  // process maps the memfd writable the kernel refuses F_SEAL_WRITE (EBUSY,
+  // FAILED_PRECONDITION here); the segment then stays unsealed, without its
+  // writable mapping, and Seal() may be called again.
   absl::Status Seal(bool lock);
+  // Before Seal(): fixes the size (F_SEAL_SHRINK | F_SEAL_GROW) so that an fd
+  // handed to a writer process can change bytes but never truncate the
+  // memory under the daemon's mappings (a read past a truncated memfd's end
+  // is SIGBUS).
+  absl::Status SealSize();
 
   const char* data() const { return base_; }
   uint64_t size() const { return size_; }  // with huge pages: rounded up to 2 MiB

@@ -169,6 +169,65 @@ struct ConnectOptions {
   std::string tls_key_file;
 };
 
+// A tensor a writer may write: `data` points at its bytes in a writable,
+// shared mapping of a staged segment (host memory), valid until the
+// Updater commits, aborts or is destroyed.
+struct WritableTensor {
+  TensorInfo info;  // info.segment indexes the update's staged segments
+  uint32_t rank = 0;
+  char* data = nullptr;
+};
+
+// What a commit published (CommitUpdateResponse).
+struct CommitInfo {
+  ModelSummary model;  // the new generation
+  uint32_t tensors_changed = 0;
+  uint64_t bytes_written = 0;  // bytes of the staged segments
+  uint64_t bytes_shared = 0;   // bytes shared with the generation before
+  double seconds = 0;          // seal, hash, verify and publish, on the daemon
+};
+
+class Client;
+
+// One writer's update of a model (Client::BeginUpdate; docs/api.md,
+// "Publishing a generation from a writer"). Holds writable mappings of the
+// staged segments and the fd-socket connection that is the update's lease:
+// destroying an Updater that has not committed unmaps and closes it, and
+// the daemon aborts the update. Move-only; not thread-safe: write tensors
+// from several threads if you like, but Commit/Abort from one, after those
+// writes. Must not outlive the Client that made it.
+class Updater {
+ public:
+  Updater(Updater&&) noexcept;
+  Updater& operator=(Updater&&) noexcept;
+  ~Updater();
+
+  const std::vector<WritableTensor>& tensors() const;
+  // nullptr when the update holds no tensor `name` (rank 0 for host tensors).
+  WritableTensor* Find(absl::string_view name, uint32_t rank = 0);
+  uint64_t base_generation() const;
+  uint64_t bytes_staged() const;  // bytes the daemon copied into staged segments
+  uint64_t bytes_shared() const;  // bytes shared unchanged
+
+  // Unmaps every staged segment (the daemon can seal only memory no process
+  // maps writable), then asks the daemon to seal, verify and publish.
+  // `expected_hashes`: tensor name -> content hash (16 hex digits,
+  // TensorInfo::content_hash) that the written bytes must have. After any
+  // result the tensors' `data` is no longer valid. Errors: the daemon's
+  // (FAILED_PRECONDITION naming a tensor whose hash differs, which aborts).
+  absl::StatusOr<CommitInfo> Commit(const std::map<std::string, std::string>& expected_hashes = {},
+                                    const std::string& version_label = "");
+  // Unmaps and ends the update; the served generation is untouched.
+  absl::Status Abort();
+
+  struct State;
+
+ private:
+  friend class Client;
+  explicit Updater(std::unique_ptr<State> state);
+  std::unique_ptr<State> state_;
+};
+
 class Client {
  public:
   // `target`: "unix:///run/weightd/weightd.sock", a plain socket path, or
@@ -189,6 +248,12 @@ class Client {
   absl::StatusOr<LoadResult> Reload(const std::string& name, const std::string& checkpoint_path,
                                     const std::function<void(const LoadProgressInfo&)>& progress = nullptr);
   absl::StatusOr<std::vector<ModelSummary>> List();
+  // Opens an update of `tensors` (empty: all) of READY model `name`: the
+  // daemon stages writable copies of the segments holding them (initialised
+  // with the current bytes), this claims and maps them read-write.
+  // ALREADY_EXISTS while another writer has an update of `name` open;
+  // UNIMPLEMENTED for device-placed tensors.
+  absl::StatusOr<Updater> BeginUpdate(const std::string& name, const std::vector<std::string>& tensors = {});
   absl::StatusOr<Manifest> GetManifest(const std::string& name, uint32_t rank);
   // Takes a lease, receives the segment fds and maps them (host segments
   // read-only and lazily: pages fault in on first use).
