@@ -61,6 +61,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         models = root / "models"
+        models.mkdir()
         subprocess.run([os.environ["WEIGHTCTL_BINARY"], "make-demo", str(models / "tiny"), "--preset", "tiny"],
                        check=True, capture_output=True)
         socket = str(root / "weightd.sock")
