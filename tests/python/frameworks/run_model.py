@@ -17,7 +17,9 @@ embeddings' object, or null), and memory deltas in bytes from
 holds a private copy of) from before loading to after loading (*_load) and
 to after the forward pass (*_forward); mapped_pss_load/_forward: the Pss of
 the weightd mappings themselves; for private: pass_bytes (bytes the pass
-wrote) and pass_private_dirty (growth of Private_Dirty over the pass).
+wrote), pass_copied (growth of the mappings' Private_Dirty over the pass:
+the pages copy-on-write copied) and pass_pages_spanned (bytes of the pages
+the written tensors lie on).
 """
 import json
 import sys
@@ -38,17 +40,27 @@ def rollup():
     return values
 
 
-def mapped_pss(weights):
-    """Pss of the weightd mappings of `weights` in /proc/self/smaps, in bytes."""
+def mapped(weights, field):
+    """`field` ("Pss", "Private_Dirty") summed over the weightd mappings of
+    `weights` in /proc/self/smaps, in bytes."""
     starts, total, inside = {base for base, size in weights.mappings if size}, 0, False
     with open("/proc/self/smaps") as f:
         for line in f:
             head = line.split()[0]
             if "-" in head and not head.endswith(":"):
                 inside = int(head.split("-")[0], 16) in starts
-            elif inside and head == "Pss:":
+            elif inside and head == field + ":":
                 total += int(line.split()[1]) * 1024
     return total
+
+
+def pages_spanned(weights, names, page=4096):
+    """Bytes of the distinct pages holding the tensors `names`."""
+    pages = set()
+    for name in names:
+        info = weights.tensor_info(name)
+        pages.update((info.segment, p) for p in range(info.offset // page, (info.offset + info.nbytes - 1) // page + 1))
+    return len(pages) * page
 
 
 def warm_up(cls, directory):
@@ -75,17 +87,19 @@ def outputs(model, config):
 def post_process(model):
     """An engine-style pass after loading, in place: LayerNorm weights scaled
     (as when folding a scale) and the square attention output projections
-    transposed (a re-layout). Returns the bytes written."""
-    written = 0
+    transposed (a re-layout). Returns (names written, bytes written)."""
+    names, written = [], 0
     with torch.no_grad():
         for name, p in model.named_parameters():
             if ".ln_" in name and name.endswith(".weight"):
                 p.mul_(2)
-                written += p.numel() * p.element_size()
             elif name.endswith("attn.c_proj.weight") and p.shape[0] == p.shape[1]:
                 p.copy_(p.t().clone())
-                written += p.numel() * p.element_size()
-    return written
+            else:
+                continue
+            names.append(name)
+            written += p.numel() * p.element_size()
+    return names, written
 
 
 def main(mode, directory, class_name, out_path, socket=None, name=None):
@@ -111,18 +125,19 @@ def main(mode, directory, class_name, out_path, socket=None, name=None):
               output_embeddings.weight is model.get_input_embeddings().weight}
     if weights is not None:
         report["outside"] = [n for n, p in model.named_parameters() if not weights.owns(p.data_ptr())]
-        report["mapped_pss_load"] = mapped_pss(weights)
+        report["mapped_pss_load"] = mapped(weights, "Pss")
     if mode == "private":
-        dirty = rollup()["Private_Dirty"]
-        report["pass_bytes"] = post_process(model)
-        report["pass_private_dirty"] = rollup()["Private_Dirty"] - dirty
+        dirty = mapped(weights, "Private_Dirty")
+        names, report["pass_bytes"] = post_process(model)
+        report["pass_copied"] = mapped(weights, "Private_Dirty") - dirty
+        report["pass_pages_spanned"] = pages_spanned(weights, names)
     config = model.config
     with open(out_path, "wb") as f:
         f.write(outputs(model, config))
     after = rollup()
     report.update(pss_forward=after["Pss"] - before["Pss"], anon_forward=after["Anonymous"] - before["Anonymous"])
     if weights is not None:
-        report["mapped_pss_forward"] = mapped_pss(weights)
+        report["mapped_pss_forward"] = mapped(weights, "Pss")
     print(json.dumps(report), flush=True)
     sys.stdin.readline()
 
