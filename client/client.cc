@@ -10,6 +10,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "common/memory/device.h"
+#include "common/memory/host_segment.h"
 #include "common/io/env.h"
 #include "common/base/status.h"
 #include "common/transport/unix_socket.h"
@@ -180,6 +181,7 @@ struct MappedModel::State {
   std::vector<ScopedFd> segment_fds;
   ScopedFd lease;  // the fd-socket connection: closing it ends the lease
   double attach_seconds = 0;
+  bool copy_on_write = false;  // AttachOptions::copy_on_write
 
   // Unmaps everything before `lease` closes: the daemon may free a
   // generation's memory as soon as its last lease ends, and for
@@ -238,9 +240,9 @@ absl::StatusOr<std::vector<ScopedFd>> MatchFdsToSegments(std::vector<ScopedFd> f
 // Imports device segment `i` with the backend that exported it; its base.
 absl::StatusOr<const char*> ImportSegment(size_t i, MappedModel::State& state) {
   const SegmentInfo& segment = state.manifest.segments[i];
-  WEIGHTD_ASSIGN_OR_RETURN(DeviceBackend * backend, ClientBackendFor(segment.backend));
-  absl::StatusOr<std::unique_ptr<ImportedArena>> imported = backend->Import(
-      {segment.backend, segment.gpu_uuid, segment.size, segment.handle, std::move(state.segment_fds[i])});
+  absl::StatusOr<std::unique_ptr<ImportedArena>> imported =
+      ImportArena({segment.backend, segment.gpu_uuid, segment.size, segment.handle, std::move(state.segment_fds[i]),
+                   state.copy_on_write});
   if (!imported.ok()) {
     return Annotate(imported.status(), absl::StrCat("importing segment ", i, " on ", segment.gpu_uuid));
   }
@@ -248,14 +250,14 @@ absl::StatusOr<const char*> ImportSegment(size_t i, MappedModel::State& state) {
   return static_cast<const char*>(state.imports[i]->device_pointer());
 }
 
-// Maps host segment `i` read-only (lazily: pages fault in on first use); its base.
+// Maps host segment `i` lazily, read-only or copy-on-write; its base.
 absl::StatusOr<const char*> MapHostSegment(size_t i, MappedModel::State& state) {
   uint64_t size = state.manifest.segments[i].size;
   if (size == 0) return static_cast<const char*>(nullptr);
-  void* addr = mmap(nullptr, size, PROT_READ, MAP_SHARED, state.segment_fds[i].get(), 0);
-  if (addr == MAP_FAILED) return ErrnoToStatus(absl::StrCat("mmap segment ", i), errno);
-  state.mappings.emplace_back(addr, size);
-  return static_cast<const char*>(addr);
+  absl::StatusOr<char*> addr = MapSegmentFd(state.segment_fds[i].get(), size, state.copy_on_write);
+  if (!addr.ok()) return Annotate(addr.status(), absl::StrCat("segment ", i));
+  state.mappings.emplace_back(*addr, size);
+  return static_cast<const char*>(*addr);
 }
 
 // Maps or imports every segment; the base address of each.
@@ -313,6 +315,8 @@ absl::Status MappedModel::CopyToHost(const TensorView& view, uint64_t offset, vo
   }
   return imported->CopyToHost(view.info->offset + offset, dst, n);
 }
+
+bool MappedModel::copy_on_write() const { return state_->copy_on_write; }
 
 bool MappedModel::device_read_only() const {
   for (const auto& imported : state_->imports) {
@@ -399,7 +403,7 @@ absl::StatusOr<Manifest> Client::GetManifest(const std::string& name, uint32_t r
   return manifest;
 }
 
-absl::StatusOr<MappedModel> Client::Attach(const std::string& name, uint32_t rank) {
+absl::StatusOr<MappedModel> Client::Attach(const std::string& name, uint32_t rank, const AttachOptions& options) {
   auto start = std::chrono::steady_clock::now();
   v1::AttachRequest request;
   request.set_name(name);
@@ -408,6 +412,7 @@ absl::StatusOr<MappedModel> Client::Attach(const std::string& name, uint32_t ran
   grpc::ClientContext context;
   WEIGHTD_RETURN_IF_ERROR(FromGrpc(impl_->stub->Attach(&context, request, &response)));
   auto state = std::make_unique<MappedModel::State>();
+  state->copy_on_write = options.copy_on_write;
   state->manifest = ManifestOf(response);
   WEIGHTD_RETURN_IF_ERROR(ClaimLease(FdSocketPath(response), response.lease_id(), ClaimTimeoutMs(response),
                                      &state->lease, &state->segment_fds));

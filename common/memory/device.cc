@@ -3,6 +3,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
+#include "common/base/status.h"
 
 namespace weightd {
 
@@ -70,6 +71,21 @@ absl::StatusOr<DeviceBackend*> ClientBackendFor(const std::string& backend_name)
     return slot.get();
   }
   return absl::InvalidArgumentError(absl::StrCat("unknown segment backend '", backend_name, "'"));
+}
+
+absl::Status CheckCopyOnWrite(SegmentBackend backend, const ArenaExport& exported) {
+  if (!exported.copy_on_write || backend == SegmentBackend::kEmulated) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "a ", SegmentBackendName(backend), " arena on ", exported.gpu_uuid,
+      " cannot be mapped copy-on-write (GPU memory has no private pages): attach without it and copy the "
+      "device tensors you change"));
+}
+
+absl::StatusOr<std::unique_ptr<ImportedArena>> ImportArena(ArenaExport exported) {
+  absl::StatusOr<SegmentBackend> kind = ParseSegmentBackend(exported.backend);
+  if (kind.ok()) WEIGHTD_RETURN_IF_ERROR(CheckCopyOnWrite(*kind, exported));
+  WEIGHTD_ASSIGN_OR_RETURN(DeviceBackend * backend, ClientBackendFor(exported.backend));
+  return backend->Import(std::move(exported));
 }
 
 }  // namespace weightd

@@ -79,6 +79,10 @@ struct ArenaExport {
   uint64_t size = 0;
   std::string handle;
   ScopedFd fd;
+  // Map copy-on-write: reads share the exporter's memory, writes go to pages
+  // private to this process. Backends whose memory has no private pages
+  // (CUDA) refuse with FAILED_PRECONDITION.
+  bool copy_on_write = false;
 };
 
 // An exported arena mapped into this (client) process. Unmaps on
@@ -137,6 +141,16 @@ absl::StatusOr<std::unique_ptr<DeviceBackend>> MakeCudaBackend(bool legacy_ipc);
 // ParseSegmentBackend) in a client process. Owned by this module; lives for
 // the process. INVALID_ARGUMENT for names that are no device backend.
 absl::StatusOr<DeviceBackend*> ClientBackendFor(const std::string& backend_name);
+
+// OK when `exported` does not ask for copy_on_write or its backend can map
+// privately (emulated arenas are memfds); else FAILED_PRECONDITION naming
+// the backend and GPU. Each backend's Import() applies it.
+absl::Status CheckCopyOnWrite(SegmentBackend backend, const ArenaExport& exported);
+
+// Client side: imports `exported` with ClientBackendFor(exported.backend),
+// refusing a copy-on-write import that the backend cannot do before any
+// driver is loaded. Errors as ClientBackendFor and DeviceBackend::Import.
+absl::StatusOr<std::unique_ptr<ImportedArena>> ImportArena(ArenaExport exported);
 
 }  // namespace weightd
 

@@ -73,14 +73,15 @@ class AlignedBuffer final : public PinnedBuffer {
 
 class EmulatedImport final : public ImportedArena {
  public:
-  EmulatedImport(void* base, uint64_t size, int ordinal) : base_(base), size_(size), ordinal_(ordinal) {}
+  EmulatedImport(void* base, uint64_t size, int ordinal, bool writable)
+      : base_(base), size_(size), ordinal_(ordinal), writable_(writable) {}
   ~EmulatedImport() override {
     if (base_ != nullptr) munmap(base_, size_);
   }
   const void* device_pointer() const override { return base_; }
   int device_ordinal() const override { return ordinal_; }
   uint64_t size() const override { return size_; }
-  bool read_only() const override { return true; }
+  bool read_only() const override { return !writable_; }
   absl::Status CopyToHost(uint64_t offset, void* dst, uint64_t n) const override {
     if (offset + n > size_) return absl::OutOfRangeError("read past the imported arena");
     std::memcpy(dst, static_cast<const char*>(base_) + offset, n);
@@ -91,6 +92,7 @@ class EmulatedImport final : public ImportedArena {
   void* base_;
   uint64_t size_;
   int ordinal_;
+  bool writable_;  // a copy-on-write mapping
 };
 
 class EmulatedBackend final : public DeviceBackend {
@@ -122,12 +124,14 @@ class EmulatedBackend final : public DeviceBackend {
       return absl::InvalidArgumentError(absl::StrCat("'", exported.gpu_uuid, "' is not an emulated device"));
     }
     if (!exported.fd.valid()) return absl::InvalidArgumentError("emulated arena import needs its fd");
+    WEIGHTD_RETURN_IF_ERROR(CheckCopyOnWrite(segment_backend(), exported));
     void* base = nullptr;
     if (exported.size > 0) {
-      base = mmap(nullptr, exported.size, PROT_READ, MAP_SHARED, exported.fd.get(), 0);
-      if (base == MAP_FAILED) return ErrnoToStatus("mmap emulated arena", errno);
+      absl::StatusOr<char*> mapped = MapSegmentFd(exported.fd.get(), exported.size, exported.copy_on_write);
+      if (!mapped.ok()) return Annotate(mapped.status(), "emulated arena");
+      base = *mapped;
     }
-    return std::make_unique<EmulatedImport>(base, exported.size, ordinal);
+    return std::make_unique<EmulatedImport>(base, exported.size, ordinal, exported.copy_on_write);
   }
 
  private:

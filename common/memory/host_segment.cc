@@ -175,4 +175,13 @@ absl::Status HostSegment::Seal(bool lock) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<char*> MapSegmentFd(int fd, uint64_t size, bool copy_on_write) {
+  int prot = copy_on_write ? PROT_READ | PROT_WRITE : PROT_READ;
+  void* map = mmap(nullptr, size, prot, copy_on_write ? MAP_PRIVATE : MAP_SHARED, fd, 0);
+  if (map == MAP_FAILED) {
+    return ErrnoToStatus(absl::StrCat("mmap segment fd ", fd, copy_on_write ? " copy-on-write" : " read-only"), errno);
+  }
+  return static_cast<char*>(map);
+}
+
 }  // namespace weightd

@@ -104,6 +104,17 @@ class HostSegment {
   int lock_errno_ = 0;
 };
 
+// Client side: maps `size` bytes (> 0) of a received segment fd lazily
+// (pages fault in on first use). Without `copy_on_write`: shared and
+// read-only, so a write raises SIGSEGV. With it: private and writable
+// (MAP_PRIVATE, PROT_READ|PROT_WRITE, allowed on a write-sealed memfd since
+// F_SEAL_WRITE forbids only shared writable mappings): reads share the
+// segment's pages, the first write to a page copies that page (4 KiB, or
+// 2 MiB from the huge page pool for an MFD_HUGETLB segment) into this process,
+// and the segment itself never changes. The caller owns the mapping
+// (munmap). Errors keep errno (ENOMEM: RESOURCE_EXHAUSTED).
+absl::StatusOr<char*> MapSegmentFd(int fd, uint64_t size, bool copy_on_write);
+
 }  // namespace weightd
 
 #endif  // WEIGHTD_COMMON_MEMORY_HOST_SEGMENT_H_

@@ -131,6 +131,30 @@ TEST_F(ClientTest, SegmentsSayHowTheyAreExported) {
   EXPECT_EQ(segments[1].gpu_uuid, "GPU-emulated-1");
 }
 
+TEST_F(ClientTest, CopyOnWriteAttachWritesOnlyThisProcessesPages) {
+  testing::WriteFile(d_.models_dir() + "/d.safetensors",
+                     testing::SafetensorsBuilder().Add("norm", "U8", {3}, "xyz").Add("embed", "U8", {2}, "ab").Build());
+  LoadOptions options;
+  options.host_resident_patterns = {"embed"};
+  options.devices = {"GPU-emulated-1"};
+  ASSERT_TRUE(client_->Load("d", "d.safetensors", options).ok());
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(MappedModel mine, client_->Attach("d", 0, {.copy_on_write = true}));
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(MappedModel shared, client_->Attach("d", 0));
+  EXPECT_TRUE(mine.copy_on_write());
+  EXPECT_FALSE(shared.copy_on_write());
+  EXPECT_FALSE(mine.device_read_only());  // emulated arenas map copy-on-write too
+  EXPECT_TRUE(shared.device_read_only());
+  for (const char* name : {"embed", "norm"}) {
+    char* bytes = static_cast<char*>(const_cast<void*>(mine.Find(name)->data));
+    bytes[0] = 'Q';
+    EXPECT_EQ(bytes[0], 'Q') << name;
+  }
+  EXPECT_EQ(std::string(static_cast<const char*>(shared.Find("embed")->data), 2), "ab");
+  EXPECT_EQ(std::string(static_cast<const char*>(shared.Find("norm")->data), 3), "xyz");
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(MappedModel later, client_->Attach("d", 0, {.copy_on_write = true}));
+  EXPECT_EQ(std::string(static_cast<const char*>(later.Find("embed")->data), 2), "ab");
+}
+
 TEST(DlpackDtype, OneTableForBothClients) {
   const DlpackDtype* f8 = FindDlpackDtype("F8_E5M2");
   ASSERT_NE(f8, nullptr);

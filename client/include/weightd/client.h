@@ -71,7 +71,9 @@ struct Manifest {
 // A tensor as mapped in this process.
 struct TensorView {
   const TensorInfo* info = nullptr;  // owned by the MappedModel
-  const void* data = nullptr;        // host address (read-only) or device pointer
+  // Host address or device pointer: read-only, or private and writable when
+  // attached with AttachOptions::copy_on_write (const_cast to write).
+  const void* data = nullptr;
   uint64_t nbytes = 0;
   Location location = Location::kHost;
   std::string gpu_uuid;  // device tensors
@@ -109,6 +111,18 @@ struct LoadOptions {
   std::vector<std::string> devices;                        // GPU UUIDs or ordinals, one per rank
 };
 
+struct AttachOptions {
+  // Map segments privately (MAP_PRIVATE of the sealed memfd, PROT_READ |
+  // PROT_WRITE): reads share the daemon's pages; a write copies only the page
+  // it touches (4 KiB; 2 MiB on huge-page segments) into this process and is
+  // seen by no other process; the daemon's copy never changes. For engines
+  // that post-process weights in place. Cost: every written page is private
+  // memory of this process (Private_Dirty in /proc/PID/smaps). Host segments
+  // and emulated arenas only: a CUDA arena makes Attach fail with
+  // FAILED_PRECONDITION (copy those tensors instead).
+  bool copy_on_write = false;
+};
+
 struct LoadProgressInfo {
   std::string phase;  // CATALOG, PLAN, ALLOCATE, READ, SEAL, DONE
   uint64_t bytes_done = 0, bytes_total = 0;
@@ -141,8 +155,11 @@ class MappedModel {
   // (a memcpy for host tensors, a device-to-host copy for device tensors).
   absl::Status CopyToHost(const TensorView& view, uint64_t offset, void* dst, uint64_t n) const;
   // Whether device mappings are read-only (false when the driver refused
-  // read-only access and the mapping fell back to read-write).
+  // read-only access and the mapping fell back to read-write, or for a
+  // copy-on-write attach of emulated arenas).
   bool device_read_only() const;
+  // Whether this model was attached with AttachOptions::copy_on_write.
+  bool copy_on_write() const;
 
   // The tensor as a DLPack tensor (DLPack 0.6, <dlpack/dlpack.h>): kDLCUDA
   // with this process's device ordinal, or kDLCPU for host and emulated
@@ -255,9 +272,9 @@ class Client {
   // UNIMPLEMENTED for device-placed tensors.
   absl::StatusOr<Updater> BeginUpdate(const std::string& name, const std::vector<std::string>& tensors = {});
   absl::StatusOr<Manifest> GetManifest(const std::string& name, uint32_t rank);
-  // Takes a lease, receives the segment fds and maps them (host segments
-  // read-only and lazily: pages fault in on first use).
-  absl::StatusOr<MappedModel> Attach(const std::string& name, uint32_t rank);
+  // Takes a lease, receives the segment fds and maps them lazily (pages fault
+  // in on first use): read-only, or copy-on-write (see AttachOptions).
+  absl::StatusOr<MappedModel> Attach(const std::string& name, uint32_t rank, const AttachOptions& options = {});
   // Returns the model as it was when unloaded; `freed` is false while
   // leases keep it DRAINING. `force` ends the leases at once, except claimed
   // leases on cuda-legacy-ipc arenas (docs/api.md).

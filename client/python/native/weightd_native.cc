@@ -1,7 +1,7 @@
 // weightd._native: the small native part of the Python client.
 //
-// It maps a segment fd read-only and exports byte ranges of the mapping as
-// DLPack capsules. It deliberately holds no gRPC or protobuf code, so it can
+// It maps a segment fd (read-only and shared, or copy-on-write) and exports
+// byte ranges of the mapping as DLPack capsules. It deliberately holds no gRPC or protobuf code, so it can
 // never load a second, clashing copy of them next to torch or grpcio (see
 // docs/integration.md); the control RPCs go through grpcio in Python.
 //
@@ -27,6 +27,7 @@
 
 #include "client/dlpack_dtype.h"
 #include "common/memory/device.h"
+#include "common/memory/host_segment.h"
 
 namespace py = pybind11;
 
@@ -42,6 +43,15 @@ const DlpackDtype& LookupDtype(const std::string& dtype) {
   throw py::value_error("safetensors dtype " + dtype +
                         " has no DLPack equivalent (weightd exports F64, F32, F16, BF16, C64, I8-I64, U8-U64, BOOL, "
                         "F8_E4M3, F8_E5M2); use Tensor.raw() for its bytes");
+}
+
+// Raises RuntimeError(message) with attribute `code`: the absl (= gRPC)
+// status code number, which the Python side turns into a WeightdError.
+[[noreturn]] void ThrowStatus(const std::string& what, const absl::Status& status) {
+  py::object error = py::reinterpret_borrow<py::object>(PyExc_RuntimeError)(what + std::string(status.message()));
+  error.attr("code") = static_cast<int>(status.code());
+  PyErr_SetObject(PyExc_RuntimeError, error.ptr());
+  throw py::error_already_set();
 }
 
 // A DLManagedTensor and the arrays its DLTensor points into, freed together.
@@ -82,40 +92,42 @@ void DestroyCapsule(PyObject* capsule) {
 
 class Segment {
  public:
-  // Maps `size` bytes of `fd` read-only and shared. The fd may be closed
-  // afterwards; the mapping keeps the memory. Raises OSError on failure.
-  Segment(int fd, uint64_t size) : size_(size) {
+  // Maps `size` bytes of `fd`: read-only and shared, or with
+  // `copy_on_write` private and writable (common/memory/host_segment.h,
+  // MapSegmentFd). The fd may be closed afterwards; the mapping keeps the
+  // memory. Raises OSError (with errno) on failure.
+  Segment(int fd, uint64_t size, bool copy_on_write) : size_(size), writable_(copy_on_write) {
     if (size == 0) return;
-    void* addr = mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
-    if (addr == MAP_FAILED) {
+    absl::StatusOr<char*> addr = weightd::MapSegmentFd(fd, size, copy_on_write);
+    if (!addr.ok()) {
       int err = errno;
-      std::string what = "mmap of segment fd " + std::to_string(fd);
       errno = err;
-      PyErr_SetFromErrnoWithFilename(PyExc_OSError, what.c_str());
+      PyErr_SetFromErrnoWithFilename(PyExc_OSError, std::string(addr.status().message()).c_str());
       throw py::error_already_set();
     }
-    base_ = static_cast<char*>(addr);
+    base_ = *addr;
     mapped_ = true;
   }
   // Imports a device arena with the backend that exported it (common/memory/device.h:
   // CUDA VMM, legacy IPC, or emulated). `fd` is duplicated, not taken; -1 for
-  // handle-exported arenas. Raises RuntimeError with the backend's message.
+  // handle-exported arenas. Raises RuntimeError with `.code` (see ThrowStatus).
+  // `copy_on_write` as for host segments where the backend allows it (the
+  // emulated one); CUDA backends refuse it.
   static std::unique_ptr<Segment> ImportDevice(const std::string& backend, const std::string& gpu_uuid, uint64_t size,
-                                               const py::bytes& handle, int fd) {
+                                               const py::bytes& handle, int fd, bool copy_on_write) {
     const std::string what = "importing " + backend + " arena on " + gpu_uuid + ": ";
-    absl::StatusOr<weightd::DeviceBackend*> importer = weightd::ClientBackendFor(backend);
-    if (!importer.ok()) throw std::runtime_error(what + std::string(importer.status().message()));
-    weightd::ArenaExport exported{backend, gpu_uuid, size, std::string(handle), weightd::ScopedFd(fd >= 0 ? dup(fd) : -1)};
-    absl::StatusOr<std::unique_ptr<weightd::ImportedArena>> arena = (*importer)->Import(std::move(exported));
-    if (!arena.ok()) {
-      throw std::runtime_error(what + std::string(arena.status().message()));
-    }
+    weightd::ArenaExport exported{backend, gpu_uuid, size, std::string(handle), weightd::ScopedFd(fd >= 0 ? dup(fd) : -1),
+                                  copy_on_write};
+    absl::StatusOr<std::unique_ptr<weightd::ImportedArena>> arena = weightd::ImportArena(std::move(exported));
+    if (!arena.ok()) ThrowStatus(what, arena.status());
     auto segment = std::unique_ptr<Segment>(new Segment());
     segment->size_ = size;
     segment->base_ = static_cast<char*>(const_cast<void*>((*arena)->device_pointer()));
     // Emulated device memory is host memory; real device memory is kDLCUDA.
-    bool emulated = (*importer)->segment_backend() == weightd::SegmentBackend::kEmulated;
+    absl::StatusOr<weightd::SegmentBackend> kind = weightd::ParseSegmentBackend(backend);
+    bool emulated = kind.ok() && *kind == weightd::SegmentBackend::kEmulated;
     segment->device_ = emulated ? DLDevice{kDLCPU, 0} : DLDevice{kDLCUDA, (*arena)->device_ordinal()};
+    segment->writable_ = !(*arena)->read_only();
     segment->arena_ = std::move(*arena);
     return segment;
   }
@@ -138,7 +150,7 @@ class Segment {
   uintptr_t address() const { return reinterpret_cast<uintptr_t>(base_); }
   uint64_t size() const { return size_; }
   py::tuple device() const { return py::make_tuple(static_cast<int>(device_.device_type), device_.device_id); }
-  bool read_only() const { return arena_ == nullptr || arena_->read_only(); }
+  bool read_only() const { return !writable_; }
   // Copies bytes to host memory: memcpy for host mappings, the backend's
   // device-to-host copy for device arenas.
   py::bytes CopyToHost(uint64_t offset, uint64_t n) const {
@@ -208,6 +220,7 @@ class Segment {
   char* base_ = nullptr;
   uint64_t size_ = 0;
   bool mapped_ = false;  // base_ is our mmap
+  bool writable_ = false;  // a copy-on-write mapping (or a device import the driver left writable)
   bool closed_ = false;
   DLDevice device_{kDLCPU, 0};
   std::unique_ptr<weightd::ImportedArena> arena_;  // device arenas
@@ -216,10 +229,11 @@ class Segment {
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
-  m.doc() = "weightd native helpers: read-only segment mappings and DLPack export (no gRPC inside)";
+  m.doc() = "weightd native helpers: segment mappings and DLPack export (no gRPC inside)";
   py::class_<Segment>(m, "Segment")
-      .def(py::init<int, uint64_t>(), py::arg("fd"), py::arg("size"),
-           "Maps `size` bytes of segment `fd` read-only (PROT_READ, MAP_SHARED).")
+      .def(py::init<int, uint64_t, bool>(), py::arg("fd"), py::arg("size"), py::arg("copy_on_write") = false,
+           "Maps `size` bytes of segment `fd` read-only (PROT_READ, MAP_SHARED), or with `copy_on_write` "
+           "private and writable (PROT_READ|PROT_WRITE, MAP_PRIVATE): writes copy the touched pages into this process.")
       .def_property_readonly("address", &Segment::address, "base address of the mapping (0 for an empty segment)")
       .def_property_readonly("size", &Segment::size)
       .def_property_readonly("device", &Segment::device, "the DLPack (device_type, device_id) of the memory")
@@ -228,8 +242,9 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("closed", &Segment::closed)
       .def("copy_to_host", &Segment::CopyToHost, py::arg("offset"), py::arg("nbytes"), "bytes of the segment, copied")
       .def_static("import_device", &Segment::ImportDevice, py::arg("backend"), py::arg("gpu_uuid"), py::arg("size"),
-                  py::arg("handle"), py::arg("fd"),
-                  "Imports an exported device arena (cuda-vmm, cuda-legacy-ipc, emulated); `fd` is duplicated.")
+                  py::arg("handle"), py::arg("fd"), py::arg("copy_on_write") = false,
+                  "Imports an exported device arena (cuda-vmm, cuda-legacy-ipc, emulated); `fd` is duplicated. "
+                  "`copy_on_write`: emulated arenas only; CUDA backends raise RuntimeError.")
       .def("export", &Segment::Export, py::arg("offset"), py::arg("nbytes"), py::arg("dtype"), py::arg("shape"),
            py::arg("owner"), "A DLPack capsule of a byte range; `owner` stays alive until the tensor is dropped.");
   m.def(

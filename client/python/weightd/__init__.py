@@ -4,10 +4,17 @@
     with weightd.connect().attach("llama", rank=0) as model:
         engine_model.load_weights(model.weights_iterator())  # (name, torch.Tensor), no copy
 
+One call for a torch.nn.Module or a Hugging Face model (these import torch):
+
+    weightd.torch.load_into(module, model)                       # zero-copy, ties kept
+    weightd.transformers.load_model(model, "/models/bert")       # from config.json only
+
 See docs/integration.md. Tensors are read-only shared memory: writing to
 one kills this process with SIGSEGV (the daemon and other clients are
-unaffected).
+unaffected), unless attached with attach(..., private=True), which maps
+copy-on-write. `import weightd` needs grpcio and protobuf, not torch.
 """
+import importlib
 from ._client import DEFAULT_SOCKET, Client, connect
 from ._errors import WeightdError
 from ._model import Model, Tensor
@@ -19,3 +26,11 @@ __all__ = [
     "torch_dtype", "LoadProgress", "LoadResult", "Manifest", "ModelInfo", "SegmentInfo", "TensorInfo",
     "UnloadResult",
 ]
+
+
+def __getattr__(name):
+    # weightd.torch and weightd.transformers import their frameworks, so they
+    # load on first use rather than with the package.
+    if name in ("torch", "transformers"):
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -106,12 +106,23 @@ class Client:
                         tuple(SegmentInfo.from_proto(s) for p in pages for s in p.segments),
                         tuple(TensorInfo.from_proto(t) for p in pages for t in p.tensors))
 
-    def attach(self, model, rank=0):
-        """Takes a lease on `model` and maps rank `rank` read-only, lazily; returns a Model.
+    def attach(self, model, rank=0, *, private=False):
+        """Takes a lease on `model` and maps rank `rank` lazily; returns a Model.
+
+        private=False (default): segments are mapped shared and read-only;
+        writing through a tensor kills this process with SIGSEGV.
+        private=True: copy-on-write (MAP_PRIVATE of the sealed memfd, PROT_READ
+        | PROT_WRITE): tensors are writable; reads share the daemon's pages and
+        the first write to a 4 KiB page copies that page into this process
+        (private memory, counted as Private_Dirty in /proc/self/smaps). No other
+        process, and not the daemon, ever sees the write. For engines that
+        post-process weights in place (docs/integration.md). Host segments and
+        emulated device arenas only.
 
         Raises WeightdError with the daemon's code: NOT_FOUND, FAILED_PRECONDITION
-        (draining), ...; UNAVAILABLE when a device arena cannot be imported here
-        (e.g. no CUDA driver in this process's view).
+        (draining, or private=True with a CUDA arena), ...; UNAVAILABLE when a
+        device arena cannot be imported here (e.g. no CUDA driver in this
+        process's view).
         """
         start = time.monotonic()
         response = self._call(self._stub.Attach, pb.AttachRequest(name=model, rank=rank))
@@ -122,14 +133,14 @@ class Client:
             self._detach_quietly(response.lease_id)
             raise
         try:
-            lease = _Lease(response.lease_id, connection, _map_segments(response, fds))
+            lease = _Lease(response.lease_id, connection, _map_segments(response, fds, private))
         except BaseException:
             connection.close()
             raise
         finally:
             for fd in fds:
                 os.close(fd)
-        return Model(response, lease, time.monotonic() - start)
+        return Model(response, lease, time.monotonic() - start, private)
 
     def _call(self, method, request):
         try:
@@ -148,10 +159,11 @@ def _fd_attached(descriptor):
     return descriptor.export_kind == pb.SegmentDescriptor.EXPORT_FD
 
 
-def _map_segments(response, fds):
-    """Maps each segment: host segments read-only with mmap, device arenas
-    imported with the backend that exported them. `fds` come in segment
-    order, one per segment whose export_kind is EXPORT_FD."""
+def _map_segments(response, fds, private):
+    """Maps each segment: host segments with mmap (read-only, or copy-on-write
+    when `private`), device arenas imported with the backend that exported
+    them. `fds` come in segment order, one per segment whose export_kind is
+    EXPORT_FD."""
     with_fd = [d for d in response.segments if _fd_attached(d)]
     if len(fds) != len(with_fd):
         raise WeightdError(grpc.StatusCode.INTERNAL,
@@ -162,12 +174,15 @@ def _map_segments(response, fds):
             try:
                 fd = next(next_fd) if _fd_attached(d) else -1
                 if d.placement != pb.DEVICE:
-                    segments.append(Segment(fd, d.size))
+                    segments.append(Segment(fd, d.size, private))
                 else:
-                    segments.append(Segment.import_device(d.backend, d.gpu_uuid, d.size, d.ipc_handle, fd))
+                    segments.append(Segment.import_device(d.backend, d.gpu_uuid, d.size, d.ipc_handle, fd, private))
             except RuntimeError as e:
-                raise WeightdError(grpc.StatusCode.UNAVAILABLE,
-                                   f"segment {i} of model {response.model!r} ({d.backend} on {d.gpu_uuid}): {e}") from None
+                # FAILED_PRECONDITION (copy-on-write refused) keeps its code; any
+                # other import failure means the device cannot be reached from here.
+                code = 9 if getattr(e, "code", None) == 9 else 14
+                raise WeightdError.from_number(
+                    code, f"segment {i} of model {response.model!r} ({d.backend} on {d.gpu_uuid}): {e}") from None
         for t in response.tensors:
             if t.segment >= len(segments) or t.offset + t.nbytes > segments[t.segment].size:
                 raise WeightdError(grpc.StatusCode.INTERNAL, f"tensor {t.name!r} lies outside its segment")

@@ -1,4 +1,4 @@
-"""An attached model: a read-only, zero-copy Mapping of tensor name -> Tensor."""
+"""An attached model: a zero-copy Mapping of tensor name -> Tensor."""
 import collections.abc
 
 from . import _torch
@@ -36,7 +36,8 @@ class _Lease:
 
 class _Exporter:
     """Exports one byte range of a segment through DLPack: host memory (kDLCPU,
-    mapped read-only) or a device arena (kDLCUDA on this process's ordinal)."""
+    mapped read-only, or copy-on-write after attach(private=True)) or a device
+    arena (kDLCUDA on this process's ordinal)."""
 
     __slots__ = ("_lease", "_segment", "_offset", "_nbytes", "_export_dtype", "_export_shape")
 
@@ -71,7 +72,7 @@ class _Exporter:
         return self._nbytes
 
     def data_ptr(self):
-        """The address of the first byte in this process (inside a read-only mapping)."""
+        """The address of the first byte in this process (inside one of Model.mappings)."""
         return self._segment.address + self._offset if self._segment.address else 0
 
 
@@ -82,7 +83,9 @@ class Tensor(_Exporter):
     F8_E4M3/F8_E5M2 are exported as uint8 of the same shape (DLPack has no
     float8 code here); `to_torch()` gives them their torch float8 dtype.
     The memory is read-only: writing through an imported tensor raises
-    SIGSEGV in this process (see docs/integration.md).
+    SIGSEGV in this process, unless the model was attached with
+    private=True: then writes copy the touched pages into this process and
+    stay invisible to everyone else (see docs/integration.md).
     """
 
     __slots__ = ("info",)
@@ -130,8 +133,9 @@ class Model(collections.abc.Mapping):
     threads is safe; close() must not race other calls.
     """
 
-    def __init__(self, response, lease, attach_seconds):
+    def __init__(self, response, lease, attach_seconds, private=False):
         self.name = response.model
+        self.private = private  # attached copy-on-write: tensors are writable
         self.generation = response.generation
         self.rank = response.rank
         self.fingerprint = response.fingerprint
@@ -172,8 +176,14 @@ class Model(collections.abc.Mapping):
 
     @property
     def mappings(self):
-        """(address, size) of each mapped segment in this process, in segment order."""
+        """(address, size) of each mapped segment in this process, in segment order
+        (address 0 for an empty segment). A tensor lies in the mapping of its
+        TensorInfo.segment; a model has as many host segments as the daemon chose."""
         return [(s.address, s.size) for s in self._open_lease().segments]
+
+    def owns(self, address):
+        """Whether byte `address` of this process lies inside one of this model's mappings."""
+        return any(base <= address < base + size for base, size in self.mappings if base)
 
     # torch
     def weights_iterator(self):

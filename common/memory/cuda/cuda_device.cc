@@ -168,6 +168,7 @@ class CudaBackend final : public DeviceBackend {
       return absl::InvalidArgumentError(
           absl::StrCat("a '", exported.backend, "' arena cannot be imported by the ", name(), " backend"));
     }
+    WEIGHTD_RETURN_IF_ERROR(CheckCopyOnWrite(segment_backend(), exported));
     WEIGHTD_ASSIGN_OR_RETURN(const CudaDevice* d, FindUuid(exported.gpu_uuid));
     WEIGHTD_ASSIGN_OR_RETURN(std::shared_ptr<CudaContext> context, Context(d->info.ordinal));
     return legacy_ipc_ ? ImportLegacyArena(std::move(context), std::move(exported))

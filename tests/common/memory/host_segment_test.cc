@@ -85,6 +85,23 @@ TEST(HostSegment, SealedSegmentAllowsReadOnlySharedMapping) {
   munmap(map, kSize);
 }
 
+TEST(HostSegment, CopyOnWriteMappingOfSealedSegmentKeepsWritesPrivate) {
+  std::unique_ptr<HostSegment> segment = SealedSegment(/*lock=*/false);
+  ASSERT_NE(segment, nullptr);
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(char* mine, MapSegmentFd(segment->fd(), kSize, /*copy_on_write=*/true));
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(char* other, MapSegmentFd(segment->fd(), kSize, /*copy_on_write=*/true));
+  mine[4096 + 5] = 'W';  // copies page 1 into this mapping only
+  EXPECT_EQ(mine[4096 + 5], 'W');
+  EXPECT_EQ(other[4096 + 5], Pattern(4096 + 5));
+  EXPECT_EQ(segment->data()[4096 + 5], Pattern(4096 + 5));
+  char via_fd = 0;
+  ASSERT_EQ(pread(segment->fd(), &via_fd, 1, 4096 + 5), 1);
+  EXPECT_EQ(via_fd, Pattern(4096 + 5));
+  EXPECT_EQ(mine[0], Pattern(0));  // untouched pages still read the segment
+  munmap(mine, kSize);
+  munmap(other, kSize);
+}
+
 TEST(HostSegment, SealedSegmentRefusesResize) {
   std::unique_ptr<HostSegment> segment = SealedSegment(/*lock=*/false);
   ASSERT_NE(segment, nullptr);

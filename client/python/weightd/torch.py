@@ -1,0 +1,166 @@
+"""Loading an attached model into a torch.nn.Module in one call, zero-copy.
+
+    import weightd, weightd.torch
+    with weightd.connect().attach("bert") as weights:
+        keys = weightd.torch.load_into(module, weights)   # every parameter now lives in weightd's memory
+
+Importing this module imports torch; `import weightd` alone does not.
+"""
+import torch
+
+from ._model import Tensor as _WeightdTensor
+
+__all__ = ["load_into"]
+
+
+class _Slot:
+    """One parameter or buffer object and every (owner module, attribute) that holds it:
+    tied parameters (GPT-2's lm_head.weight and wte.weight) are one slot."""
+
+    __slots__ = ("names", "owners", "tensor", "is_parameter")
+
+    def __init__(self, tensor, is_parameter):
+        self.names = []
+        self.owners = []
+        self.tensor = tensor
+        self.is_parameter = is_parameter
+
+
+def _slots(module):
+    """({name: _Slot} for every parameter and persistent buffer, {non-persistent buffer names}).
+
+    Names are the module's state_dict keys; a tensor reachable under several
+    names (tied, or a shared submodule) is one slot listing all of them.
+    """
+    by_object, by_name, non_persistent = {}, {}, set()
+    for path, owner in module.named_modules(remove_duplicate=False):
+        base = path + "." if path else ""
+        for attr, tensor in list(owner._parameters.items()) + list(owner._buffers.items()):
+            if tensor is None:
+                continue
+            name = base + attr
+            if attr in owner._buffers and attr in owner._non_persistent_buffers_set:
+                non_persistent.add(name)
+                continue
+            slot = by_object.setdefault(id(tensor), _Slot(tensor, attr in owner._parameters))
+            slot.names.append(name)
+            slot.owners.append((owner, attr))
+            by_name[name] = slot
+    return by_name, non_persistent
+
+
+def _as_torch(value):
+    return value.to_torch() if isinstance(value, _WeightdTensor) else value
+
+
+def _has_assign():
+    """Whether Module.load_state_dict takes assign= (torch 2.1+)."""
+    import inspect
+    return "assign" in inspect.signature(torch.nn.Module.load_state_dict).parameters
+
+
+def _assign_directly(slot, tensor):
+    """What load_state_dict(assign=True) does for one key, for torch without assign=:
+    the owner's attribute becomes `tensor` itself (a Parameter wrapping it, no copy)."""
+    if slot.is_parameter:
+        requires_grad = slot.tensor.requires_grad and (tensor.is_floating_point() or tensor.is_complex())
+        tensor = torch.nn.Parameter(tensor, requires_grad=requires_grad)
+    owner, attr = slot.owners[0]
+    setattr(owner, attr, tensor)
+
+
+def _retie(slot):
+    """Points every alias of `slot` at the object its first owner now holds."""
+    owner, attr = slot.owners[0]
+    value = getattr(owner, attr)
+    for other, other_attr in slot.owners[1:]:
+        setattr(other, other_attr, value)
+
+
+def _match(weights, slots, non_persistent, prefix):
+    """Pairs checkpoint tensors with slots: ({slot id: (slot, name, value)}, unexpected names)."""
+    matched, unexpected = {}, []
+    for checkpoint_name in weights:
+        if not checkpoint_name.startswith(prefix):
+            continue
+        name = checkpoint_name[len(prefix):]
+        slot = slots.get(name)
+        if slot is None:
+            if name not in non_persistent:
+                unexpected.append(name)
+            continue
+        matched.setdefault(id(slot), (slot, name, weights[checkpoint_name]))
+    return matched, unexpected
+
+
+def _check_shapes(module, tensors):
+    errors = [f"size mismatch for {name}: copying a param with shape {tuple(tensor.shape)} from checkpoint, "
+              f"the shape in current model is {tuple(slot.tensor.shape)}."
+              for slot, name, tensor in tensors if tuple(tensor.shape) != tuple(slot.tensor.shape)]
+    if errors:
+        raise RuntimeError(f"Error(s) in loading weights for {type(module).__name__}:\n\t" + "\n\t".join(errors))
+
+
+def _incompatible(missing, unexpected):
+    from torch.nn.modules.module import _IncompatibleKeys
+    return _IncompatibleKeys(missing, unexpected)
+
+
+def _raise_if_strict(module, missing, unexpected):
+    errors = []
+    if unexpected:
+        errors.append("Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in unexpected) + ". ")
+    if missing:
+        errors.append("Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in missing) + ". ")
+    if errors:
+        raise RuntimeError(f"Error(s) in loading state_dict for {type(module).__name__}:\n\t" + "\n\t".join(errors))
+
+
+def load_into(module, weights, *, prefix="", strict=True):
+    """Makes weightd's memory the parameters and persistent buffers of `module`, without copying.
+
+    module: a torch.nn.Module, typically built on the meta device (its own
+        parameters are replaced, so they need never be allocated).
+    weights: an attached weightd.Model, or any Mapping from checkpoint name
+        to weightd.Tensor or torch.Tensor.
+    prefix: the checkpoint name of the module's parameter `n` is `prefix + n`
+        (e.g. "0.auto_model." for a sentence-transformers checkpoint loaded
+        into its BertModel); checkpoint tensors outside `prefix` are not this
+        module's and are ignored.
+    strict: raise RuntimeError, naming them, when keys are missing or unexpected.
+
+    Each parameter becomes torch.nn.Parameter(weight tensor) with the old
+    parameter's requires_grad (load_state_dict(assign=True) on torch 2.1+,
+    an equivalent setattr on owners on older torch such as 1.13): its dtype,
+    shape and device are the checkpoint's as weightd placed it (host tensors
+    on the CPU, device tensors on this process's GPU), its data_ptr lies inside
+    the attach's mappings, and it keeps the lease alive while referenced.
+    Tied parameters (one object under several names) stay one object.
+    Checkpoint tensors that are non-persistent buffers of `module`
+    (BERT's embeddings.position_ids) are skipped: neither loaded nor
+    unexpected. The tensors are read-only unless the model was attached with
+    private=True.
+
+    Returns torch's _IncompatibleKeys(missing_keys, unexpected_keys), in
+    module-relative names (a tied group counts as loaded when any of its
+    names is in the checkpoint). Raises RuntimeError on a shape mismatch
+    (always) and on missing or unexpected keys when `strict`;
+    weightd.UnsupportedDtypeError for a dtype torch cannot hold.
+    """
+    slots, non_persistent = _slots(module)
+    matched, unexpected = _match(weights, slots, non_persistent, prefix)
+    tensors = [(slot, name, _as_torch(value)) for slot, name, value in matched.values()]
+    _check_shapes(module, tensors)
+    loaded = {id(slot) for slot, _, _ in tensors}
+    missing = [name for name, slot in slots.items() if id(slot) not in loaded]
+    if strict:
+        _raise_if_strict(module, missing, unexpected)
+    if _has_assign():
+        state = {slot.names[0]: tensor for slot, _, tensor in tensors}
+        module.load_state_dict(state, strict=False, assign=True)
+    else:
+        for slot, _, tensor in tensors:
+            _assign_directly(slot, tensor)
+    for slot, _, _ in tensors:
+        _retie(slot)
+    return _incompatible(missing, unexpected)
