@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -81,8 +82,31 @@ struct FileStamp {
   bool operator==(const FileStamp&) const = default;
 };
 
+// Runs a function once, when destroyed (ModelGeneration::on_freed).
+class FreedHook {
+ public:
+  FreedHook() = default;
+  FreedHook(const FreedHook&) = delete;
+  FreedHook& operator=(const FreedHook&) = delete;
+  ~FreedHook() {
+    if (fn_) fn_();
+  }
+  void Set(std::function<void()> fn) { fn_ = std::move(fn); }
+
+ private:
+  std::function<void()> fn_;
+};
+
 class ModelGeneration {
  public:
+  // Runs when the generation is destroyed, after its segments were released:
+  // declared first, it is destroyed last. Set by the registry when it
+  // publishes the generation (the FREED event, server/model_events.h); unset
+  // for LOADING and FAILED records. The last reference may go on any
+  // thread, with or without the registry's lock held: the function must not
+  // call into the registry.
+  FreedHook on_freed;
+
   LoadRequest request;             // checkpoint_path resolved with realpath
   uint64_t generation = 0;
   std::vector<FileStamp> files;    // what was read, to detect a rewritten checkpoint
@@ -92,6 +116,7 @@ class ModelGeneration {
   std::vector<SegmentRecord> segments;
   std::vector<RankManifest> ranks;  // tp_size entries
   std::string fingerprint;          // 32 hex digits
+  std::string version_label;        // a writer's tag (e.g. "step-1200"); empty for loads from disk
   double load_seconds = 0;
   uint64_t checkpoint_bytes = 0;  // tensor bytes of the checkpoint
   uint64_t host_bytes = 0;
