@@ -34,7 +34,9 @@ class WatchStream final : public grpc::ServerWriteReactor<v1::ModelEvent> {
       watcher_ = *watcher;
     }
     // The client learns that the subscription is in place, before any event
-    // (gRPC refuses initial metadata after a write has sent it).
+    // (gRPC refuses initial metadata after a write has sent it). A refusal
+    // above ends the call without initial metadata.
+    context_->AddInitialMetadata(kWatchSubscribedKey, kWatchSubscribedValue);
     StartSendInitialMetadata();
     {
       absl::MutexLock lock(&mu_);

@@ -17,6 +17,11 @@
 
 namespace weightd {
 
+// The initial metadata a stream sends once it is subscribed (docs/api.md
+// "WatchModel"): clients wait for it, so no later event can be missed.
+inline constexpr char kWatchSubscribedKey[] = "weightd-watch";
+inline constexpr char kWatchSubscribedValue[] = "subscribed";
+
 // Starts a stream of `request`'s events for `context`; the reactor deletes
 // itself when the call is done. `registry` must outlive every stream (the
 // daemon shuts its servers down before destroying the registry).

@@ -21,6 +21,7 @@ class ModelInfo:
     tp_size: int
     load_seconds: float
     error: str
+    version_label: str = ""  # a writer's tag of the generation (e.g. "step-1200"); "" for loads from disk
 
     @classmethod
     def from_proto(cls, m):
@@ -29,7 +30,7 @@ class ModelInfo:
             checkpoint_path=m.checkpoint_path, host_bytes=m.host_bytes, locked_bytes=m.locked_bytes,
             device_bytes={d.gpu_uuid: d.bytes for d in m.device_bytes}, leases=m.leases,
             fingerprint=m.fingerprint, tensor_count=m.tensor_count, tp_size=m.tp_size,
-            load_seconds=m.load_seconds, error=m.error)
+            load_seconds=m.load_seconds, error=m.error, version_label=m.version_label)
 
 
 @dataclass(frozen=True)
@@ -101,3 +102,20 @@ class Manifest:
     fingerprint: str
     segments: Tuple[SegmentInfo, ...]
     tensors: Tuple[TensorInfo, ...]
+    version_label: str = ""  # as ModelInfo.version_label
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    """One event of a watched model name (docs/api.md "WatchModel")."""
+    kind: str  # CURRENT, PUBLISHED, DRAINING, FREED, UNLOADED
+    model: str
+    generation: int
+    version_label: str
+    fingerprint: str
+    time: float  # when it happened, seconds since the Unix epoch
+
+    @classmethod
+    def from_proto(cls, e):
+        return cls(kind=pb.ModelEvent.Kind.Name(e.kind), model=e.model, generation=e.generation,
+                   version_label=e.version_label, fingerprint=e.fingerprint, time=e.time)
