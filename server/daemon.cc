@@ -140,6 +140,7 @@ class DaemonImpl final : public Daemon {
     options.loader.direct_io = ParseDirectIo(config_.direct_io).value_or(DirectIo::kAuto);  // validated by config
     options.claim_timeout = std::chrono::milliseconds(static_cast<int64_t>(config_.lease_claim_timeout_seconds * 1000));
     options.watch.max_watchers = static_cast<size_t>(config_.max_watchers);
+    options.watch.queue_events = static_cast<size_t>(config_.watch_queue_events);
     registry_ = std::make_unique<ModelRegistry>(options, &listeners_);
     if (absl::StatusOr<HostMemoryBudget> budget = ReadHostMemoryBudget(); budget.ok()) {
       LogInfo(absl::StrCat("host memory for loads: ", budget->available, " bytes, bounded by ", budget->source));

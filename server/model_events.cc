@@ -126,7 +126,9 @@ void ModelEventHub::Publish(const ModelEvent& event) {
 void ModelEventHub::Stop() {
   absl::MutexLock lock(&mu_);
   stopped_ = true;
-  for (auto& [name, w] : by_name_) EndLocked(w, absl::UnavailableError("weightd is stopping"), false);
+  // Queues are dropped too: a stream must not start another write to a
+  // client that may not read, or the servers' Shutdown would wait for it.
+  for (auto& [name, w] : by_name_) EndLocked(w, absl::UnavailableError("weightd is stopping"), true);
   by_name_.clear();
 }
 

@@ -83,7 +83,8 @@ class ModelEventHub {
   // Queues `event` for every watcher of event.name. Never blocks on a
   // watcher; may be called with the registry's lock held.
   void Publish(const ModelEvent& event);
-  // Ends every watcher with UNAVAILABLE and refuses new ones (shutdown).
+  // Ends every watcher with UNAVAILABLE, dropping what it had queued, and
+  // refuses new ones (shutdown).
   void Stop();
   // Subscriptions that count against max_watchers.
   size_t watchers() const;
@@ -113,8 +114,8 @@ class ModelEventHub::Watcher {
  public:
   // The next queued event, or nullopt when none is queued now; once the
   // watcher was ended, its reason: RESOURCE_EXHAUSTED (it fell
-  // queue_events behind; its queue was dropped) or UNAVAILABLE (the hub
-  // stopped). Events queued before Stop() come first.
+  // queue_events behind) or UNAVAILABLE (the hub stopped); either drops
+  // the events still queued.
   absl::StatusOr<std::optional<ModelEvent>> Next();
   // OK while subscribed; once ended, the reason Next() returns after the
   // events still queued.
