@@ -73,6 +73,7 @@ ModelSummary FromProto(const v1::ModelInfo& m) {
   s.error = m.error();
   s.bytes_read = m.bytes_read();
   s.bytes_shared = m.bytes_shared();
+  s.version_label = m.version_label();
   return s;
 }
 
@@ -205,6 +206,7 @@ Manifest ManifestOf(const v1::AttachResponse& response) {
   m.generation = response.generation();
   m.rank = response.rank();
   m.fingerprint = response.fingerprint();
+  m.version_label = response.version_label();
   for (const auto& s : response.segments()) m.segments.push_back(FromProto(s));
   m.tensors.reserve(response.tensors_size());
   for (const auto& t : response.tensors()) m.tensors.push_back(FromProto(t));
@@ -327,7 +329,49 @@ bool MappedModel::device_read_only() const {
 
 // ---------------------------------------------------------------- Client
 
+// ---------------------------------------------------------------- ModelWatch
+
+struct ModelWatch::State {
+  std::shared_ptr<grpc::Channel> channel;  // kept for the stream's life
+  grpc::ClientContext context;             // TryCancel is thread-safe
+  std::unique_ptr<grpc::ClientReader<v1::ModelEvent>> reader;
+  absl::Status ended;  // set by the Next() that saw the stream end
+
+  ~State() {
+    if (reader == nullptr || !ended.ok()) return;
+    context.TryCancel();
+    v1::ModelEvent drained;
+    while (reader->Read(&drained)) {
+    }
+    reader->Finish();
+  }
+};
+
+ModelWatch::ModelWatch(std::unique_ptr<State> state) : state_(std::move(state)) {}
+ModelWatch::ModelWatch(ModelWatch&&) noexcept = default;
+ModelWatch& ModelWatch::operator=(ModelWatch&&) noexcept = default;
+ModelWatch::~ModelWatch() = default;
+
+absl::StatusOr<WatchEvent> ModelWatch::Next() {
+  if (!state_->ended.ok()) return state_->ended;
+  v1::ModelEvent e;
+  if (state_->reader->Read(&e)) {
+    return WatchEvent{v1::ModelEvent::Kind_Name(e.kind()), e.model(),       e.generation(),
+                      e.version_label(),                   e.fingerprint(), e.time()};
+  }
+  absl::Status status = FromGrpc(state_->reader->Finish());
+  // The daemon ends a stream only with an error; OK would mean a daemon
+  // that does not implement it.
+  state_->ended = status.ok() ? absl::UnavailableError("the daemon ended the watch") : status;
+  return state_->ended;
+}
+
+void ModelWatch::Cancel() { state_->context.TryCancel(); }
+
+// ---------------------------------------------------------------- Client
+
 struct Client::Impl {
+  std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<v1::Weightd::Stub> stub;
   std::unique_ptr<grpc::health::v1::Health::Stub> health;
 };
@@ -342,6 +386,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& targe
   args.SetMaxReceiveMessageSize(-1);  // an Attach of 100,000+ tensors exceeds the 4 MiB default
   auto channel = grpc::CreateCustomChannel(NormalizeTarget(target), credentials, args);
   auto impl = std::make_unique<Impl>();
+  impl->channel = channel;
   impl->stub = v1::Weightd::NewStub(channel);
   impl->health = grpc::health::v1::Health::NewStub(channel);
   return std::unique_ptr<Client>(new Client(std::move(impl)));
@@ -396,6 +441,7 @@ absl::StatusOr<Manifest> Client::GetManifest(const std::string& name, uint32_t r
     manifest.generation = page.generation();
     manifest.rank = page.rank();
     manifest.fingerprint = page.fingerprint();
+    manifest.version_label = page.version_label();
     for (const auto& s : page.segments()) manifest.segments.push_back(FromProto(s));
     for (const auto& t : page.tensors()) manifest.tensors.push_back(FromProto(t));
   }
@@ -431,6 +477,28 @@ absl::StatusOr<std::pair<ModelSummary, bool>> Client::Unload(const std::string& 
   grpc::ClientContext context;
   WEIGHTD_RETURN_IF_ERROR(FromGrpc(impl_->stub->UnloadModel(&context, request, &response)));
   return std::make_pair(FromProto(response.model()), response.freed());
+}
+
+absl::StatusOr<ModelWatch> Client::Watch(const std::string& name) {
+  auto state = std::make_unique<ModelWatch::State>();
+  state->channel = impl_->channel;
+  v1::WatchModelRequest request;
+  request.set_name(name);
+  state->reader = impl_->stub->WatchModel(&state->context, request);
+  // The daemon sends "weightd-watch: subscribed" once the subscription is in
+  // place; a refusal (or an unreachable daemon) ends the call without it.
+  state->reader->WaitForInitialMetadata();
+  const auto& metadata = state->context.GetServerInitialMetadata();
+  auto subscribed = metadata.find("weightd-watch");
+  if (subscribed == metadata.end() || subscribed->second != "subscribed") {
+    v1::ModelEvent ignored;
+    while (state->reader->Read(&ignored)) {
+    }
+    absl::Status refused = FromGrpc(state->reader->Finish());
+    state->reader.reset();
+    return refused.ok() ? absl::UnimplementedError("the daemon does not serve WatchModel") : refused;
+  }
+  return ModelWatch(std::move(state));
 }
 
 absl::StatusOr<std::string> Client::Health(const std::string& service) {

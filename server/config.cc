@@ -39,6 +39,8 @@ void ForEachField(Config& c, F&& f) {
   f("grpc_max_streams_per_connection", c.grpc_max_streams_per_connection);
   f("self_check_interval_seconds", c.self_check_interval_seconds);
   f("grpc_first_bytes_timeout_seconds", c.grpc_first_bytes_timeout_seconds);
+  f("max_watchers", c.max_watchers);
+  f("watch_queue_events", c.watch_queue_events);
 }
 
 // How a flag's text becomes a field's JSON value, by the field's type.
@@ -164,6 +166,13 @@ absl::Status Validate(DaemonConfig& c) {
     return absl::InvalidArgumentError(absl::StrCat("--grpc-max-streams-per-connection must be in [1, 1024], got ",
                                                    c.grpc_max_streams_per_connection));
   }
+  if (c.max_watchers < 1 || c.max_watchers > 65536) {
+    return absl::InvalidArgumentError(absl::StrCat("--max-watchers must be in [1, 65536], got ", c.max_watchers));
+  }
+  if (c.watch_queue_events < 16 || c.watch_queue_events > 1048576) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--watch-queue-events must be in [16, 1048576], got ", c.watch_queue_events));
+  }
   if (!(c.grpc_first_bytes_timeout_seconds >= 0.1 && c.grpc_first_bytes_timeout_seconds <= 600)) {
     return absl::InvalidArgumentError(absl::StrCat("--grpc-first-bytes-timeout-seconds must be in [0.1, 600], got ",
                                                    c.grpc_first_bytes_timeout_seconds));
@@ -195,8 +204,8 @@ std::string DaemonUsage() {
          "               [--allowed-gids GID ...] [--lease-claim-timeout-seconds S] [--load-threads N]\n"
          "               [--direct-io auto|on|off] [--mlock true|false] [--fd-socket-max-connections N]\n"
          "               [--grpc-max-connections N] [--grpc-max-threads N] [--grpc-max-streams-per-connection N]\n"
-         "               [--grpc-first-bytes-timeout-seconds S] [--self-check-interval-seconds S] [--print-config]\n"
-         "               [--version]\n";
+         "               [--grpc-first-bytes-timeout-seconds S] [--self-check-interval-seconds S] [--max-watchers N]\n"
+         "               [--watch-queue-events N] [--print-config] [--version]\n";
 }
 
 absl::StatusOr<ParsedArgs> ParseDaemonArgs(const std::vector<std::string>& argv) {

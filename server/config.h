@@ -41,6 +41,8 @@ struct DaemonConfig {
   int grpc_max_streams_per_connection = 16;          // concurrent calls on one gRPC connection
   double grpc_first_bytes_timeout_seconds = 10;     // a gRPC connection silent this long is closed (server/grpc_acceptor.h)
   double self_check_interval_seconds = 5;            // probe every listener; WATCHDOG=1 only while all answer
+  int max_watchers = 256;                            // WatchModel streams open at once, all listeners
+  int watch_queue_events = 1024;                     // events a watch stream may fall behind before it is dropped
 };
 
 struct ParsedArgs {

@@ -65,6 +65,7 @@ void ToProto(const ModelGeneration& m, v1::ModelInfo* out) {
   out->set_error(m.error);
   out->set_bytes_done(m.bytes_done.load());
   out->set_bytes_total(m.bytes_total.load());
+  out->set_version_label(m.version_label);
 }
 
 void ToProto(const TensorRecord& t, v1::TensorEntry* out) {
@@ -99,6 +100,21 @@ void ToProto(const LoadProgress& p, v1::LoadModelProgress* out) {
   out->set_files_done(p.files_done);
   out->set_files_total(p.files_total);
   out->set_seconds(p.seconds);
+}
+
+void ToProto(const ModelEvent& e, v1::ModelEvent* out) {
+  out->set_model(e.name);
+  switch (e.kind) {
+    case ModelEvent::Kind::kCurrent: out->set_kind(v1::ModelEvent::CURRENT); break;
+    case ModelEvent::Kind::kPublished: out->set_kind(v1::ModelEvent::PUBLISHED); break;
+    case ModelEvent::Kind::kDraining: out->set_kind(v1::ModelEvent::DRAINING); break;
+    case ModelEvent::Kind::kFreed: out->set_kind(v1::ModelEvent::FREED); break;
+    case ModelEvent::Kind::kUnloaded: out->set_kind(v1::ModelEvent::UNLOADED); break;
+  }
+  out->set_generation(e.generation);
+  out->set_version_label(e.version_label);
+  out->set_fingerprint(e.fingerprint);
+  out->set_time(e.unix_seconds);
 }
 
 }  // namespace weightd

@@ -8,6 +8,7 @@
 #include "absl/status/status.h"
 #include "server/loader.h"
 #include "server/model.h"
+#include "server/model_events.h"
 #include "weightd/v1/weightd.pb.h"
 
 namespace weightd {
@@ -24,6 +25,7 @@ void ToProto(const ModelGeneration& model, v1::ModelInfo* out);
 void ToProto(const TensorRecord& tensor, v1::TensorEntry* out);
 void ToProto(const SegmentRecord& segment, uint32_t id, v1::SegmentDescriptor* out);
 void ToProto(const LoadProgress& progress, v1::LoadModelProgress* out);
+void ToProto(const ModelEvent& event, v1::ModelEvent* out);
 
 }  // namespace weightd
 

@@ -164,6 +164,8 @@ class DaemonImpl final : public Daemon {
     options.loader.mlock = config_.mlock;
     options.loader.direct_io = ParseDirectIo(config_.direct_io).value_or(DirectIo::kAuto);  // validated by config
     options.claim_timeout = std::chrono::milliseconds(static_cast<int64_t>(config_.lease_claim_timeout_seconds * 1000));
+    options.watch.max_watchers = static_cast<size_t>(config_.max_watchers);
+    options.watch.queue_events = static_cast<size_t>(config_.watch_queue_events);
     registry_ = std::make_unique<ModelRegistry>(options, &listeners_);
     if (absl::StatusOr<HostMemoryBudget> budget = ReadHostMemoryBudget(); budget.ok()) {
       LogInfo(absl::StrCat("host memory for loads: ", budget->available, " bytes, bounded by ", budget->source));
@@ -195,6 +197,7 @@ class DaemonImpl final : public Daemon {
       stopping_ = true;
     }
     if (registry_) registry_->CancelLoads();  // a load in flight ends now with UNAVAILABLE
+    if (registry_) registry_->StopWatches();  // watch streams end now with UNAVAILABLE, not at the grace deadline
     if (self_check_thread_.joinable()) self_check_thread_.join();
     acceptor_.reset();  // no new connections
     if (tcp_listener_) tcp_listener_->Shutdown(std::chrono::seconds(10));

@@ -28,6 +28,7 @@ size_t FillManifestPage(const ModelGeneration& m, uint32_t rank, size_t first, u
   page->set_generation(m.generation);
   page->set_rank(rank);
   page->set_fingerprint(m.fingerprint);
+  page->set_version_label(m.version_label);
   page->set_total_tensors(static_cast<uint32_t>(r.tensors.size()));
   if (first == 0) {
     for (uint32_t s = 0; s < r.segments.size(); ++s) ToProto(m.segments[r.segments[s]], s, page->add_segments());

@@ -11,6 +11,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -101,8 +102,31 @@ struct GenerationFile {
   std::vector<std::vector<uint32_t>> arenas;  // [rank] ids into ModelGeneration::segments
 };
 
+// Runs a function once, when destroyed (ModelGeneration::on_freed).
+class FreedHook {
+ public:
+  FreedHook() = default;
+  FreedHook(const FreedHook&) = delete;
+  FreedHook& operator=(const FreedHook&) = delete;
+  ~FreedHook() {
+    if (fn_) fn_();
+  }
+  void Set(std::function<void()> fn) { fn_ = std::move(fn); }
+
+ private:
+  std::function<void()> fn_;
+};
+
 class ModelGeneration {
  public:
+  // Runs when the generation is destroyed, after its segments were released:
+  // declared first, it is destroyed last. Set by the registry when it
+  // publishes the generation (the FREED event, server/model_events.h); unset
+  // for LOADING and FAILED records. The last reference may go on any
+  // thread, with or without the registry's lock held: the function must not
+  // call into the registry.
+  FreedHook on_freed;
+
   LoadRequest request;             // checkpoint_path resolved with realpath
   uint64_t generation = 0;
   std::vector<GenerationFile> files;  // parallel to the catalog's files

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <random>
+#include <utility>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/container/flat_hash_set.h"
@@ -47,6 +48,10 @@ std::shared_ptr<ModelGeneration> FailedRecord(const ModelGeneration& loading, co
   return failed;
 }
 
+ModelEvent EventOf(ModelEvent::Kind kind, const ModelGeneration& model) {
+  return {kind, model.request.name, model.generation, model.version_label, model.fingerprint, UnixSecondsNow()};
+}
+
 // Erases `name` from `records` if it maps to `record`.
 void EraseRecord(std::map<std::string, std::shared_ptr<ModelGeneration>>& records, const std::string& name,
                  const ModelGeneration* record) {
@@ -82,7 +87,10 @@ absl::Status ValidateModelName(const std::string& name) {
 }
 
 ModelRegistry::ModelRegistry(RegistryOptions options, RegistryListener* listener)
-    : admission_(options.host_memory_probe), options_(std::move(options)), listener_(listener) {
+    : admission_(options.host_memory_probe),
+      options_(std::move(options)),
+      listener_(listener),
+      events_(std::make_shared<ModelEventHub>(options_.watch)) {
   options_.loader.cancel = &cancel_loads_;
   if (options_.loader.admission == nullptr) options_.loader.admission = &admission_;
 }
@@ -209,9 +217,10 @@ void ModelRegistry::InstallLocked(const std::shared_ptr<ModelGeneration>& model)
   const std::string& name = model->request.name;
   model->generation = next_generation_++;
   model->state = ModelState::kReady;
-  auto it = current_.find(name);
-  if (it != current_.end()) Retire(std::move(it->second));
-  current_[name] = model;
+  // Watchers see PUBLISHED of the new generation before DRAINING of the old.
+  std::shared_ptr<ModelGeneration> previous = std::exchange(current_[name], model);
+  AnnouncePublished(*model);
+  if (previous) Retire(std::move(previous));
   if (listener_) listener_->OnModelServing(name, true);
 }
 
@@ -351,9 +360,39 @@ void ModelRegistry::EndLoad(const LoadRequest& request, const ModelGeneration& r
 void ModelRegistry::Retire(std::shared_ptr<ModelGeneration> model) {
   if (model->leases.load() > 0) {
     model->state = ModelState::kDraining;
+    Announce(ModelEvent::Kind::kDraining, *model);
     draining_.push_back(std::move(model));
   }
   // Otherwise the last reference goes out of scope here and frees the segments.
+}
+
+void ModelRegistry::Announce(ModelEvent::Kind kind, const ModelGeneration& model) {
+  events_->Publish(EventOf(kind, model));
+}
+
+// FREED comes from the generation itself: its last reference may be a lease,
+// a listing or a manifest page in flight, on any thread, after the registry
+// let go. The hook holds the hub weakly: a generation may outlive it.
+void ModelRegistry::AnnouncePublished(ModelGeneration& model) {
+  Announce(ModelEvent::Kind::kPublished, model);
+  ModelEvent freed = EventOf(ModelEvent::Kind::kFreed, model);
+  model.on_freed.Set([hub = std::weak_ptr<ModelEventHub>(events_), freed]() mutable {
+    if (std::shared_ptr<ModelEventHub> events = hub.lock()) {
+      freed.unix_seconds = UnixSecondsNow();
+      events->Publish(freed);
+    }
+  });
+}
+
+absl::StatusOr<std::shared_ptr<ModelEventHub::Watcher>> ModelRegistry::Watch(const std::string& name,
+                                                                             std::function<void()> ready) {
+  WEIGHTD_RETURN_IF_ERROR(ValidateModelName(name));
+  absl::MutexLock lock(&mu_);
+  std::optional<ModelEvent> current;
+  if (auto it = current_.find(name); it != current_.end() && it->second->state == ModelState::kReady) {
+    current = EventOf(ModelEvent::Kind::kCurrent, *it->second);
+  }
+  return events_->Subscribe(name, std::move(ready), std::move(current));
 }
 
 absl::StatusOr<ModelRegistry::UnloadResult> ModelRegistry::Unload(const std::string& name, bool force) {
@@ -373,6 +412,7 @@ absl::StatusOr<ModelRegistry::UnloadResult> ModelRegistry::Unload(const std::str
   std::shared_ptr<ModelGeneration> model = std::move(it->second);
   current_.erase(it);
   if (listener_) listener_->OnModelServing(name, false);
+  Announce(ModelEvent::Kind::kUnloaded, *model);
   if (force) {
     DropLeasesOf(name);
   }

@@ -25,6 +25,7 @@
 #include "server/loader.h"
 #include "server/model.h"
 #include "server/update.h"
+#include "server/model_events.h"
 
 namespace weightd {
 
@@ -66,6 +67,8 @@ struct RegistryOptions {
   // The time for lease deadlines and claim latency; null: steady_clock::now.
   // Tests inject a fake clock (tests/testing/fake_clock.h).
   std::function<std::chrono::steady_clock::time_point()> clock;
+  // Bounds of the watch streams (Watch, --max-watchers).
+  ModelEventHubOptions watch;
 };
 
 class ModelRegistry {
@@ -179,6 +182,20 @@ class ModelRegistry {
   // Frees what the update staged; the served generation is untouched.
   // NOT_FOUND for an unknown id, FAILED_PRECONDITION while it commits.
   absl::Status AbortUpdate(const std::string& update_id, const std::string& reason);
+  // Subscribes to the events of `name`, loaded or not (docs/api.md
+  // "WatchModel"): CURRENT first when the name has a READY generation, then
+  // every later PUBLISHED, DRAINING, FREED and UNLOADED of the name, in the
+  // order they happened; none is missed or repeated, because the
+  // subscription and CURRENT are taken under the lock every event is
+  // published under. `ready` as in ModelEventHub::Subscribe; end the watch
+  // with events().Unsubscribe. INVALID_ARGUMENT for a bad name,
+  // RESOURCE_EXHAUSTED beyond options.watch.max_watchers, UNAVAILABLE after
+  // StopWatches().
+  absl::StatusOr<std::shared_ptr<ModelEventHub::Watcher>> Watch(const std::string& name, std::function<void()> ready);
+  ModelEventHub& events() { return *events_; }
+  // Ends every watch with UNAVAILABLE and refuses new ones; for shutdown,
+  // before the gRPC servers wait for their calls.
+  void StopWatches() { events_->Stop(); }
 
   std::chrono::milliseconds claim_timeout() const { return options_.claim_timeout; }
   // Makes loads in progress (and later ones) fail with UNAVAILABLE at their
@@ -235,6 +252,13 @@ class ModelRegistry {
   std::shared_ptr<ModelGeneration> Reusable(const LoadRequest& request, const Catalog& catalog) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Retire(std::shared_ptr<ModelGeneration> model) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Tells the watchers of `model`'s name: published under mu_, so events of
+  // a name keep the order of the registry's changes.
+  void Announce(ModelEvent::Kind kind, const ModelGeneration& model) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Announces `model`, just made current, as PUBLISHED and arms its FREED
+  // event (ModelGeneration::on_freed). Every path that publishes a
+  // generation calls it.
+  void AnnouncePublished(ModelGeneration& model) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DropLease(std::map<std::string, Lease>::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void NotifyMemory() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -242,6 +266,8 @@ class ModelRegistry {
   HostMemoryAdmission admission_;
   RegistryOptions options_;  // options_.loader.cancel points at cancel_loads_, .admission at admission_ by default
   RegistryListener* listener_;
+  // Shared with the FREED hooks of generations, which may outlive the registry.
+  std::shared_ptr<ModelEventHub> events_;
   mutable absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<ModelGeneration>> current_ ABSL_GUARDED_BY(mu_);
   std::vector<std::shared_ptr<ModelGeneration>> draining_ ABSL_GUARDED_BY(mu_);

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "server/convert.h"
 #include "server/manifest_pages.h"
+#include "server/watch_stream.h"
 
 namespace weightd {
 namespace {
@@ -26,7 +27,7 @@ grpc::Status AdminOnly(const char* method) {
   return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
                       absl::StrCat("weightd.v1.Weightd/", method,
                                    " needs the Unix socket or a TCP listener with mutual TLS and --grpc-tcp-admin; "
-                                   "this TCP listener is read-only (ListModels, GetManifest, health)"));
+                                   "this TCP listener is read-only (ListModels, GetManifest, WatchModel, health)"));
 }
 
 }  // namespace
@@ -136,6 +137,7 @@ grpc::Status WeightdService::AttachEncoded(const grpc::ByteBuffer& raw, grpc::By
   head.set_generation(m.generation);
   head.set_rank(grant->rank);
   head.set_fingerprint(m.fingerprint);
+  head.set_version_label(m.version_label);
   // Protobuf messages concatenate: header fields, then the cached repeated
   // segments and tensors, parse as one AttachResponse.
   std::string bytes = head.SerializeAsString();
@@ -196,6 +198,11 @@ grpc::Status WeightdService::Detach(grpc::ServerContext*, const v1::DetachReques
   return ToGrpcStatus(registry_->Detach(request->lease_id()));
 }
 
+grpc::ServerWriteReactor<v1::ModelEvent>* WeightdService::WatchModel(grpc::CallbackServerContext* context,
+                                                                     const v1::WatchModelRequest* request) {
+  return StartWatchStream(context, *request, registry_);
+}
+
 grpc::Status ReadOnlyWeightdService::ListModels(grpc::ServerContext* context, const v1::ListModelsRequest* request,
                                                 v1::ListModelsResponse* response) {
   return full_->ListModels(context, request, response);
@@ -204,6 +211,11 @@ grpc::Status ReadOnlyWeightdService::ListModels(grpc::ServerContext* context, co
 grpc::Status ReadOnlyWeightdService::GetManifest(grpc::ServerContext* context, const v1::GetManifestRequest* request,
                                                  grpc::ServerWriter<v1::ManifestPage>* writer) {
   return full_->GetManifest(context, request, writer);
+}
+
+grpc::ServerWriteReactor<v1::ModelEvent>* ReadOnlyWeightdService::WatchModel(grpc::CallbackServerContext* context,
+                                                                             const v1::WatchModelRequest* request) {
+  return full_->WatchModel(context, request);
 }
 
 grpc::Status ReadOnlyWeightdService::LoadModel(grpc::ServerContext*, const v1::LoadModelRequest*,

@@ -7,6 +7,8 @@
 // Attach, the hot path, is a raw callback method: its reply is a small
 // per-lease header followed by the rank's manifest encoded once per
 // generation, so an attach of 100,000 tensors builds no 100,000 messages.
+// WatchModel, which may wait for hours, is a callback method too
+// (server/watch_stream.h): a waiting watcher holds no sync-server thread.
 #ifndef WEIGHTD_SERVER_SERVICE_H_
 #define WEIGHTD_SERVER_SERVICE_H_
 
@@ -17,7 +19,8 @@
 
 namespace weightd {
 
-class WeightdService final : public v1::Weightd::WithRawCallbackMethod_Attach<v1::Weightd::Service> {
+class WeightdService final
+    : public v1::Weightd::WithRawCallbackMethod_Attach<v1::Weightd::WithCallbackMethod_WatchModel<v1::Weightd::Service>> {
  public:
   // `registry` must outlive the service.
   // `mlock`: lock the sealed segments of a writer's commit (--mlock).
@@ -43,6 +46,8 @@ class WeightdService final : public v1::Weightd::WithRawCallbackMethod_Attach<v1
                             v1::CommitUpdateResponse* response) override;
   grpc::Status AbortUpdate(grpc::ServerContext* context, const v1::AbortUpdateRequest* request,
                            v1::AbortUpdateResponse* response) override;
+  grpc::ServerWriteReactor<v1::ModelEvent>* WatchModel(grpc::CallbackServerContext* context,
+                                                       const v1::WatchModelRequest* request) override;
 
  private:
   grpc::Status AttachEncoded(const grpc::ByteBuffer& request, grpc::ByteBuffer* response);
@@ -60,11 +65,11 @@ class WeightdService final : public v1::Weightd::WithRawCallbackMethod_Attach<v1
 };
 
 // The Weightd service as a read-only TCP listener serves it (see
-// tcp_listener.h): ListModels and GetManifest of `full`; every method that
+// tcp_listener.h): ListModels, GetManifest and WatchModel of `full`; every method that
 // changes state or takes a lease answers PERMISSION_DENIED, naming the
 // method and the listeners that serve it. A method added to the proto later
 // is UNIMPLEMENTED here until it is added on purpose: this fails closed.
-class ReadOnlyWeightdService final : public v1::Weightd::Service {
+class ReadOnlyWeightdService final : public v1::Weightd::WithCallbackMethod_WatchModel<v1::Weightd::Service> {
  public:
   // `full` must outlive this service.
   explicit ReadOnlyWeightdService(WeightdService* full) : full_(full) {}
@@ -73,6 +78,8 @@ class ReadOnlyWeightdService final : public v1::Weightd::Service {
                           v1::ListModelsResponse* response) override;
   grpc::Status GetManifest(grpc::ServerContext* context, const v1::GetManifestRequest* request,
                            grpc::ServerWriter<v1::ManifestPage>* writer) override;
+  grpc::ServerWriteReactor<v1::ModelEvent>* WatchModel(grpc::CallbackServerContext* context,
+                                                       const v1::WatchModelRequest* request) override;
   grpc::Status LoadModel(grpc::ServerContext*, const v1::LoadModelRequest*,
                          grpc::ServerWriter<v1::LoadModelProgress>*) override;
   grpc::Status ReloadModel(grpc::ServerContext*, const v1::ReloadModelRequest*,

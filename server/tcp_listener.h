@@ -2,7 +2,7 @@
 // apart from the Unix socket's, so that what it serves is decided by how it
 // is secured, not by which socket a call happened to arrive on.
 //
-//   plain TCP or server-only TLS   read-only: ListModels, GetManifest, health
+//   plain TCP or server-only TLS   read-only: ListModels, GetManifest, WatchModel, health
 //                                  and reflection; LoadModel, UnloadModel,
 //                                  Attach and Detach answer PERMISSION_DENIED
 //   mutual TLS (client CA set)     the same, or with --grpc-tcp-admin every

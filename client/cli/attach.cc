@@ -43,6 +43,7 @@ int RunAttach(const Args& args, Context& ctx) {
                               {"bytes", bytes},
                               {"attach_seconds", model->attach_seconds()},
                               {"fingerprint", m.fingerprint},
+                              {"version_label", m.version_label},
                               {"verified", verified}}
                    .dump(2)
             << "\n";

@@ -50,6 +50,7 @@ int RunManifest(const Args& args, Context& ctx);
 int RunAttach(const Args& args, Context& ctx);
 int RunUnload(const Args& args, Context& ctx);
 int RunHealth(const Args& args, Context& ctx);
+int RunWatch(const Args& args, Context& ctx);
 
 }  // namespace weightd::cli
 

@@ -1,6 +1,7 @@
 // weightctl commands that talk to the daemon: load, ls, manifest, unload.
 #include <ostream>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -31,6 +32,7 @@ json SummaryJson(const ModelSummary& m) {
           {"device_bytes", m.device_bytes},
           {"leases", m.leases},
           {"fingerprint", m.fingerprint},
+          {"version_label", m.version_label},
           {"tensor_count", m.tensor_count},
           {"tp_size", m.tp_size},
           {"checkpoint_path", m.checkpoint_path},
@@ -137,14 +139,15 @@ int RunList(const Args& args, Context& ctx) {
     ctx.out << json{{"models", list}}.dump(2) << "\n";
     return kExitOk;
   }
-  ctx.out << absl::StrFormat("%-24s %5s %-9s %12s %12s %6s  %s\n", "NAME", "GEN", "STATE", "HOST", "DEVICE", "LEASES",
-                             "FINGERPRINT");
+  ctx.out << absl::StrFormat("%-24s %5s %-9s %12s %12s %6s  %-16s %s\n", "NAME", "GEN", "STATE", "HOST", "DEVICE",
+                             "LEASES", "LABEL", "FINGERPRINT");
   for (const ModelSummary& m : *models) {
     std::string last = m.fingerprint;  // a LOADING or FAILED entry has none: its progress or error instead
     if (m.state == "LOADING") last = absl::StrCat(HumanBytes(m.bytes_done), " of ", HumanBytes(m.bytes_total), " read");
     if (m.state == "FAILED") last = m.error;
-    ctx.out << absl::StrFormat("%-24s %5d %-9s %12s %12s %6d  %s\n", m.name, m.generation, m.state,
-                               HumanBytes(m.host_bytes), HumanBytes(DeviceTotal(m)), m.leases, last);
+    std::string label = m.version_label.empty() ? "-" : absl::CEscape(m.version_label);
+    ctx.out << absl::StrFormat("%-24s %5d %-9s %12s %12s %6d  %-16s %s\n", m.name, m.generation, m.state,
+                               HumanBytes(m.host_bytes), HumanBytes(DeviceTotal(m)), m.leases, label, last);
   }
   return kExitOk;
 }
@@ -168,9 +171,13 @@ int RunManifest(const Args& args, Context& ctx) {
       segments.push_back({{"placement", placement(s.location)}, {"size", s.size}, {"backend", s.backend},
                           {"gpu_uuid", s.gpu_uuid}});
     }
-    ctx.out << json{{"model", manifest->model},       {"rank", manifest->rank},
-                    {"generation", manifest->generation}, {"fingerprint", manifest->fingerprint},
-                    {"segments", segments},           {"tensors", tensors}}
+    ctx.out << json{{"model", manifest->model},
+                    {"rank", manifest->rank},
+                    {"generation", manifest->generation},
+                    {"fingerprint", manifest->fingerprint},
+                    {"version_label", manifest->version_label},
+                    {"segments", segments},
+                    {"tensors", tensors}}
                    .dump(2)
             << "\n";
     return kExitOk;

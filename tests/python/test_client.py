@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import grpc
@@ -427,3 +428,85 @@ def test_emulated_device_backend_tp_ranks(emulated_daemon, demo_small):
     del ranks, model
     gc.collect()
     assert emulated_daemon.wait_leases("demo-tp", 0) == 0
+
+
+# ------------------------------------------------------------ watch
+
+def _take(watch, n, timeout=10):
+    """The next `n` events of `watch` as (kind, generation); cancels the watch if they do not come in time."""
+    timer = threading.Timer(timeout, watch.cancel)
+    timer.start()
+    try:
+        return [(e.kind, e.generation) for _, e in zip(range(n), watch)]  # range first: no extra next()
+    finally:
+        timer.cancel()
+
+
+def _tiny_checkpoint(path, fill):
+    path.mkdir(exist_ok=True)
+    write_safetensors(path / "model.safetensors", {"w": ("F32", (2, 2), bytes([fill]) * 16)})
+    return path
+
+
+def test_watch_sees_publish_drain_free_and_unload_in_order(daemon):
+    client = daemon.client
+    one = _tiny_checkpoint(daemon.models / "watch-one", 1)
+    two = _tiny_checkpoint(daemon.models / "watch-two", 2)
+    with client.watch("watch-py") as watch:  # not loaded yet
+        first = client.load("watch-py", one).model.generation
+        model = client.attach("watch-py")
+        second = client.load("watch-py", two).model.generation
+        assert _take(watch, 3) == [("PUBLISHED", first), ("PUBLISHED", second), ("DRAINING", first)]
+        model.close()
+        del model
+        gc.collect()
+        assert _take(watch, 1) == [("FREED", first)]
+        client.unload("watch-py")
+        assert _take(watch, 2) == [("UNLOADED", second), ("FREED", second)]
+
+
+def test_watch_of_a_loaded_name_starts_with_current(daemon):
+    client = daemon.client
+    loaded = client.load("watch-current", _tiny_checkpoint(daemon.models / "watch-one", 1)).model
+    before = time.time()
+    with client.watch("watch-current") as watch:
+        event = next(watch)
+    assert event == weightd.WatchEvent("CURRENT", "watch-current", loaded.generation, "", loaded.fingerprint,
+                                       event.time)
+    assert before - 3600 < event.time <= time.time()
+    info = next(m for m in client.list() if m.name == "watch-current")
+    assert (info.version_label, client.manifest("watch-current").version_label) == ("", "")
+    with client.attach("watch-current") as model:
+        assert model.version_label == ""
+    client.unload("watch-current")
+
+
+def test_watch_cancelled_from_another_thread_ends_the_iteration(daemon):
+    watch = daemon.client.watch("watch-nothing-happens")
+    threading.Timer(0.2, watch.cancel).start()
+    start = time.monotonic()
+    assert list(watch) == []
+    assert time.monotonic() - start < 5
+
+
+def test_watch_refuses_a_bad_name(daemon):
+    with pytest.raises(weightd.WeightdError) as e:
+        daemon.client.watch("a/b")
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "'a/b'" in e.value.message
+
+
+def test_watch_ends_with_unavailable_when_the_daemon_stops(tmp_path):
+    (tmp_path / "models").mkdir()
+    d = Daemon(tmp_path, tmp_path / "models", "--max-watchers", "1")
+    client = weightd.connect(d.socket)  # d.stop() closes d.client's channel first
+    try:
+        watch = client.watch("m")
+        with pytest.raises(weightd.WeightdError) as e:
+            client.watch("m")
+        assert (e.value.code, e.value.message) == (
+            grpc.StatusCode.RESOURCE_EXHAUSTED, "1 watch streams are open, as many as --max-watchers (1) allows")
+    finally:
+        assert d.stop() == 0, d.log.read_text()
+    with pytest.raises(weightd.WeightdError) as e:
+        next(watch)
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE

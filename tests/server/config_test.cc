@@ -171,6 +171,20 @@ TEST(DaemonConfig, BadValuesAreInvalidArgumentNamingTheFlag) {
               StatusIs(Code::kInvalidArgument, "--fd-socket must differ from --socket"));
 }
 
+TEST(DaemonConfig, WatchBoundsDefaultParseAndRefuseOutOfRange) {
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(ParsedArgs defaults, ParseDaemonArgs({}));
+  EXPECT_EQ(defaults.config.max_watchers, 256);
+  EXPECT_EQ(defaults.config.watch_queue_events, 1024);
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(ParsedArgs parsed, ParseDaemonArgs({"--max-watchers", "3", "--watch-queue-events", "16"}));
+  EXPECT_EQ(parsed.config.max_watchers, 3);
+  EXPECT_EQ(parsed.config.watch_queue_events, 16);
+  EXPECT_THAT(ParseDaemonArgs({"--max-watchers", "0"}),
+              StatusIs(Code::kInvalidArgument, "--max-watchers must be in [1, 65536], got 0"));
+  EXPECT_THAT(ParseDaemonArgs({"--watch-queue-events", "15"}),
+              StatusIs(Code::kInvalidArgument, "--watch-queue-events must be in [16, 1048576], got 15"));
+  EXPECT_NE(DaemonUsage().find("[--max-watchers N]"), std::string::npos);
+}
+
 TEST(DaemonConfig, ReliabilityBoundsParseAndRefuseOutOfRange) {
   WEIGHTD_ASSERT_OK_AND_ASSIGN(
       ParsedArgs parsed, ParseDaemonArgs({"--fd-socket-max-connections", "2", "--grpc-max-connections", "3", "--grpc-max-threads", "8",
@@ -248,7 +262,7 @@ TEST(DaemonConfig, ConfigToJsonRoundTripsThroughConfigFile) {
   EXPECT_EQ(reread.config.direct_io, "on");
   EXPECT_TRUE(reread.config.grpc_tcp_admin);
   EXPECT_EQ(reread.config.grpc_tls_client_ca, "/t/ca.pem");
-  EXPECT_EQ(json.size(), 23u);  // every DaemonConfig field, so a new one cannot be forgotten silently
+  EXPECT_EQ(json.size(), 25u);  // every DaemonConfig field, so a new one cannot be forgotten silently
 }
 
 }  // namespace

@@ -64,6 +64,7 @@ struct Manifest {
   uint64_t generation = 0;
   uint32_t rank = 0;
   std::string fingerprint;
+  std::string version_label;  // a writer's tag of the generation (e.g. "step-1200"); "" for loads from disk
   std::vector<SegmentInfo> segments;
   std::vector<TensorInfo> tensors;
 };
@@ -102,6 +103,7 @@ struct ModelSummary {
   // (or written by a writer), and segment bytes shared with the generation before.
   uint64_t bytes_read = 0;
   uint64_t bytes_shared = 0;
+  std::string version_label;  // a writer's tag of the generation (e.g. "step-1200"); "" for loads from disk
 };
 
 struct LoadOptions {
@@ -176,6 +178,43 @@ class MappedModel {
   friend class Client;
   explicit MappedModel(std::shared_ptr<State> state);
   std::shared_ptr<State> state_;  // shared with live DLPack tensors
+};
+
+// One event of a watched model name (docs/api.md "WatchModel").
+struct WatchEvent {
+  std::string kind;  // "CURRENT", "PUBLISHED", "DRAINING", "FREED" or "UNLOADED"
+  std::string model;
+  uint64_t generation = 0;
+  std::string version_label;
+  std::string fingerprint;
+  double time = 0;  // when it happened, seconds since the Unix epoch
+};
+
+// A WatchModel stream: a blocking iterator over one name's events. Next()
+// from one thread at a time; Cancel() from any thread. Destroying it
+// cancels the stream. Move-only.
+class ModelWatch {
+ public:
+  ModelWatch(ModelWatch&&) noexcept;
+  ModelWatch& operator=(ModelWatch&&) noexcept;
+  ~ModelWatch();
+
+  // Blocks until the next event. Once the stream ended, its reason on every
+  // call (never OK): CANCELLED after Cancel(), UNAVAILABLE when the daemon
+  // went away or is stopping, RESOURCE_EXHAUSTED when the daemon dropped a
+  // watcher that fell behind, or the daemon's refusal of the watch
+  // (INVALID_ARGUMENT for a bad name, RESOURCE_EXHAUSTED beyond
+  // --max-watchers). Watch again to resume: the first event is then CURRENT.
+  absl::StatusOr<WatchEvent> Next();
+  // Ends the stream; a Next() blocked in another thread returns CANCELLED.
+  void Cancel();
+
+  struct State;  // implementation detail
+
+ private:
+  friend class Client;
+  explicit ModelWatch(std::unique_ptr<State> state);
+  std::unique_ptr<State> state_;
 };
 
 // TLS for a TCP target (the daemon's --grpc-address with --grpc-tls-*).
@@ -279,6 +318,14 @@ class Client {
   // leases keep it DRAINING. `force` ends the leases at once, except claimed
   // leases on cuda-legacy-ipc arenas (docs/api.md).
   absl::StatusOr<std::pair<ModelSummary, bool>> Unload(const std::string& name, bool force);
+  // Watches `name`'s events, loaded or not: CURRENT first when it has a
+  // READY generation, then every PUBLISHED, DRAINING, FREED and UNLOADED in
+  // order. Returns once the daemon subscribed, so no event that happens
+  // after the return is missed. INVALID_ARGUMENT for a bad name,
+  // RESOURCE_EXHAUSTED beyond the daemon's --max-watchers, UNAVAILABLE when
+  // the daemon cannot be reached or is stopping. The stream may outlive
+  // this Client.
+  absl::StatusOr<ModelWatch> Watch(const std::string& name);
   // The standard gRPC health check (grpc.health.v1) of `service`: "" for the
   // daemon as a whole, or a model name (SERVING once READY). Returns
   // "SERVING", "NOT_SERVING" or "SERVICE_UNKNOWN" (a name never loaded);

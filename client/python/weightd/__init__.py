@@ -19,12 +19,13 @@ from ._client import DEFAULT_SOCKET, Client, connect
 from ._errors import WeightdError
 from ._model import Model, Tensor
 from ._torch import UnsupportedDtypeError, torch_dtype
-from ._types import LoadProgress, LoadResult, Manifest, ModelInfo, SegmentInfo, TensorInfo, UnloadResult
+from ._types import LoadProgress, LoadResult, Manifest, ModelInfo, SegmentInfo, TensorInfo, UnloadResult, WatchEvent
+from ._watch import Watch
 
 __all__ = [
     "DEFAULT_SOCKET", "Client", "connect", "WeightdError", "Model", "Tensor", "UnsupportedDtypeError",
     "torch_dtype", "LoadProgress", "LoadResult", "Manifest", "ModelInfo", "SegmentInfo", "TensorInfo",
-    "UnloadResult",
+    "UnloadResult", "Watch", "WatchEvent",
 ]
 
 

@@ -9,6 +9,7 @@ from ._errors import WeightdError
 from ._model import Model, _Lease
 from ._native import Segment
 from ._types import LoadProgress, LoadResult, Manifest, ModelInfo, SegmentInfo, TensorInfo, UnloadResult
+from ._watch import Watch
 from .v1 import weightd_pb2 as pb
 from .v1 import weightd_pb2_grpc as pb_grpc
 
@@ -104,7 +105,22 @@ class Client:
         first = pages[0] if pages else pb.ManifestPage()
         return Manifest(first.model, first.generation, first.rank, first.fingerprint,
                         tuple(SegmentInfo.from_proto(s) for p in pages for s in p.segments),
-                        tuple(TensorInfo.from_proto(t) for p in pages for t in p.tensors))
+                        tuple(TensorInfo.from_proto(t) for p in pages for t in p.tensors), first.version_label)
+
+    def watch(self, name):
+        """The events of model `name` (loaded or not) as a Watch: an iterator of WatchEvent.
+
+            for event in client.watch("llama"):
+                if event.kind == "PUBLISHED":
+                    ...  # re-attach at the next step boundary
+
+        CURRENT comes first when `name` has a READY generation, then every
+        PUBLISHED, DRAINING, FREED and UNLOADED in order. Returns once the
+        daemon subscribed, so no later event is missed. Raises WeightdError:
+        INVALID_ARGUMENT (bad name), RESOURCE_EXHAUSTED (the daemon's
+        --max-watchers), UNAVAILABLE (no daemon, or it is stopping).
+        """
+        return Watch.start(self._stub.WatchModel, pb.WatchModelRequest(name=name))
 
     def attach(self, model, rank=0, *, private=False):
         """Takes a lease on `model` and maps rank `rank` lazily; returns a Model.

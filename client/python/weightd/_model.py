@@ -139,6 +139,7 @@ class Model(collections.abc.Mapping):
         self.generation = response.generation
         self.rank = response.rank
         self.fingerprint = response.fingerprint
+        self.version_label = response.version_label  # a writer's tag of the generation; "" for loads from disk
         self.attach_seconds = attach_seconds  # Attach RPC to all segments mapped
         self._segments = tuple(SegmentInfo.from_proto(s) for s in response.segments)
         self._entries = response.tensors  # protobuf entries, converted on demand
@@ -168,7 +169,7 @@ class Model(collections.abc.Mapping):
     @property
     def manifest(self):
         return Manifest(self.name, self.generation, self.rank, self.fingerprint, self._segments,
-                        tuple(TensorInfo.from_proto(t) for t in self._entries))
+                        tuple(TensorInfo.from_proto(t) for t in self._entries), self.version_label)
 
     @property
     def lease_id(self):

@@ -23,6 +23,7 @@ class ModelInfo:
     error: str
     bytes_read: int = 0    # tensor bytes read from storage (or written by a writer)
     bytes_shared: int = 0  # segment bytes shared with the generation before
+    version_label: str = ""  # a writer's tag of the generation (e.g. "step-1200"); "" for loads from disk
 
     @classmethod
     def from_proto(cls, m):
@@ -31,7 +32,8 @@ class ModelInfo:
             checkpoint_path=m.checkpoint_path, host_bytes=m.host_bytes, locked_bytes=m.locked_bytes,
             device_bytes={d.gpu_uuid: d.bytes for d in m.device_bytes}, leases=m.leases,
             fingerprint=m.fingerprint, tensor_count=m.tensor_count, tp_size=m.tp_size,
-            load_seconds=m.load_seconds, error=m.error, bytes_read=m.bytes_read, bytes_shared=m.bytes_shared)
+            load_seconds=m.load_seconds, error=m.error, bytes_read=m.bytes_read, bytes_shared=m.bytes_shared,
+            version_label=m.version_label)
 
 
 @dataclass(frozen=True)
@@ -105,3 +107,20 @@ class Manifest:
     fingerprint: str
     segments: Tuple[SegmentInfo, ...]
     tensors: Tuple[TensorInfo, ...]
+    version_label: str = ""  # as ModelInfo.version_label
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    """One event of a watched model name (docs/api.md "WatchModel")."""
+    kind: str  # CURRENT, PUBLISHED, DRAINING, FREED, UNLOADED
+    model: str
+    generation: int
+    version_label: str
+    fingerprint: str
+    time: float  # when it happened, seconds since the Unix epoch
+
+    @classmethod
+    def from_proto(cls, e):
+        return cls(kind=pb.ModelEvent.Kind.Name(e.kind), model=e.model, generation=e.generation,
+                   version_label=e.version_label, fingerprint=e.fingerprint, time=e.time)
