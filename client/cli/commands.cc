@@ -26,6 +26,13 @@ const std::vector<Command>& Commands() {
       {"reload", "load the next generation of model NAME with its plan, reading only the files that changed",
        {{Model(), {"PATH", "the checkpoint to load from; default: the one NAME was loaded from", false}}, {Json()}},
        RunReload},
+      {"update", "publish a checkpoint's tensors into model NAME through the writer path (verified, atomic)",
+       {{Model()},
+        {{"--from", OptionKind::kText, "DIR", "a safetensors checkpoint whose tensors (a subset of the model's, same "
+                                              "dtypes and shapes) to write"},
+         {"--version-label", OptionKind::kText, "LABEL", "stored with the new generation, e.g. step-1200"},
+         Json()}},
+       RunUpdate},
       {"ls", "list loaded models", {{}, {Json()}}, RunList},
       {"manifest", "a rank's manifest, without a lease", {{Model()}, {Rank(), Json()}}, RunManifest},
       {"attach", "take a lease and map the tensors of one rank",

@@ -45,6 +45,7 @@ int RunInspect(const Args& args, Context& ctx);
 int RunMakeDemo(const Args& args, Context& ctx);
 int RunLoad(const Args& args, Context& ctx);
 int RunReload(const Args& args, Context& ctx);
+int RunUpdate(const Args& args, Context& ctx);
 int RunList(const Args& args, Context& ctx);
 int RunManifest(const Args& args, Context& ctx);
 int RunAttach(const Args& args, Context& ctx);
