@@ -27,6 +27,16 @@ class RecordingRegistryListener : public RegistryListener {
     leases_.emplace_back(name, active);
   }
 
+  void OnUpdateAborted(const std::string& name, const std::string& reason) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    aborts_.emplace_back(name, reason);
+  }
+  // (name, reason) of every aborted update, in call order.
+  std::vector<std::pair<std::string, std::string>> aborts() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return aborts_;
+  }
+
   // (name, serving) in call order.
   std::vector<std::pair<std::string, bool>> serving() const {
     std::lock_guard<std::mutex> lock(mu_);
@@ -47,6 +57,7 @@ class RecordingRegistryListener : public RegistryListener {
   std::vector<std::pair<std::string, bool>> serving_;
   std::vector<absl::Status> failures_;
   std::vector<std::pair<std::string, int>> leases_;
+  std::vector<std::pair<std::string, std::string>> aborts_;
 };
 
 }  // namespace weightd::testing

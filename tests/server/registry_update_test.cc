@@ -1,0 +1,164 @@
+// The writer path in the registry (server/registry.h, server/update.h):
+// staging, claim timeout, commit and its verification, atomic publish,
+// supersession by a reload, and the refusal while a writable mapping lives.
+#include <sys/mman.h>
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "common/format/content_hash.h"
+#include "tests/server/registry_fixture.h"
+#include "tests/testing/status_matchers.h"
+
+namespace weightd::registry_test {
+namespace {
+
+using Code = absl::StatusCode;
+
+
+
+const TensorRecord& Record(const ModelGeneration& m, const std::string& name) {
+  for (const TensorRecord& t : m.ranks[0].tensors) {
+    if (t.name == name) return t;
+  }
+  static TensorRecord none;
+  return none;
+}
+
+// The writable bytes of tensor `name` in a staged update.
+char* Staged(const StagedUpdate& update, const std::string& name) {
+  for (const StagedTensor& t : update.writable) {
+    if (t.record.name == name) return update.segments[t.record.segment].memory->writable() + t.record.offset;
+  }
+  return nullptr;
+}
+
+class UpdateTest : public RegistryTest {
+ protected:
+  void SetUp() override { ASSERT_TRUE(Load("m", Checkpoint("ck", 1)).ok()); }
+};
+
+TEST_F(UpdateTest, CommitPublishesTheNextGenerationAndTheOldOneDrains) {
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto gen1, registry_.Get("m"));
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto lease, registry_.Attach("m", 0));
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto grant, registry_.BeginUpdate("m", {"b.bias"}));
+  EXPECT_EQ(grant.update_id.size(), 32u);
+  ASSERT_EQ(grant.update->segments.size(), 1u);  // the checkpoint's one host segment, copied
+  EXPECT_EQ(grant.update->bytes_staged, gen1->host_bytes);
+  EXPECT_EQ(grant.update->bytes_shared, 0u);
+  std::memcpy(Staged(*grant.update, "b.bias"), "xyz", 3);
+  // Until the commit returns, Attach returns generation 1.
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto before, registry_.Get("m"));
+  EXPECT_EQ(before, gen1);
+  std::string expected = ContentHashHex(TensorContentHash("xyz", 3));
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto commit,
+                               registry_.CommitUpdate(grant.update_id, {{{"b.bias", expected}}, "step-7", false}));
+  EXPECT_EQ(commit.tensors_changed, 1u);
+  EXPECT_EQ(commit.model->generation, gen1->generation + 1);
+  EXPECT_EQ(commit.model->version_label, "step-7");
+  EXPECT_EQ(ContentHashHex(Record(*commit.model, "b.bias").content_hash), expected);
+  EXPECT_EQ(Record(*commit.model, "a.weight").content_hash, Record(*gen1, "a.weight").content_hash);
+  EXPECT_NE(commit.model->fingerprint, gen1->fingerprint);
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto after, registry_.Get("m"));
+  EXPECT_EQ(after, commit.model);
+  EXPECT_EQ(gen1->state.load(), ModelState::kDraining);  // held by the lease
+  const TensorRecord& b = Record(*gen1, "b.bias");
+  EXPECT_EQ(std::string(gen1->host_segments[0]->data() + b.offset, 3), Tensors(1)[1].data);  // old bytes kept
+  EXPECT_FALSE(registry_.IsUpdateOpen(grant.update_id));
+  registry_.Release(lease.lease_id);
+  EXPECT_EQ(registry_.List().size(), 1u);
+}
+
+TEST_F(UpdateTest, ACommitOfUnchangedBytesKeepsTheFingerprint) {
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto gen1, registry_.Get("m"));
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto grant, registry_.BeginUpdate("m", {}));
+  EXPECT_EQ(grant.update->writable.size(), 3u);  // none named: every tensor
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto commit, registry_.CommitUpdate(grant.update_id, {}));
+  EXPECT_EQ(commit.tensors_changed, 0u);
+  EXPECT_EQ(commit.model->fingerprint, gen1->fingerprint);  // FingerprintOf agrees with the loader's
+}
+
+TEST_F(UpdateTest, AnUnclaimedUpdateExpiresAfterTheClaimTimeout) {
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto grant, registry_.BeginUpdate("m", {"a.weight"}));
+  clock_.Advance(std::chrono::seconds(5));
+  EXPECT_EQ(registry_.ExpirePending(), 0);
+  clock_.Advance(std::chrono::seconds(6));
+  EXPECT_EQ(registry_.ExpirePending(), 1);
+  EXPECT_FALSE(registry_.IsUpdateOpen(grant.update_id));
+  EXPECT_EQ(listener_.aborts(), (std::vector<std::pair<std::string, std::string>>{{"m", "claim_timeout"}}));
+  EXPECT_THAT(registry_.CommitUpdate(grant.update_id, {}), StatusIs(Code::kNotFound, "unknown or ended update id"));
+}
+
+TEST_F(UpdateTest, AClaimedUpdateDoesNotExpireAndIsClaimedOnce) {
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto grant, registry_.BeginUpdate("m", {"a.weight"}));
+  WEIGHTD_ASSERT_OK(registry_.ClaimUpdate(grant.update_id).status());
+  EXPECT_THAT(registry_.ClaimUpdate(grant.update_id), StatusIs(Code::kFailedPrecondition, "update already claimed on another connection"));
+  clock_.Advance(std::chrono::seconds(60));
+  EXPECT_EQ(registry_.ExpirePending(), 0);
+  EXPECT_TRUE(registry_.IsUpdateOpen(grant.update_id));
+  WEIGHTD_ASSERT_OK(registry_.AbortUpdate(grant.update_id, "aborted_by_writer"));
+  EXPECT_EQ(listener_.aborts(), (std::vector<std::pair<std::string, std::string>>{{"m", "aborted_by_writer"}}));
+}
+
+TEST_F(UpdateTest, AReloadMeanwhileSupersedesTheUpdate) {
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto grant, registry_.BeginUpdate("m", {"a.weight"}));
+  ASSERT_TRUE(Load("m", Checkpoint("ck2", 2)).ok());
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto current, registry_.Get("m"));
+  EXPECT_THAT(registry_.CommitUpdate(grant.update_id, {}),
+              StatusIs(Code::kFailedPrecondition,
+                       absl::StrCat("model 'm' is at generation ", current->generation,
+                                    " but this update began from generation ", grant.update->base->generation,
+                                    "; the update is aborted")));
+  EXPECT_EQ(listener_.aborts(), (std::vector<std::pair<std::string, std::string>>{{"m", "superseded"}}));
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto still, registry_.Get("m"));
+  EXPECT_EQ(still, current);
+}
+
+TEST_F(UpdateTest, AWritableMappingLeftBehindRefusesTheCommitButKeepsTheUpdateOpen) {
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto grant, registry_.BeginUpdate("m", {"a.weight"}));
+  const HostSegment& staged = *grant.update->segments[0].memory;
+  void* map = mmap(nullptr, staged.size(), PROT_READ | PROT_WRITE, MAP_SHARED, staged.fd(), 0);
+  ASSERT_NE(map, MAP_FAILED);
+  EXPECT_THAT(registry_.CommitUpdate(grant.update_id, {}), StatusIs(Code::kFailedPrecondition, "still mapped writable"));
+  EXPECT_TRUE(registry_.IsUpdateOpen(grant.update_id));
+  ASSERT_EQ(munmap(map, staged.size()), 0);
+  WEIGHTD_ASSERT_OK(registry_.CommitUpdate(grant.update_id, {}).status());
+}
+
+TEST_F(UpdateTest, TheSizeOfAStagedSegmentIsSealedBeforeItsFdLeaves) {
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto grant, registry_.BeginUpdate("m", {"a.weight"}));
+  const HostSegment& staged = *grant.update->segments[0].memory;
+  EXPECT_NE(ftruncate(staged.fd(), 0), 0);  // F_SEAL_SHRINK: a writer cannot pull pages from under the daemon
+  EXPECT_EQ(errno, EPERM);
+}
+
+TEST_F(UpdateTest, BadRequestsAreRefusedNamingWhatIsWrong) {
+  EXPECT_THAT(registry_.BeginUpdate("m", {"zzz"}), StatusIs(Code::kInvalidArgument, "model 'm' has no tensor 'zzz'"));
+  EXPECT_THAT(registry_.BeginUpdate("m", {"a.weight", "a.weight"}),
+              StatusIs(Code::kInvalidArgument, "the update names tensor 'a.weight' twice"));
+  EXPECT_THAT(registry_.BeginUpdate("m", {"a", "b", "c", "d"}),
+              StatusIs(Code::kInvalidArgument, "the update names 4 tensors but model 'm' has 3"));
+  EXPECT_THAT(registry_.BeginUpdate("nope", {}), StatusIs(Code::kNotFound, "no model named 'nope'"));
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto grant, registry_.BeginUpdate("m", {"a.weight"}));
+  EXPECT_THAT(registry_.BeginUpdate("m", {}), StatusIs(Code::kAlreadyExists, "already has an open update"));
+  EXPECT_THAT(registry_.CommitUpdate(grant.update_id, {{}, std::string(129, 'x')}),
+              StatusIs(Code::kInvalidArgument, "version label is 129 bytes; at most 128 are allowed"));
+  EXPECT_THAT(registry_.CommitUpdate(grant.update_id, {{}, "tab\there"}),
+              StatusIs(Code::kInvalidArgument, "version label may hold only printable ASCII characters"));
+  EXPECT_THAT(registry_.CommitUpdate(grant.update_id, {{{"b.bias", "0000000000000000"}}}),
+              StatusIs(Code::kInvalidArgument, "an expected hash names tensor 'b.bias', which is not in this update"));
+  EXPECT_THAT(registry_.CommitUpdate(grant.update_id, {{{"a.weight", "xyz"}}}),
+              StatusIs(Code::kInvalidArgument, "must be 16 hex digits"));
+  EXPECT_TRUE(registry_.IsUpdateOpen(grant.update_id));  // refusals before sealing leave it open
+  WEIGHTD_ASSERT_OK(registry_.CommitUpdate(grant.update_id, {}).status());
+}
+
+TEST_F(UpdateTest, UnloadAbortsTheUpdate) {
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto grant, registry_.BeginUpdate("m", {"a.weight"}));
+  WEIGHTD_ASSERT_OK(registry_.Unload("m", false).status());
+  EXPECT_FALSE(registry_.IsUpdateOpen(grant.update_id));
+  EXPECT_EQ(listener_.aborts(), (std::vector<std::pair<std::string, std::string>>{{"m", "unloaded"}}));
+}
+
+}  // namespace
+}  // namespace weightd::registry_test
