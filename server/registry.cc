@@ -237,7 +237,7 @@ absl::StatusOr<ModelRegistry::UpdateGrant> ModelRegistry::BeginUpdate(const std:
     }
     updates_[name] = OpenUpdate{id, nullptr, false, false, Now() + options_.claim_timeout};
   }
-  absl::StatusOr<std::unique_ptr<StagedUpdate>> staged = StageUpdate(base, tensors, options_.loader.admission);
+  absl::StatusOr<std::unique_ptr<StagedUpdate>> staged = StageUpdate(base, tensors, options_.loader.admission, options_.loader.device_backend);
   std::shared_ptr<StagedUpdate> dropped;  // freed after the lock
   absl::MutexLock lock(&mu_);
   auto it = updates_.find(name);

@@ -3,6 +3,7 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <cstring>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
@@ -11,7 +12,9 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/base/status.h"
+#include "common/base/align.h"
 #include "server/loader.h"
+#include "server/plan.h"
 
 namespace weightd {
 namespace {
@@ -32,6 +35,70 @@ absl::StatusOr<std::shared_ptr<HostSegment>> CopySegment(const std::string& name
   }
   WEIGHTD_RETURN_IF_ERROR(copy->SealSize());
   return std::shared_ptr<HostSegment>(std::move(copy));
+}
+
+// The arena holding rank `rank`'s copy of `record` in generation `g`.
+DeviceArena& ArenaOf(const ModelGeneration& g, size_t rank, const TensorRecord& record) {
+  return *g.arenas[g.segments[g.ranks[rank].segments[record.segment]].owner];
+}
+
+// Bytes of the whole checkpoint tensor of which `record` is one rank's part.
+uint64_t FullBytes(const TensorRecord& record, size_t tp_size) {
+  return record.split_dim < 0 ? record.nbytes : record.nbytes * tp_size;
+}
+
+// A split tensor is [outer][tp_size * slice][row] (server/plan.h): rank r
+// holds, for each outer index o, the `part` bytes at o * full + r * part.
+uint64_t OuterOf(const TensorRecord& record) {
+  uint64_t outer = 1;
+  for (int32_t d = 0; d < record.split_dim; ++d) outer *= record.full_shape[d];
+  return outer;
+}
+
+// Gathers device tensor `i` (index into each rank's manifest) of `g` from
+// every rank's arena into `dst` (FullBytes bytes), as the checkpoint holds it.
+absl::Status GatherDeviceTensor(const ModelGeneration& g, size_t i, char* dst) {
+  const TensorRecord& r0 = g.ranks[0].tensors[i];
+  if (r0.split_dim < 0) return ArenaOf(g, 0, r0).CopyToHost(r0.offset, dst, r0.nbytes);
+  uint64_t outer = OuterOf(r0), part = r0.nbytes / outer, full = part * g.ranks.size();
+  std::string slice(r0.nbytes, '\0');
+  for (size_t r = 0; r < g.ranks.size(); ++r) {
+    const TensorRecord& rec = g.ranks[r].tensors[i];
+    WEIGHTD_RETURN_IF_ERROR(ArenaOf(g, r, rec).CopyToHost(rec.offset, slice.data(), rec.nbytes));
+    for (uint64_t o = 0; o < outer; ++o) std::memcpy(dst + o * full + r * part, slice.data() + o * part, part);
+  }
+  return absl::OkStatus();
+}
+
+// Writes rank `rank`'s part of device tensor `record` from the whole
+// tensor at `full_bytes` into `arena` at the record's offset.
+absl::Status ScatterDeviceTensor(const TensorRecord& record, size_t rank, size_t tp_size, const char* full_bytes,
+                                 DeviceArena& arena) {
+  std::string slice(record.nbytes, '\0');
+  if (record.split_dim < 0) {
+    std::memcpy(slice.data(), full_bytes, record.nbytes);
+  } else {
+    uint64_t outer = OuterOf(record), part = record.nbytes / outer, full = part * tp_size;
+    for (uint64_t o = 0; o < outer; ++o) std::memcpy(slice.data() + o * part, full_bytes + o * full + rank * part, part);
+  }
+  WEIGHTD_RETURN_IF_ERROR(arena.CopyFromHost(record.offset, 0, slice.data(), 0, record.nbytes, 1));
+  WEIGHTD_ASSIGN_OR_RETURN(uint64_t fence, arena.RecordFence());
+  return arena.WaitFence(fence);
+}
+
+// A fresh arena on `old`'s device holding `old`'s bytes.
+absl::StatusOr<std::shared_ptr<DeviceArena>> CopyArena(DeviceBackend& backend, DeviceArena& old) {
+  WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<DeviceArena> fresh, backend.Allocate(old.device(), old.size()));
+  constexpr uint64_t kChunk = 16ull << 20;
+  std::string bounce(std::min(kChunk, old.size()), '\0');
+  for (uint64_t at = 0; at < old.size(); at += kChunk) {
+    uint64_t n = std::min(kChunk, old.size() - at);
+    WEIGHTD_RETURN_IF_ERROR(old.CopyToHost(at, bounce.data(), n));
+    WEIGHTD_RETURN_IF_ERROR(fresh->CopyFromHost(at, 0, bounce.data(), 0, n, 1));
+    WEIGHTD_ASSIGN_OR_RETURN(uint64_t fence, fresh->RecordFence());
+    WEIGHTD_RETURN_IF_ERROR(fresh->WaitFence(fence));
+  }
+  return std::shared_ptr<DeviceArena>(std::move(fresh));
 }
 
 }  // namespace
@@ -56,7 +123,7 @@ std::string FingerprintOf(const std::vector<TensorRecord>& tensors) {
 
 absl::StatusOr<std::unique_ptr<StagedUpdate>> StageUpdate(std::shared_ptr<ModelGeneration> base,
                                                           const std::vector<std::string>& tensors,
-                                                          HostMemoryAdmission* admission) {
+                                                          HostMemoryAdmission* admission, DeviceBackend* backend) {
   const std::vector<TensorRecord>& all = base->ranks.at(0).tensors;
   const std::string& model = base->request.name;
   if (tensors.size() > all.size()) {
@@ -67,6 +134,7 @@ absl::StatusOr<std::unique_ptr<StagedUpdate>> StageUpdate(std::shared_ptr<ModelG
   for (size_t i = 0; i < all.size(); ++i) index.emplace(all[i].name, i);
   auto update = std::make_unique<StagedUpdate>();
   update->base = base;
+  update->backend = backend;
   std::vector<size_t> named;
   absl::flat_hash_set<std::string> seen;
   for (const std::string& name : tensors) {
@@ -85,19 +153,27 @@ absl::StatusOr<std::unique_ptr<StagedUpdate>> StageUpdate(std::shared_ptr<ModelG
   }
   // The base segments to copy, in base id order.
   std::vector<uint32_t> ids;
+  std::vector<size_t> device_named;   // staged whole in host memory (see update.h)
+  std::vector<uint64_t> device_offset;  // within the device staging segment
+  uint64_t device_bytes = 0;
   for (size_t i : named) {
     const TensorRecord& t = all[i];
-    if (t.placement == Placement::kDevice) {
-      return absl::UnimplementedError(absl::StrCat("tensor ", QuoteName(t.name), " of model ", QuoteName(model),
-                                                   " is placed on devices; a writer updates host-resident tensors "
-                                                   "(reload device shards from a checkpoint)"));
-    }
     update->tensors.push_back(t.name);
+    if (t.placement == Placement::kDevice) {
+      if (backend == nullptr) {
+        return absl::FailedPreconditionError(absl::StrCat("tensor ", QuoteName(t.name), " of model ", QuoteName(model),
+                                                          " is on devices but this daemon has no device backend"));
+      }
+      device_named.push_back(i);
+      device_offset.push_back(AlignUp(device_bytes, kHostAlignment));
+      device_bytes = device_offset.back() + FullBytes(t, base->ranks.size());
+      continue;
+    }
     ids.push_back(base->ranks[0].segments[t.segment]);
   }
   std::sort(ids.begin(), ids.end());
   ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
-  uint64_t staged = 0;
+  uint64_t staged = device_bytes;
   for (uint32_t id : ids) staged += base->segments[id].size;
   HostMemoryAdmission::Reservation reservation;
   if (admission != nullptr) {
@@ -112,14 +188,37 @@ absl::StatusOr<std::unique_ptr<StagedUpdate>> StageUpdate(std::shared_ptr<ModelG
     staged_index[id] = static_cast<uint32_t>(update->segments.size());
     update->segments.push_back({id, std::move(*copy)});
   }
+  if (!device_named.empty()) {
+    absl::StatusOr<std::unique_ptr<HostSegment>> memory =
+        HostSegment::Create(absl::StrCat(model, ":update-device"), device_bytes, HugePages::kNever);
+    if (!memory.ok()) return Annotate(memory.status(), "staging device tensors in host memory");
+    for (size_t k = 0; k < device_named.size(); ++k) {
+      absl::Status gathered = GatherDeviceTensor(*base, device_named[k], (*memory)->writable() + device_offset[k]);
+      if (!gathered.ok()) return Annotate(gathered, absl::StrCat("reading tensor ", QuoteName(all[device_named[k]].name)));
+    }
+    WEIGHTD_RETURN_IF_ERROR((*memory)->SealSize());
+    update->segments.push_back({kDeviceStaging, std::move(*memory)});
+  }
+  size_t next_device = 0;
   for (size_t i : named) {
     StagedTensor t{all[i], 0};
-    t.record.segment = staged_index[base->ranks[0].segments[all[i].segment]];
+    if (all[i].placement == Placement::kDevice) {
+      // The whole checkpoint tensor, in the device staging segment (the last one).
+      t.record.placement = Placement::kHost;
+      t.record.segment = static_cast<uint32_t>(update->segments.size() - 1);
+      t.record.offset = device_offset[next_device++];
+      t.record.nbytes = FullBytes(all[i], base->ranks.size());
+      t.record.shape = all[i].full_shape;
+      t.record.split_dim = -1;
+      t.record.split_start = 0;
+    } else {
+      t.record.segment = staged_index[base->ranks[0].segments[all[i].segment]];
+    }
     update->writable.push_back(std::move(t));
   }
   update->bytes_staged = staged;
   for (const SegmentRecord& s : base->segments) update->bytes_shared += s.size;
-  update->bytes_shared -= staged;
+  update->bytes_shared -= staged - device_bytes;
   return update;
 }
 
@@ -167,7 +266,14 @@ absl::StatusOr<CommitOutcome> SealAndVerify(StagedUpdate& update, const CommitOp
 
   // Every tensor held by a staged segment, hashed from the sealed bytes.
   absl::flat_hash_map<uint32_t, const HostSegment*> staged;  // base id -> sealed copy
-  for (const StagedSegment& s : update.segments) staged[s.base_id] = s.memory.get();
+  const HostSegment* device_staging = nullptr;
+  for (const StagedSegment& s : update.segments) {
+    if (s.base_id == kDeviceStaging) {
+      device_staging = s.memory.get();
+    } else {
+      staged[s.base_id] = s.memory.get();
+    }
+  }
   absl::flat_hash_set<std::string> named(update.tensors.begin(), update.tensors.end());
   absl::flat_hash_map<std::string, uint64_t> new_hash;
   uint32_t changed = 0;
@@ -183,6 +289,21 @@ absl::StatusOr<CommitOutcome> SealAndVerify(StagedUpdate& update, const CommitOp
           "is); the update is aborted"));
     }
     new_hash[t.name] = hash;
+    ++changed;
+  }
+  // Device tensors, whole in the device staging segment; index into the manifests.
+  std::vector<std::pair<size_t, const char*>> device_changed;
+  absl::flat_hash_map<std::string, size_t> manifest_index;
+  for (size_t i = 0; i < base.ranks[0].tensors.size(); ++i) manifest_index.emplace(base.ranks[0].tensors[i].name, i);
+  for (const StagedTensor& w : update.writable) {
+    size_t i = manifest_index.at(w.record.name);
+    const TensorRecord& t = base.ranks[0].tensors[i];
+    if (t.placement != Placement::kDevice) continue;
+    const char* bytes = device_staging->data() + w.record.offset;
+    uint64_t hash = TensorContentHash(bytes, w.record.nbytes);
+    if (hash == t.content_hash) continue;
+    new_hash[t.name] = hash;
+    device_changed.emplace_back(i, bytes);
     ++changed;
   }
   for (const auto& [name, expected] : options.expected_hashes) {
@@ -213,13 +334,43 @@ absl::StatusOr<CommitOutcome> SealAndVerify(StagedUpdate& update, const CommitOp
   gen->tensor_count = base.tensor_count;
   gen->checkpoint_bytes = base.checkpoint_bytes;
   gen->version_label = options.version_label;
+  absl::flat_hash_set<uint32_t> replaced;  // segment ids whose memory is new
   for (const StagedSegment& s : update.segments) {
+    if (s.base_id == kDeviceStaging) continue;  // uploaded below, then dropped with the update
     SegmentRecord& record = gen->segments[s.base_id];
     gen->host_segments[record.owner] = s.memory;
     record.fd = s.memory->fd();
-    gen->bytes_read += s.memory->size();
+    replaced.insert(s.base_id);
   }
-  gen->bytes_reused = update.bytes_shared;
+  // Each arena holding a changed device tensor is copied and rewritten; the
+  // others stay shared.
+  absl::flat_hash_map<uint32_t, std::shared_ptr<DeviceArena>> fresh;  // segment id -> new arena
+  for (const auto& [i, bytes] : device_changed) {
+    for (size_t r = 0; r < base.ranks.size(); ++r) {
+      const TensorRecord& rec = base.ranks[r].tensors[i];
+      uint32_t id = base.ranks[r].segments[rec.segment];
+      auto it = fresh.find(id);
+      if (it == fresh.end()) {
+        absl::StatusOr<std::shared_ptr<DeviceArena>> copy =
+            CopyArena(*update.backend, *base.arenas[base.segments[id].owner]);
+        if (!copy.ok()) return Annotate(copy.status(), absl::StrCat("copying arena ", id, " for the update"));
+        it = fresh.emplace(id, std::move(*copy)).first;
+      }
+      absl::Status written = ScatterDeviceTensor(rec, r, base.ranks.size(), bytes, *it->second);
+      if (!written.ok()) return Annotate(written, absl::StrCat("writing tensor ", QuoteName(rec.name), " to rank ", r));
+    }
+  }
+  for (auto& [id, arena] : fresh) {
+    WEIGHTD_RETURN_IF_ERROR(arena->Seal());
+    SegmentRecord& record = gen->segments[id];
+    gen->arenas[record.owner] = arena;
+    record.fd = arena->export_fd();
+    record.handle = arena->export_handle();
+    replaced.insert(id);
+  }
+  for (uint32_t id : replaced) gen->bytes_read += gen->segments[id].size;
+  for (const SegmentRecord& record : gen->segments) gen->bytes_reused += record.size;
+  gen->bytes_reused -= gen->bytes_read;
   for (RankManifest& rank : gen->ranks) {
     for (TensorRecord& t : rank.tensors) {
       if (auto it = new_hash.find(t.name); it != new_hash.end()) t.content_hash = it->second;
@@ -229,7 +380,10 @@ absl::StatusOr<CommitOutcome> SealAndVerify(StagedUpdate& update, const CommitOp
   // must read it again rather than share the writer's bytes as the file's.
   for (GenerationFile& f : gen->files) {
     bool rewritten = std::any_of(f.host_segments.begin(), f.host_segments.end(),
-                                 [&](uint32_t id) { return staged.contains(id); });
+                                 [&](uint32_t id) { return replaced.contains(id); });
+    for (const auto& ids : f.arenas) {
+      rewritten |= std::any_of(ids.begin(), ids.end(), [&](uint32_t id) { return replaced.contains(id); });
+    }
     if (rewritten) f.stamp = FileStamp{};
   }
   for (const auto& segment : gen->host_segments) {

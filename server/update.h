@@ -18,9 +18,18 @@
 // naming the tensor. Sealing first means no byte can change between the
 // check and the serving.
 //
-// Device-placed tensors are not staged here: BeginUpdate on one is
-// UNIMPLEMENTED (a writer updates host-resident tensors; device shards come
-// from a reload).
+// Device-placed tensors are staged in host memory instead, whole (the
+// checkpoint tensor, not per-rank shards), in one more staged memfd that
+// is filled with their current bytes gathered from every rank. At commit it
+// is sealed and hashed like the others; then, for each changed device
+// tensor, the arenas that hold it (and only those) are copied into fresh
+// arenas and its rank slices written there by the daemon. Why not hand the
+// writer the arenas themselves: a CUDA VMM or IPC mapping in another
+// process cannot be revoked or write-protected afterwards (there is no
+// F_SEAL_WRITE for device memory), so a writer that kept its mapping could
+// change served bytes after verification. Staging in a sealed memfd keeps
+// "a node never serves a byte it did not verify" for device memory too, at
+// the price of one host-to-device copy by the daemon.
 //
 // Thread-safety: a StagedUpdate is used by one thread at a time (the
 // registry serialises begin, commit and abort of an update).
@@ -42,7 +51,9 @@ namespace weightd {
 // Bounds of a BeginUpdate/CommitUpdate request.
 inline constexpr size_t kMaxVersionLabelBytes = 128;
 
-// One staged segment: a writable copy of base segment `base_id`.
+// One staged segment: a writable copy of base segment `base_id`, or the
+// host staging of device tensors (base_id == kDeviceStaging).
+inline constexpr uint32_t kDeviceStaging = 0xffffffffu;
 struct StagedSegment {
   uint32_t base_id = 0;  // id into the base generation's segments
   std::shared_ptr<HostSegment> memory;
@@ -56,6 +67,7 @@ struct StagedTensor {
 
 struct StagedUpdate {
   std::shared_ptr<ModelGeneration> base;
+  DeviceBackend* backend = nullptr;  // for device tensors; not owned
   std::vector<std::string> tensors;  // named by the writer (all of the base's when none were)
   std::vector<StagedSegment> segments;
   std::vector<StagedTensor> writable;  // one per named tensor
@@ -65,13 +77,15 @@ struct StagedUpdate {
 
 // Stages an update of `tensors` (empty: every tensor) of `base` (READY).
 // INVALID_ARGUMENT for an unknown, repeated or empty tensor name or more
-// names than the model has tensors; UNIMPLEMENTED naming a device-placed
-// tensor; RESOURCE_EXHAUSTED when `admission` (may be null) cannot promise
-// the staged bytes or memfds cannot be made. Everything staged is freed on
-// error.
+// names than the model has tensors; FAILED_PRECONDITION naming a
+// device-placed tensor when `backend` is null; RESOURCE_EXHAUSTED when
+// `admission` (may be null) cannot promise the staged bytes or memfds
+// cannot be made. Everything staged is freed on error. `backend` (the
+// daemon's, not owned) must outlive the update.
 absl::StatusOr<std::unique_ptr<StagedUpdate>> StageUpdate(std::shared_ptr<ModelGeneration> base,
                                                           const std::vector<std::string>& tensors,
-                                                          HostMemoryAdmission* admission);
+                                                          HostMemoryAdmission* admission,
+                                                          DeviceBackend* backend = nullptr);
 
 struct CommitOptions {
   std::map<std::string, std::string> expected_hashes;  // tensor name -> 16 hex digits

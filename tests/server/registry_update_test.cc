@@ -162,3 +162,78 @@ TEST_F(UpdateTest, UnloadAbortsTheUpdate) {
 
 }  // namespace
 }  // namespace weightd::registry_test
+
+namespace weightd::registry_test {
+namespace {
+
+// Device-placed tensors: staged whole in host memory, uploaded by the daemon
+// into fresh copies of only the arenas that hold a changed tensor.
+class DeviceUpdateTest : public RegistryTest {
+ protected:
+  void SetUp() override {
+    RegistryOptions options = Options();
+    options.loader.device_backend = backend_.get();
+    options.loader.max_arena_bytes = 8;  // a.weight's rank part and c.scale get an arena each
+    registry_ = std::make_unique<ModelRegistry>(options, &listener_);
+    LoadRequest request;
+    request.name = "m";
+    request.checkpoint_path = Checkpoint("ck", 1);
+    request.tp_size = 2;
+    request.devices = {"GPU-emulated-0", "GPU-emulated-1"};
+    request.tp_rules = {{"a.weight", 0}};
+    request.host_resident_patterns = {"b.bias"};
+    ASSERT_TRUE(registry_->Load(request, nullptr).ok());
+  }
+  std::string DeviceBytes(const ModelGeneration& g, size_t rank, const std::string& name) {
+    for (const TensorRecord& t : g.ranks[rank].tensors) {
+      if (t.name != name) continue;
+      std::string out(t.nbytes, '\0');
+      EXPECT_TRUE(g.arenas[g.segments[g.ranks[rank].segments[t.segment]].owner]->CopyToHost(t.offset, out.data(), t.nbytes).ok());
+      return out;
+    }
+    return "<missing>";
+  }
+  std::unique_ptr<DeviceBackend> backend_ = MakeEmulatedBackend(2);
+  std::unique_ptr<ModelRegistry> registry_;
+};
+
+TEST_F(DeviceUpdateTest, ASplitTensorIsWrittenWholeAndOnlyItsArenasAreRewritten) {
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto gen1, registry_->Get("m"));
+  ASSERT_EQ(gen1->arenas.size(), 4u);  // per rank: a.weight's part, c.scale
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto grant, registry_->BeginUpdate("m", {"a.weight"}));
+  ASSERT_EQ(grant.update->segments.size(), 1u);  // the host staging of the device tensor
+  EXPECT_EQ(grant.update->segments[0].base_id, kDeviceStaging);
+  const StagedTensor& w = grant.update->writable.at(0);
+  EXPECT_EQ(w.record.nbytes, 16u);  // the whole [2, 2] F32 tensor, not a rank's half
+  EXPECT_EQ(w.record.shape, (std::vector<uint64_t>{2, 2}));
+  char* data = grant.update->segments[0].memory->writable() + w.record.offset;
+  EXPECT_EQ(std::string(data, 16), Tensors(1)[0].data);  // staged with the current bytes, gathered from both ranks
+  const std::string fresh = "0123456789abcdef";
+  std::memcpy(data, fresh.data(), 16);
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(
+      auto commit, registry_->CommitUpdate(grant.update_id,
+                                          {{{"a.weight", ContentHashHex(TensorContentHash(fresh.data(), 16))}}, "", false}));
+  const ModelGeneration& gen2 = *commit.model;
+  EXPECT_EQ(DeviceBytes(gen2, 0, "a.weight"), fresh.substr(0, 8));  // split on dim 0: rank 0 holds row 0
+  EXPECT_EQ(DeviceBytes(gen2, 1, "a.weight"), fresh.substr(8));
+  EXPECT_EQ(DeviceBytes(*gen1, 0, "a.weight"), Tensors(1)[0].data.substr(0, 8));  // generation 1 untouched
+  // Segment order: host, then rank 0's arenas (a, c), then rank 1's (a, c).
+  EXPECT_NE(gen2.arenas[0], gen1->arenas[0]);
+  EXPECT_EQ(gen2.arenas[1], gen1->arenas[1]);  // c.scale's arena is shared
+  EXPECT_NE(gen2.arenas[2], gen1->arenas[2]);
+  EXPECT_EQ(gen2.arenas[3], gen1->arenas[3]);
+  EXPECT_EQ(gen2.host_segments[0], gen1->host_segments[0]);
+  EXPECT_EQ(commit.tensors_changed, 1u);
+}
+
+TEST_F(DeviceUpdateTest, AReplicatedTensorReachesEveryRank) {
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto grant, registry_->BeginUpdate("m", {"c.scale"}));
+  const StagedTensor& w = grant.update->writable.at(0);
+  std::memcpy(grant.update->segments[0].memory->writable() + w.record.offset, "ABCDEFGH", 8);
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto commit, registry_->CommitUpdate(grant.update_id, {}));
+  EXPECT_EQ(DeviceBytes(*commit.model, 0, "c.scale"), "ABCDEFGH");
+  EXPECT_EQ(DeviceBytes(*commit.model, 1, "c.scale"), "ABCDEFGH");
+}
+
+}  // namespace
+}  // namespace weightd::registry_test

@@ -307,8 +307,9 @@ class Client {
   // Opens an update of `tensors` (empty: all) of READY model `name`: the
   // daemon stages writable copies of the segments holding them (initialised
   // with the current bytes), this claims and maps them read-write.
-  // ALREADY_EXISTS while another writer has an update of `name` open;
-  // UNIMPLEMENTED for device-placed tensors.
+  // ALREADY_EXISTS while another writer has an update of `name` open.
+  // Device-placed tensors are written whole into host staging memory; the
+  // daemon uploads each rank's part after verifying them.
   absl::StatusOr<Updater> BeginUpdate(const std::string& name, const std::vector<std::string>& tensors = {});
   absl::StatusOr<Manifest> GetManifest(const std::string& name, uint32_t rank);
   // Takes a lease, receives the segment fds and maps them lazily (pages fault
