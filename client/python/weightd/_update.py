@@ -67,7 +67,8 @@ class Update:
             info = TensorInfo.from_proto(t.entry)
             if info.segment >= len(self._sizes) or info.offset + info.nbytes > self._sizes[info.segment]:
                 self._release()
-                raise WeightdError(grpc.StatusCode.INTERNAL, f"update tensor {info.name!r} lies outside its staged segment")
+                raise WeightdError(grpc.StatusCode.INTERNAL,
+                                   f"update tensor {info.name!r} lies outside its staged segment")
             self._tensors[(info.name, t.rank)] = info
         self._ended = False
 
@@ -96,6 +97,7 @@ class Update:
 
         Raises UnsupportedDtypeError when torch has no such dtype (use buffer()).
         """
+        self._check_open()
         try:
             import torch
         except ImportError as e:
