@@ -4,6 +4,11 @@
     with weightd.connect().attach("llama", rank=0) as model:
         engine_model.load_weights(model.weights_iterator())  # (name, torch.Tensor), no copy
 
+A writer publishes the next generation (docs/api.md, "Publishing a generation from a writer"):
+
+    with weightd.connect().update("llama", tensors=["w"]) as up:
+        up["w"].copy_(new_w)  # writable, zero-copy; commits on a clean exit, aborts on an exception
+
 One call for a torch.nn.Module or a Hugging Face model (these import torch):
 
     weightd.torch.load_into(module, model)                       # zero-copy, ties kept
@@ -19,13 +24,15 @@ from ._client import DEFAULT_SOCKET, Client, connect
 from ._errors import WeightdError
 from ._model import Model, Tensor
 from ._torch import UnsupportedDtypeError, torch_dtype
-from ._types import LoadProgress, LoadResult, Manifest, ModelInfo, SegmentInfo, TensorInfo, UnloadResult, WatchEvent
+from ._types import (CommitResult, LoadProgress, LoadResult, Manifest, ModelInfo, SegmentInfo, TensorInfo,
+                     UnloadResult, WatchEvent)
+from ._update import Update
 from ._watch import Watch
 
 __all__ = [
     "DEFAULT_SOCKET", "Client", "connect", "WeightdError", "Model", "Tensor", "UnsupportedDtypeError",
     "torch_dtype", "LoadProgress", "LoadResult", "Manifest", "ModelInfo", "SegmentInfo", "TensorInfo",
-    "UnloadResult", "Watch", "WatchEvent",
+    "UnloadResult", "Watch", "WatchEvent", "Update", "CommitResult",
 ]
 
 

@@ -1,4 +1,4 @@
-"""Control RPCs through grpcio, and attach (fd socket + native mapping)."""
+"""Control RPCs through grpcio, attach (fd socket + native mapping) and update (fd socket + mmap)."""
 import os
 import time
 
@@ -9,6 +9,7 @@ from ._errors import WeightdError
 from ._model import Model, _Lease
 from ._native import Segment
 from ._types import LoadProgress, LoadResult, Manifest, ModelInfo, SegmentInfo, TensorInfo, UnloadResult
+from ._update import Update
 from ._watch import Watch
 from .v1 import weightd_pb2 as pb
 from .v1 import weightd_pb2_grpc as pb_grpc
@@ -122,6 +123,41 @@ class Client:
         """
         return Watch.start(self._stub.WatchModel, pb.WatchModelRequest(name=name))
 
+    def update(self, name, tensors=None, *, version_label=None):
+        """Opens an update of READY model `name`: the next generation, written by this process.
+
+            with client.update("llama", tensors=["w"]) as up:
+                up["w"].copy_(new_w)    # commits on a clean exit, aborts on an exception
+
+        `tensors`: the names this writer will write (None: every tensor). The
+        daemon stages writable copies of the segments holding them,
+        initialised with the current bytes, and shares the rest; this claims
+        them on the fd socket. Returns an Update (see its commit() and
+        abort()); its fd-socket connection is the update's lease.
+        `version_label` (e.g. f"step-{step}"): the label commit() gives the
+        new generation unless it is passed one itself.
+
+        Raises WeightdError: NOT_FOUND (no such model), ALREADY_EXISTS
+        (another writer has an update of `name` open), INVALID_ARGUMENT (a
+        tensor name the model lacks, or named twice), UNIMPLEMENTED
+        (device-placed tensors), RESOURCE_EXHAUSTED (no memory to stage).
+        """
+        request = pb.BeginUpdateRequest(name=name, tensors=list(tensors or ()))
+        response = self._call(self._stub.BeginUpdate, request)
+        fd_socket = os.environ.get("WEIGHTD_FD_SOCKET") or response.fd_socket
+        try:
+            connection, fds = _fdsock.claim(fd_socket, response.update_id, response.claim_timeout_seconds)
+        except WeightdError:
+            self._abort_quietly(response.update_id)
+            raise
+        if len(fds) != len(response.segments):
+            for fd in fds:
+                os.close(fd)
+            connection.close()  # the daemon aborts the update
+            raise WeightdError(grpc.StatusCode.INTERNAL,
+                               f"fd socket: {len(fds)} fds for {len(response.segments)} staged segments")
+        return Update(self._stub, response, connection, fds, version_label)
+
     def attach(self, model, rank=0, *, private=False):
         """Takes a lease on `model` and maps rank `rank` lazily; returns a Model.
 
@@ -163,6 +199,12 @@ class Client:
             return method(request)
         except grpc.RpcError as e:
             raise WeightdError.from_rpc(e) from None
+
+    def _abort_quietly(self, update_id):
+        try:
+            self._stub.AbortUpdate(pb.AbortUpdateRequest(update_id=update_id), timeout=5)
+        except grpc.RpcError:
+            pass  # the unclaimed update is aborted at its claim timeout
 
     def _detach_quietly(self, lease_id):
         try:

@@ -45,6 +45,16 @@ class LoadResult:
 
 
 @dataclass(frozen=True)
+class CommitResult:
+    """What Update.commit() published (CommitUpdateResponse)."""
+    model: ModelInfo      # the new generation (its version_label, bytes_read = bytes written)
+    tensors_changed: int  # tensors whose content hash differs from the base generation's
+    bytes_written: int    # bytes of the staged segments
+    bytes_shared: int     # bytes of segments shared unchanged with the base generation
+    seconds: float        # sealing, hashing, verifying and publishing, on the daemon
+
+
+@dataclass(frozen=True)
 class UnloadResult:
     model: ModelInfo
     freed: bool  # False while leases keep the generation DRAINING
