@@ -385,3 +385,27 @@ def test_buffer_works_without_torch(daemon, served, monkeypatch):
     monkeypatch.undo()
     with client.attach(name) as model:
         assert (model.generation, _bytes(model[V])) == (first.generation + 1, _bf16_bytes(1.0, (512, 1024)))
+
+
+def test_reload_reads_only_the_changed_file_and_reports_it(daemon, tmp_path):
+    """client.reload after one of the demo's five files changed reads that file only."""
+    path = daemon.models / "reload-small"
+    subprocess.run([daemon.weightctl, "make-demo", str(path), "--preset", "small"], check=True, capture_output=True)
+    first = daemon.client.load("reload-small", path)
+    changed = path / "model-00003-of-00005.safetensors"
+    data = bytearray(changed.read_bytes())
+    header = int.from_bytes(data[:8], "little")
+    for i in range(8 + header, min(len(data), 8 + header + 4096)):
+        data[i] ^= 0xFF
+    tmp = changed.with_suffix(".tmp")
+    tmp.write_bytes(bytes(data))
+    os.replace(tmp, changed)  # a new inode, as a trainer's checkpoint writer makes
+    second = daemon.client.reload("reload-small")
+    assert second.model.generation == first.model.generation + 1
+    assert second.bytes_read == len(data) - 8 - header
+    assert second.bytes_reused == first.bytes_read - second.bytes_read  # a full load reads every tensor byte
+    assert second.model.bytes_read == second.bytes_read
+    assert second.model.fingerprint != first.model.fingerprint
+    same = daemon.client.reload("reload-small")  # nothing changed since: reused whole
+    assert (same.reused, same.bytes_read, same.model.generation) == (True, 0, second.model.generation)
+    daemon.client.unload("reload-small", force=True)
