@@ -4,6 +4,7 @@
 // read CLOCK_MONOTONIC (system-wide), so their times compare directly; the
 // daemon's publish time comes with the event (Unix seconds) and is moved onto
 // the monotonic clock by the watcher.
+#include <signal.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -95,23 +96,28 @@ int PublishWatchCommand(const Flags& flags) {
     _exit(RunWatcher(socket, name, commits + warmup, fdopen(fds[1], "w")));
   }
   close(fds[1]);
+  auto stop = [child](const std::string& message) {  // ends the watcher, then fails
+    kill(child, SIGTERM);
+    waitpid(child, nullptr, 0);
+    return Fail(message);
+  };
   FILE* in = fdopen(fds[0], "r");
   char line[256];
-  if (!std::fgets(line, sizeof(line), in) || std::strcmp(line, "ready\n") != 0) return Fail("watcher did not start");
+  if (!std::fgets(line, sizeof(line), in) || std::strcmp(line, "ready\n") != 0) return stop("watcher did not start");
   absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(socket);
-  if (!client.ok()) return Fail(client.status().ToString());
+  if (!client.ok()) return stop(client.status().ToString());
   std::vector<double> from_start, from_return, from_publish, delivery, attach, commit_ms, server_ms;
   uint64_t staged = 0, written = 0;
   for (long i = 0; i < commits + warmup; ++i) {
     absl::StatusOr<Commit> c = CommitOne(**client, name, flags.Get("tensor"), static_cast<uint64_t>(i + 1));
-    if (!c.ok()) return Fail(c.status().ToString());
+    if (!c.ok()) return stop(c.status().ToString());
     uint64_t generation = 0;
     double published = 0, woke = 0, attached = 0;
     if (!std::fgets(line, sizeof(line), in) ||
         std::sscanf(line, "%" SCNu64 " %lf %lf %lf", &generation, &published, &woke, &attached) != 4) {
-      return Fail("the watcher stopped");
+      return stop("the watcher stopped");
     }
-    if (generation != c->generation) return Fail("the watcher attached another generation than the commit's");
+    if (generation != c->generation) return stop("the watcher attached another generation than the commit's");
     if (i < warmup) continue;
     staged = c->staged;
     written = c->written;
