@@ -14,10 +14,12 @@ int main(int argc, char** argv) {
       {"concurrent", ConcurrentCommand}, {"hold", HoldCommand},
       {"restart", RestartCommand},     {"make-checkpoint", MakeCheckpointCommand},
       {"catalog", CatalogCommand},
+      {"publish", PublishCommand},     {"shm-copy", ShmCopyCommand},
+      {"reload", ReloadCommand},       {"publish-watch", PublishWatchCommand},
   };
   auto it = argc > 1 ? kCommands.find(argv[1]) : kCommands.end();
   if (it == kCommands.end()) {
-    return Fail("usage: weightd_bench load|read-malloc|memfd-fill|attach|self-map|concurrent|hold|restart|make-checkpoint|catalog ...");
+    return Fail("usage: weightd_bench load|read-malloc|memfd-fill|attach|self-map|concurrent|hold|restart|make-checkpoint|catalog|publish|shm-copy|reload|publish-watch ...");
   }
   return it->second(Flags(argc - 1, argv + 1));
 }

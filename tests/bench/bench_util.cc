@@ -23,7 +23,7 @@ nlohmann::json Summarize(std::vector<double> samples) {
     size_t i = static_cast<size_t>(std::ceil(p * static_cast<double>(samples.size()))) - 1;
     return samples[std::min(i, samples.size() - 1)];
   };
-  return {{"n", samples.size()}, {"p50", rank(0.50)}, {"p99", rank(0.99)}, {"min", samples.front()},
+  return {{"n", samples.size()}, {"p50", rank(0.50)}, {"p90", rank(0.90)}, {"p99", rank(0.99)}, {"min", samples.front()},
           {"max", samples.back()}};
 }
 

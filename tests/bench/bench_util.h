@@ -15,7 +15,7 @@ namespace weightd::bench {
 // Seconds on the monotonic clock.
 double Now();
 
-// p50, p99, min and max of `samples` (nearest rank), in the samples' unit.
+// n, p50, p90, p99, min and max of `samples` (nearest rank), in the samples' unit.
 nlohmann::json Summarize(std::vector<double> samples);
 
 // "--key value" pairs, plus bare positional words.

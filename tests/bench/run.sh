@@ -1,26 +1,32 @@
 #!/usr/bin/env bash
 # Runs every weightd benchmark and prints one Markdown table.
 #
-#   tests/bench/run.sh [--quick|--full] [--hugepages]
+#   tests/bench/run.sh [--quick|--full] [--hugepages] [--only SECTION,...]
 #
 # --quick (default) takes under 3 minutes on 2 cores once the build, the
 # demo checkpoint and the peers' venv exist; --full repeats each measurement
 # more. --hugepages (root) also loads into a huge page pool it reserves and
-# then releases. Builds into $WEIGHTD_BENCH_BUILD (default build-bench/),
-# writes checkpoints under it, and installs the peers (safetensors,
-# runai-model-streamer, fastsafetensors, with torch) into a venv there from
-# PyPI on the first run; WEIGHTD_BENCH_NO_PEERS=1 skips that. Raw numbers:
+# then releases. --only runs some sections: catalog, load, attach (memory,
+# restart, attach, concurrency), writer (a writer's publish, partial
+# updates, publish-to-reattach, partial reload), peers. Builds into
+# $WEIGHTD_BENCH_BUILD (default build-bench/), writes checkpoints under it,
+# and installs the peers (safetensors, runai-model-streamer, fastsafetensors,
+# with torch) into a venv there from PyPI on the first run; WEIGHTD_BENCH_NO_PEERS=1 skips that. Raw numbers:
 # $WEIGHTD_BENCH_BUILD/bench-results.json.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 build=${WEIGHTD_BENCH_BUILD:-$root/build-bench}
 args=()
-for arg in "$@"; do
-  case "$arg" in
+only=
+while [ $# -gt 0 ]; do
+  case "$1" in
     --quick) ;;
-    --full|--hugepages) args+=("$arg") ;;
-    *) echo "usage: $0 [--quick|--full] [--hugepages]" >&2; exit 2 ;;
+    --full|--hugepages) args+=("$1") ;;
+    --only) only=${2:-}; [ -n "$only" ] || { echo "$0: --only needs a list" >&2; exit 2; }
+            args+=(--only "$only"); shift ;;
+    *) echo "usage: $0 [--quick|--full] [--hugepages] [--only catalog,load,attach,writer,peers]" >&2; exit 2 ;;
   esac
+  shift
 done
 
 say() { echo "[run.sh] $*" >&2; }
@@ -36,7 +42,9 @@ ninja -C "$build" weightd weightctl weightd_bench >&2
 # import gets its reason printed in its row.
 venv=$build/bench-venv
 status='{}'
-if [ "${WEIGHTD_BENCH_NO_PEERS:-0}" = 1 ]; then
+if [ -n "$only" ] && [[ ",$only," != *,peers,* ]]; then
+  :  # the peers' rows are not run
+elif [ "${WEIGHTD_BENCH_NO_PEERS:-0}" = 1 ]; then
   status='{"venv": "skipped (WEIGHTD_BENCH_NO_PEERS=1)"}'
 else
   if [ ! -x "$venv/bin/python" ]; then

@@ -17,6 +17,10 @@ int HoldCommand(const Flags& flags);
 int RestartCommand(const Flags& flags);
 int MakeCheckpointCommand(const Flags& flags);
 int CatalogCommand(const Flags& flags);
+int PublishCommand(const Flags& flags);
+int ShmCopyCommand(const Flags& flags);
+int ReloadCommand(const Flags& flags);
+int PublishWatchCommand(const Flags& flags);
 
 }  // namespace weightd::bench
 
