@@ -93,6 +93,34 @@ ModelRegistry::ModelRegistry(RegistryOptions options, RegistryListener* listener
       events_(std::make_shared<ModelEventHub>(options_.watch)) {
   options_.loader.cancel = &cancel_loads_;
   if (options_.loader.admission == nullptr) options_.loader.admission = &admission_;
+  release_thread_ = std::thread([this] { ReleaseLoop(); });
+}
+
+ModelRegistry::~ModelRegistry() {
+  {
+    absl::MutexLock lock(&release_mu_);
+    stop_release_ = true;
+  }
+  release_thread_.join();
+}
+
+void ModelRegistry::ReleaseLater(std::shared_ptr<const void> held) {
+  absl::MutexLock lock(&release_mu_);
+  to_release_.push_back(std::move(held));
+}
+
+void ModelRegistry::ReleaseLoop() {
+  for (;;) {
+    std::vector<std::shared_ptr<const void>> batch;
+    {
+      absl::MutexLock lock(&release_mu_);
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(release_mu_) { return stop_release_ || !to_release_.empty(); };
+      release_mu_.Await(absl::Condition(&ready));
+      batch.swap(to_release_);
+      if (batch.empty() && stop_release_) return;
+    }
+    batch.clear();  // the frees, without any lock held
+  }
 }
 
 absl::StatusOr<std::string> ModelRegistry::ResolvePath(const std::string& path) const {
@@ -184,7 +212,9 @@ absl::StatusOr<ModelRegistry::LoadResult> ModelRegistry::Load(LoadRequest reques
   absl::StatusOr<std::unique_ptr<ModelGeneration>> loaded =
       LoadGeneration(*catalog, request, options_.loader, track, previous.get());
   if (!loaded.ok()) return fail(loaded.status());
-  return Publish(std::move(*loaded), *catalog);
+  LoadResult result = Publish(std::move(*loaded), *catalog);
+  if (previous != nullptr) ReleaseLater(std::move(previous));  // freed off the reply's path when unleased
+  return result;
 }
 
 absl::StatusOr<ModelRegistry::LoadResult> ModelRegistry::Reload(const std::string& name,
@@ -334,6 +364,9 @@ absl::StatusOr<ModelRegistry::CommitResult> ModelRegistry::CommitUpdate(const st
                                  result.seconds);
   }
   NotifyMemory();
+  // `staged` holds the base generation: when no lease holds it either, it is
+  // freed on the release thread rather than before this reply.
+  ReleaseLater(std::move(staged));
   return result;
 }
 

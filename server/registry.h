@@ -16,6 +16,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -74,6 +75,8 @@ struct RegistryOptions {
 class ModelRegistry {
  public:
   ModelRegistry(RegistryOptions options, RegistryListener* listener);
+  // Waits for the releases handed to the release thread (see ReleaseLater).
+  ~ModelRegistry();
 
   struct LoadResult {
     std::shared_ptr<ModelGeneration> model;
@@ -261,6 +264,11 @@ class ModelRegistry {
   void AnnouncePublished(ModelGeneration& model) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DropLease(std::map<std::string, Lease>::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void NotifyMemory() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops `held` on the release thread: freeing a generation of many GiB
+  // (munmap, close) takes a good part of a second, which a commit or reload
+  // reply should not wait for. Memory gauges may lag by that long.
+  void ReleaseLater(std::shared_ptr<const void> held) ABSL_LOCKS_EXCLUDED(release_mu_);
+  void ReleaseLoop() ABSL_LOCKS_EXCLUDED(release_mu_);
 
   std::atomic<bool> cancel_loads_{false};
   HostMemoryAdmission admission_;
@@ -276,6 +284,10 @@ class ModelRegistry {
   std::map<std::string, std::shared_ptr<ModelGeneration>> failed_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Lease> leases_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, OpenUpdate> updates_ ABSL_GUARDED_BY(mu_);  // by model name: one writer per name
+  absl::Mutex release_mu_;
+  std::vector<std::shared_ptr<const void>> to_release_ ABSL_GUARDED_BY(release_mu_);
+  bool stop_release_ ABSL_GUARDED_BY(release_mu_) = false;
+  std::thread release_thread_;  // started in the constructor, joined in the destructor
   uint64_t next_generation_ ABSL_GUARDED_BY(mu_) = 1;
 };
 

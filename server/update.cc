@@ -3,6 +3,9 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <atomic>
+#include <functional>
+#include <thread>
 #include <cstring>
 
 #include "absl/container/flat_hash_map.h"
@@ -101,6 +104,33 @@ absl::StatusOr<std::shared_ptr<DeviceArena>> CopyArena(DeviceBackend& backend, D
   return std::shared_ptr<DeviceArena>(std::move(fresh));
 }
 
+// Runs fn(i) for i in [0, n) on up to one thread per core (memory-bound
+// copies and hashes of large segments); returns the first error.
+absl::Status ParallelFor(size_t n, const std::function<absl::Status(size_t)>& fn) {
+  size_t threads = std::min<size_t>(n, std::max(1u, std::thread::hardware_concurrency()));
+  if (threads <= 1) {
+    for (size_t i = 0; i < n; ++i) WEIGHTD_RETURN_IF_ERROR(fn(i));
+    return absl::OkStatus();
+  }
+  std::atomic<size_t> next{0};
+  std::vector<absl::Status> errors(threads);
+  std::vector<std::thread> pool;
+  for (size_t t = 0; t < threads; ++t) {
+    pool.emplace_back([&, t] {
+      for (size_t i; (i = next.fetch_add(1)) < n;) {
+        absl::Status status = fn(i);
+        if (!status.ok()) {
+          errors[t] = status;
+          next = n;
+        }
+      }
+    });
+  }
+  for (std::thread& th : pool) th.join();
+  for (const absl::Status& e : errors) WEIGHTD_RETURN_IF_ERROR(e);
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 std::string FingerprintOf(const std::vector<TensorRecord>& tensors) {
@@ -180,13 +210,17 @@ absl::StatusOr<std::unique_ptr<StagedUpdate>> StageUpdate(std::shared_ptr<ModelG
     WEIGHTD_ASSIGN_OR_RETURN(reservation, admission->Reserve(model, staged));
   }
   absl::flat_hash_map<uint32_t, uint32_t> staged_index;  // base id -> index into update->segments
-  for (uint32_t id : ids) {
-    const HostSegment& from = *base->host_segments[base->segments[id].owner];
-    absl::StatusOr<std::shared_ptr<HostSegment>> copy =
-        CopySegment(absl::StrCat(model, ":update", update->segments.size()), from);
-    if (!copy.ok()) return Annotate(copy.status(), absl::StrCat("staging a copy of segment ", id, " of ", QuoteName(model)));
-    staged_index[id] = static_cast<uint32_t>(update->segments.size());
-    update->segments.push_back({id, std::move(*copy)});
+  std::vector<std::shared_ptr<HostSegment>> copies(ids.size());
+  WEIGHTD_RETURN_IF_ERROR(ParallelFor(ids.size(), [&](size_t k) -> absl::Status {
+    const HostSegment& from = *base->host_segments[base->segments[ids[k]].owner];
+    absl::StatusOr<std::shared_ptr<HostSegment>> copy = CopySegment(absl::StrCat(model, ":update", k), from);
+    if (!copy.ok()) return Annotate(copy.status(), absl::StrCat("staging a copy of segment ", ids[k], " of ", QuoteName(model)));
+    copies[k] = std::move(*copy);
+    return absl::OkStatus();
+  }));
+  for (size_t k = 0; k < ids.size(); ++k) {
+    staged_index[ids[k]] = static_cast<uint32_t>(update->segments.size());
+    update->segments.push_back({ids[k], std::move(copies[k])});
   }
   if (!device_named.empty()) {
     absl::StatusOr<std::unique_ptr<HostSegment>> memory =
@@ -277,18 +311,27 @@ absl::StatusOr<CommitOutcome> SealAndVerify(StagedUpdate& update, const CommitOp
   absl::flat_hash_set<std::string> named(update.tensors.begin(), update.tensors.end());
   absl::flat_hash_map<std::string, uint64_t> new_hash;
   uint32_t changed = 0;
+  // Every tensor of a staged segment, hashed from the sealed bytes in parallel.
+  std::vector<std::pair<const TensorRecord*, const HostSegment*>> to_hash;
   for (const TensorRecord& t : base.ranks[0].tensors) {
     if (t.placement != Placement::kHost) continue;
     auto it = staged.find(base.ranks[0].segments[t.segment]);
-    if (it == staged.end()) continue;
-    uint64_t hash = TensorContentHash(it->second->data() + t.offset, t.nbytes);
-    if (hash == t.content_hash) continue;
+    if (it != staged.end()) to_hash.emplace_back(&t, it->second);
+  }
+  std::vector<uint64_t> hashes(to_hash.size());
+  WEIGHTD_RETURN_IF_ERROR(ParallelFor(to_hash.size(), [&](size_t k) -> absl::Status {
+    hashes[k] = TensorContentHash(to_hash[k].second->data() + to_hash[k].first->offset, to_hash[k].first->nbytes);
+    return absl::OkStatus();
+  }));
+  for (size_t k = 0; k < to_hash.size(); ++k) {
+    const TensorRecord& t = *to_hash[k].first;
+    if (hashes[k] == t.content_hash) continue;
     if (!named.contains(t.name)) {
       return absl::FailedPreconditionError(absl::StrCat(
           "tensor ", QuoteName(t.name), " changed but is not in this update (it shares a staged segment with one that "
           "is); the update is aborted"));
     }
-    new_hash[t.name] = hash;
+    new_hash[t.name] = hashes[k];
     ++changed;
   }
   // Device tensors, whole in the device staging segment; index into the manifests.

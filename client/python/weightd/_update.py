@@ -131,7 +131,10 @@ class Update:
     def _mapping(self, segment):
         if self._maps[segment] is None and self._sizes[segment] > 0:
             try:
-                self._maps[segment] = mmap.mmap(self._fds[segment], self._sizes[segment], mmap.MAP_SHARED,
+                # MAP_POPULATE (Linux, Python 3.10+): the staged pages exist; map them up front
+                # instead of taking one page fault per 4 KiB page while writing.
+                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+                self._maps[segment] = mmap.mmap(self._fds[segment], self._sizes[segment], flags,
                                                 mmap.PROT_READ | mmap.PROT_WRITE)
             except OSError as e:
                 # EPERM: an earlier commit attempt sealed this segment already.
