@@ -125,6 +125,9 @@ void ModelRegistry::ReleaseLoop() {
 
 absl::StatusOr<std::string> ModelRegistry::ResolvePath(const std::string& path) const {
   if (path.empty()) return absl::InvalidArgumentError("checkpoint path is empty");
+  if (path.find('\0') != std::string::npos) {
+    return absl::InvalidArgumentError("checkpoint path contains a NUL byte");  // the C library would cut it there
+  }
   if (options_.model_roots.empty()) {
     return absl::PermissionDeniedError("no --model-root is configured, so no checkpoint may be loaded");
   }
@@ -296,7 +299,15 @@ std::shared_ptr<StagedUpdate> ModelRegistry::EndUpdateLocked(std::map<std::strin
   std::shared_ptr<StagedUpdate> staged = std::move(it->second.staged);
   std::string name = it->first;
   updates_.erase(it);
-  if (listener_ && !reason.empty()) listener_->OnUpdateAborted(name, reason);
+  if (!reason.empty()) {
+    if (listener_) listener_->OnUpdateAborted(name, reason);
+    // A writer may keep the fds of an update that ended: its pages must not
+    // stay charged to the daemon. Sealed segments (a refused commit) cannot
+    // be punched; they go when the writer closes them.
+    if (staged != nullptr) {
+      for (const StagedSegment& s : staged->segments) s.memory->Discard();
+    }
+  }
   return staged;
 }
 
@@ -336,17 +347,24 @@ absl::StatusOr<ModelRegistry::CommitResult> ModelRegistry::CommitUpdate(const st
                                            "' was unloaded during the commit; the update is aborted"));
   }
   const std::string name = it->first;
+  auto current = current_.find(name);
+  bool base_current = current != current_.end() && current->second == staged->base;
   if (!outcome.ok()) {
-    if (sealed) {
-      dropped = EndUpdateLocked(it, "verification_failed");
-      NotifyMemory();
+    // Left open only for what the writer can fix and retry: a bad label or
+    // expected hash (INVALID_ARGUMENT, before anything was sealed) or a
+    // segment still mapped writable (FAILED_PRECONDITION before sealing),
+    // and only while the update's base is still the served generation.
+    bool retryable = !sealed && base_current && (absl::IsInvalidArgument(outcome.status()) ||
+                                                 absl::IsFailedPrecondition(outcome.status()));
+    if (retryable) {
+      it->second.committing = false;
     } else {
-      it->second.committing = false;  // e.g. still mapped writable: the writer may unmap and commit again
+      dropped = EndUpdateLocked(it, sealed ? "verification_failed" : base_current ? "aborted_by_writer" : "superseded");
+      NotifyMemory();
     }
     return outcome.status();
   }
-  auto current = current_.find(name);
-  if (current == current_.end() || current->second != staged->base) {
+  if (!base_current) {
     uint64_t now = current == current_.end() ? 0 : current->second->generation;
     dropped = EndUpdateLocked(it, "superseded");
     NotifyMemory();

@@ -1,6 +1,7 @@
 #include "common/memory/host_segment.h"
 
 #include <fcntl.h>
+#include <linux/falloc.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -143,6 +144,14 @@ absl::Status HostSegment::SealSize() {
   return absl::OkStatus();
 }
 
+void HostSegment::Discard() {
+  if (sealed_ || size_ == 0) return;
+  // Whole pages only are freed: round the hole up past the last partial page.
+  uint64_t page = huge_ ? kHugePageBytes : static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  uint64_t len = (size_ + page - 1) / page * page;
+  (void)fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, static_cast<off_t>(len));
+}
+
 absl::Status HostSegment::Seal(bool lock) {
   if (sealed_) return absl::FailedPreconditionError("segment already sealed");
   if (base_ != nullptr && munmap(base_, size_) != 0) return ErrnoToStatus("munmap writable segment", errno);
@@ -151,6 +160,10 @@ absl::Status HostSegment::Seal(bool lock) {
     if (errno == EBUSY) {
       return absl::FailedPreconditionError(
           "the memfd is still mapped writable by a process (F_SEAL_WRITE refused with EBUSY): unmap it first");
+    }
+    if (errno == EPERM) {
+      return absl::PermissionDeniedError(
+          "the memfd can take no more seals (another process holding its fd added F_SEAL_SEAL)");
     }
     return ErrnoToStatus("fcntl(F_ADD_SEALS)", errno);
   }

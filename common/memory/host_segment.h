@@ -76,6 +76,11 @@ class HostSegment {
   // memory under the daemon's mappings (a read past a truncated memfd's end
   // is SIGBUS).
   absl::Status SealSize();
+  // Before Seal(): gives the memory back to the kernel (fallocate(2)
+  // FALLOC_FL_PUNCH_HOLE over the whole size), so that another process still
+  // holding the memfd's fd keeps an empty file, not the daemon's pages. For
+  // an update that ends without a commit. Best effort; no-op once sealed.
+  void Discard();
 
   const char* data() const { return base_; }
   uint64_t size() const { return size_; }  // with huge pages: rounded up to 2 MiB

@@ -1,7 +1,10 @@
 // The writer path in the registry (server/registry.h, server/update.h):
 // staging, claim timeout, commit and its verification, atomic publish,
 // supersession by a reload, and the refusal while a writable mapping lives.
+#include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <cstring>
 
@@ -233,6 +236,61 @@ TEST_F(DeviceUpdateTest, AReplicatedTensorReachesEveryRank) {
   WEIGHTD_ASSERT_OK_AND_ASSIGN(auto commit, registry_->CommitUpdate(grant.update_id, {}));
   EXPECT_EQ(DeviceBytes(*commit.model, 0, "c.scale"), "ABCDEFGH");
   EXPECT_EQ(DeviceBytes(*commit.model, 1, "c.scale"), "ABCDEFGH");
+}
+
+}  // namespace
+}  // namespace weightd::registry_test
+
+namespace weightd::registry_test {
+namespace {
+
+// Review findings: an update that ends without a commit gives its pages back
+// even when the writer keeps the fds; a writer's F_SEAL_SEAL ends its update;
+// an unload during a refused commit does not leave the update behind.
+class UpdateEndTest : public RegistryTest {
+ protected:
+  void SetUp() override { ASSERT_TRUE(Load("m", Checkpoint("ck", 1)).ok()); }
+};
+
+uint64_t AllocatedBytes(int fd) {
+  struct stat st;
+  return fstat(fd, &st) == 0 ? static_cast<uint64_t>(st.st_blocks) * 512 : ~0ull;
+}
+
+TEST_F(UpdateEndTest, AnAbortedUpdateGivesItsPagesBackToAWriterThatKeepsTheFd) {
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto grant, registry_.BeginUpdate("m", {"a.weight"}));
+  int kept = dup(grant.update->segments[0].memory->fd());  // what a hostile writer holds on to
+  ASSERT_GE(kept, 0);
+  EXPECT_GT(AllocatedBytes(kept), 0u);
+  WEIGHTD_ASSERT_OK(registry_.AbortUpdate(grant.update_id, "aborted_by_writer"));
+  EXPECT_EQ(AllocatedBytes(kept), 0u);
+  close(kept);
+}
+
+TEST_F(UpdateEndTest, AWriterThatAddsFSealSealEndsItsUpdate) {
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto grant, registry_.BeginUpdate("m", {"a.weight"}));
+  ASSERT_EQ(fcntl(grant.update->segments[0].memory->fd(), F_ADD_SEALS, F_SEAL_SEAL), 0);
+  EXPECT_THAT(registry_.CommitUpdate(grant.update_id, {}),
+              StatusIs(Code::kPermissionDenied, "another process holding its fd added F_SEAL_SEAL"));
+  EXPECT_FALSE(registry_.IsUpdateOpen(grant.update_id));
+  WEIGHTD_ASSERT_OK(registry_.BeginUpdate("m", {"a.weight"}).status());  // the name is free again
+}
+
+TEST_F(UpdateEndTest, AnUnloadWhileAWriterStillMapsTheSegmentLeavesNoUpdateBehind) {
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto grant, registry_.BeginUpdate("m", {"a.weight"}));
+  const HostSegment& staged = *grant.update->segments[0].memory;
+  void* map = mmap(nullptr, staged.size(), PROT_READ | PROT_WRITE, MAP_SHARED, staged.fd(), 0);
+  ASSERT_NE(map, MAP_FAILED);
+  WEIGHTD_ASSERT_OK(registry_.Unload("m", false).status());  // aborts the update (not committing yet)
+  EXPECT_FALSE(registry_.IsUpdateOpen(grant.update_id));
+  ASSERT_TRUE(Load("m", Checkpoint("ck2", 2)).ok());
+  WEIGHTD_ASSERT_OK(registry_.BeginUpdate("m", {"a.weight"}).status());
+  munmap(map, staged.size());
+}
+
+TEST_F(UpdateEndTest, APathWithANulByteIsRefused) {
+  EXPECT_THAT(registry_.Reload("m", std::string("ck\0/x", 5), nullptr),
+              StatusIs(Code::kInvalidArgument, "checkpoint path contains a NUL byte"));
 }
 
 }  // namespace
