@@ -91,8 +91,13 @@ TEST(GenerationsE2E, ReloadAfterOneFileChangedReadsOnlyThatFile) {
   EXPECT_NE(second["fingerprint"], first["fingerprint"]);
 
   // The first file's memfd is the same object; the second's is new, and the
-  // old one went with generation 1 (no lease held it).
+  // old one went with generation 1 (no lease held it; freed off the reply's
+  // path, by the daemon's release thread, so give it a moment).
   std::set<std::string> after = MemfdInodes(d.pid());
+  for (int i = 0; i < 500 && after.size() != 2; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    after = MemfdInodes(d.pid());
+  }
   ASSERT_EQ(after.size(), 2u);
   std::vector<std::string> kept;
   std::set_intersection(before.begin(), before.end(), after.begin(), after.end(), std::back_inserter(kept));
