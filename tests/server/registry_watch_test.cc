@@ -1,6 +1,8 @@
 // ModelRegistry's watch events: the exact sequence each change of a name
 // produces (PUBLISHED, DRAINING, FREED, UNLOADED), CURRENT on subscribe, and
 // the limits.
+#include <thread>
+
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/server/registry_fixture.h"
@@ -135,6 +137,10 @@ TEST_F(RegistryTest, AWatcherThatDoesNotReadIsDroppedNotGrown) {
   WEIGHTD_ASSERT_OK_AND_ASSIGN(auto stuck, registry.Watch("m", [] {}));  // never reads
   WEIGHTD_ASSERT_OK(Load("m", Checkpoint("one", 1), &registry));
   WEIGHTD_ASSERT_OK(Load("m", Checkpoint("two", 2), &registry));  // PUBLISHED 2, FREED 1: the third event
+  // FREED comes from the registry's release thread, just after the load returns.
+  for (int i = 0; i < 500 && registry.events().watchers() != 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
   EXPECT_THAT(stuck->Next(), StatusIs(Code::kResourceExhausted, "fell 2 events behind"));
   EXPECT_EQ(registry.events().watchers(), 0u);
   registry.events().Unsubscribe(stuck, nullptr);
