@@ -526,8 +526,8 @@ class Bench:
         parts = (f"begin (the daemon's staging copy of the current bytes) {full['begin_s']:.2f} s, writer's "
                  f"memcpy {full['write_s']:.2f} s ({full['write_minor_faults']:.0f} faults mapping the staged "
                  f"pages), commit {full['commit_s']:.2f} s (daemon seal + hash + publish "
-                 f"{full['commit_server_s']:.2f} s; the rest: the writer unmapping, the daemon freeing the "
-                 f"unleased previous generation before it replies)")
+                 f"{full['commit_server_s']:.2f} s; the rest: the writer unmapping and the RPC; the unleased "
+                 f"previous generation is freed after the reply, on the daemon's release thread)")
         label = f"{runs['full'][0]['model_tensors']} tensors, {self.ckpt_bytes / GIB:.2f} GiB"
         self.table.add(f"writer: full publish by a writer process ({label}), BeginUpdate to Commit return, "
                        f"vs one memcpy into fresh shared memory (baseline / weightd)",
@@ -602,8 +602,8 @@ class Bench:
         self.table.add(f"reload: rewrite {os.path.basename(target)} (1 of {len(files)} files, "
                        f"{data_bytes / 1e9:.2f} GB of tensors) then Reload vs full load of the same checkpoint "
                        "(time; bytes read)", f"{t:.2f} s; {read / 1e9:.2f} GB read (the daemon's own load time "
-                       f"{server:.2f} s; after it, the reply waits for the replaced segments of the unleased "
-                       "previous generation to be freed)",
+                       f"{server:.2f} s; the replaced segments of the unleased previous generation are freed "
+                       "after the reply)",
                        f"{full:.2f} s; {full_read / 1e9:.2f} GB read", f"{t / full:.2f}; {read / full_read:.2f}",
                        "reads only the rewritten file",
                        "met" if exact else f"not met: read {read} bytes, the file holds {data_bytes}")
