@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_format.h"
 #include "common/base/status.h"
+#include "common/format/content_hash.h"
 
 namespace weightd {
 
@@ -79,7 +80,7 @@ void ToProto(const TensorRecord& t, v1::TensorEntry* out) {
   for (uint64_t d : t.full_shape) out->add_full_shape(d);
   out->set_split_dim(t.split_dim);
   out->set_split_start(t.split_start);
-  out->set_content_hash(absl::StrFormat("%016x", t.content_hash));
+  out->set_content_hash(ContentHashHex(t.content_hash));
 }
 
 void ToProto(const SegmentRecord& s, uint32_t id, v1::SegmentDescriptor* out) {

@@ -389,27 +389,9 @@ class ReadJob {
   absl::Status error_ ABSL_GUARDED_BY(mu_);
 };
 
-std::string Fingerprint(const Catalog& catalog, const std::vector<uint64_t>& hashes) {
-  std::vector<size_t> order(catalog.tensors.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return catalog.tensors[a].name < catalog.tensors[b].name; });
-  XXH3_state_t* state = XXH3_createState();
-  XXH3_128bits_reset(state);
-  for (size_t i : order) {
-    const CatalogTensor& t = catalog.tensors[i];
-    std::string line = absl::StrCat(t.name, std::string(1, '\0'), DTypeName(t.dtype), std::string(1, '\0'),
-                                    absl::StrJoin(t.shape, ","), std::string(1, '\0'),
-                                    absl::StrFormat("%016x", hashes[i]), "\n");
-    XXH3_128bits_update(state, line.data(), line.size());
-  }
-  XXH128_hash_t h = XXH3_128bits_digest(state);
-  XXH3_freeState(state);
-  return absl::StrFormat("%016x%016x", h.high64, h.low64);
-}
-
 // Seals every fresh segment and moves all of them, with the manifests, into
 // `gen`: host segments first (plan order), then each rank's arenas.
-absl::Status Publish(const Catalog& catalog, const LoadPlan& plan, Allocation& alloc, const Reuse& reuse,
+absl::Status Publish(const Catalog& catalog, const LoadPlan& plan, Allocation& alloc,
                      const std::vector<uint64_t>& hashes, bool mlock, DeviceBackend* backend, ModelGeneration& gen) {
   gen.files.resize(catalog.files.size());
   for (size_t f = 0; f < catalog.files.size(); ++f) {
@@ -459,11 +441,28 @@ absl::Status Publish(const Catalog& catalog, const LoadPlan& plan, Allocation& a
     for (size_t i = 0; i < rank.tensors.size(); ++i) rank.tensors[i].content_hash = hashes[i];
     gen.ranks.push_back(std::move(rank));
   }
-  (void)reuse;
   return absl::OkStatus();
 }
 
 }  // namespace
+
+std::string FingerprintOf(const std::vector<TensorRecord>& tensors) {
+  std::vector<const TensorRecord*> order;
+  order.reserve(tensors.size());
+  for (const TensorRecord& t : tensors) order.push_back(&t);
+  std::sort(order.begin(), order.end(), [](const TensorRecord* a, const TensorRecord* b) { return a->name < b->name; });
+  XXH3_state_t* state = XXH3_createState();
+  XXH3_128bits_reset(state);
+  for (const TensorRecord* t : order) {
+    std::string line = absl::StrCat(t->name, std::string(1, '\0'), DTypeName(t->dtype), std::string(1, '\0'),
+                                    absl::StrJoin(t->full_shape, ","), std::string(1, '\0'),
+                                    ContentHashHex(t->content_hash), "\n");
+    XXH3_128bits_update(state, line.data(), line.size());
+  }
+  XXH128_hash_t h = XXH3_128bits_digest(state);
+  XXH3_freeState(state);
+  return absl::StrFormat("%016x%016x", h.high64, h.low64);
+}
 
 FileStamp StampOf(const CatalogFile& file) { return FileStamp{file.name, file.identity, file.header_hash}; }
 
@@ -534,9 +533,9 @@ absl::StatusOr<std::unique_ptr<ModelGeneration>> LoadGeneration(const Catalog& c
     }
   }
   auto gen = std::make_unique<ModelGeneration>();
-  WEIGHTD_RETURN_IF_ERROR(Publish(catalog, plan, alloc, reuse, hashes, options.mlock, options.device_backend, *gen));
+  WEIGHTD_RETURN_IF_ERROR(Publish(catalog, plan, alloc, hashes, options.mlock, options.device_backend, *gen));
   gen->request = request;
-  gen->fingerprint = Fingerprint(catalog, hashes);
+  gen->fingerprint = FingerprintOf(gen->ranks[0].tensors);
   gen->tensor_count = catalog.tensors.size();
   gen->checkpoint_bytes = catalog.total_bytes();
   gen->bytes_read = p.bytes_total;

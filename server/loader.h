@@ -82,6 +82,11 @@ absl::StatusOr<std::unique_ptr<ModelGeneration>> LoadGeneration(const Catalog& c
                                                                  const ProgressFn& progress,
                                                                  const ModelGeneration* previous = nullptr);
 
+// The model fingerprint (above) of a rank's manifest, from each tensor's
+// name, dtype, full (checkpoint) shape and content hash: one formula for
+// loads and for a writer's commits.
+std::string FingerprintOf(const std::vector<TensorRecord>& tensors);
+
 // The stamp of a cataloged file: its name, identity and header hash.
 FileStamp StampOf(const CatalogFile& file);
 

@@ -22,8 +22,6 @@
 namespace weightd {
 namespace {
 
-std::string HashHex(uint64_t hash) { return absl::StrFormat("%016x", hash); }
-
 bool IsHashHex(const std::string& s) {
   return s.size() == 16 && std::all_of(s.begin(), s.end(), [](char c) { return absl::ascii_isxdigit(c); });
 }
@@ -132,24 +130,6 @@ absl::Status ParallelFor(size_t n, const std::function<absl::Status(size_t)>& fn
 }
 
 }  // namespace
-
-std::string FingerprintOf(const std::vector<TensorRecord>& tensors) {
-  std::vector<const TensorRecord*> order;
-  order.reserve(tensors.size());
-  for (const TensorRecord& t : tensors) order.push_back(&t);
-  std::sort(order.begin(), order.end(), [](const TensorRecord* a, const TensorRecord* b) { return a->name < b->name; });
-  XXH3_state_t* state = XXH3_createState();
-  XXH3_128bits_reset(state);
-  for (const TensorRecord* t : order) {
-    std::string line = absl::StrCat(t->name, std::string(1, '\0'), DTypeName(t->dtype), std::string(1, '\0'),
-                                    absl::StrJoin(t->full_shape, ","), std::string(1, '\0'), HashHex(t->content_hash),
-                                    "\n");
-    XXH3_128bits_update(state, line.data(), line.size());
-  }
-  XXH128_hash_t h = XXH3_128bits_digest(state);
-  XXH3_freeState(state);
-  return absl::StrFormat("%016x%016x", h.high64, h.low64);
-}
 
 absl::StatusOr<std::unique_ptr<StagedUpdate>> StageUpdate(std::shared_ptr<ModelGeneration> base,
                                                           const std::vector<std::string>& tensors,
@@ -359,9 +339,9 @@ absl::StatusOr<CommitOutcome> SealAndVerify(StagedUpdate& update, const CommitOp
         if (t.name == name) actual = t.content_hash;
       }
     }
-    if (absl::AsciiStrToLower(expected) != HashHex(actual)) {
+    if (absl::AsciiStrToLower(expected) != ContentHashHex(actual)) {
       return absl::FailedPreconditionError(absl::StrCat("tensor ", QuoteName(name), " has content hash ",
-                                                        HashHex(actual), " but the writer expected ",
+                                                        ContentHashHex(actual), " but the writer expected ",
                                                         absl::AsciiStrToLower(expected), "; the update is aborted"));
     }
   }

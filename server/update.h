@@ -117,10 +117,6 @@ absl::Status CheckCommitOptions(const StagedUpdate& update, const CommitOptions&
 // `*sealed` tells the caller which kind it got.
 absl::StatusOr<CommitOutcome> SealAndVerify(StagedUpdate& update, const CommitOptions& options, bool* sealed);
 
-// The model fingerprint (server/loader.h) of a rank's manifest, from each
-// tensor's name, dtype, full shape and content hash.
-std::string FingerprintOf(const std::vector<TensorRecord>& tensors);
-
 }  // namespace weightd
 
 #endif  // WEIGHTD_SERVER_UPDATE_H_
