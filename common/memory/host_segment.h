@@ -35,6 +35,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "common/base/scoped_fd.h"
 
 namespace weightd {
 
@@ -51,6 +52,13 @@ class HostSegment {
   // mapped read-write. Errors: RESOURCE_EXHAUSTED when memory or fds are short.
   static absl::StatusOr<std::unique_ptr<HostSegment>> Create(const std::string& name, uint64_t size,
                                                              HugePages huge = HugePages::kNever);
+  // Takes over `fd`, a memfd sealed by an earlier process (a restarted
+  // daemon's fd store, server/fd_store.h): it must carry F_SEAL_SHRINK |
+  // F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL, be exactly `size` bytes, and be
+  // of 2 MiB pages exactly when `huge` (st_blksize). Maps it read-only and
+  // lazily; locks nothing. The result is sealed(). Errors:
+  // FAILED_PRECONDITION naming the check that failed; the fd is closed.
+  static absl::StatusOr<std::unique_ptr<HostSegment>> Adopt(ScopedFd fd, uint64_t size, bool huge);
   ~HostSegment();
   HostSegment(const HostSegment&) = delete;
   HostSegment& operator=(const HostSegment&) = delete;
