@@ -100,17 +100,17 @@ void FdStoreKeeper::Adopted(const std::shared_ptr<ModelGeneration>& model, const
                             const std::vector<std::string>& arena_names) {
   absl::MutexLock lock(&state_mu_);
   Stored stored{record_name, std::move(record_fd), model, {}};
-  auto adopt = [&](const void* object, const std::string& name) {
-    segment_names_[object] = name;
+  auto adopt = [&](std::shared_ptr<const void> object, const std::string& name) {
+    segment_names_[object.get()] = {name, object};
     ++segment_refs_[name];
     stored.segments.push_back(name);
     uint64_t n = 0;
     if (name.rfind("wd-seg-", 0) == 0 && absl::SimpleAtoi(name.substr(7), &n)) next_segment_ = std::max(next_segment_, n + 1);
   };
   for (size_t i = 0; i < model->host_segments.size() && i < host_segment_names.size(); ++i) {
-    adopt(model->host_segments[i].get(), host_segment_names[i]);
+    adopt(model->host_segments[i], host_segment_names[i]);
   }
-  for (size_t i = 0; i < model->arenas.size() && i < arena_names.size(); ++i) adopt(model->arenas[i].get(), arena_names[i]);
+  for (size_t i = 0; i < model->arenas.size() && i < arena_names.size(); ++i) adopt(model->arenas[i], arena_names[i]);
   models_[model->request.name] = std::move(stored);
 }
 
@@ -163,7 +163,7 @@ void FdStoreKeeper::Publish(const std::shared_ptr<ModelGeneration>& model) {
   std::vector<StoredSegment> host, arenas;
   absl::Status status;
   for (const auto& segment : model->host_segments) {
-    absl::StatusOr<std::string> fd_name = Need(segment.get(), segment->fd());
+    absl::StatusOr<std::string> fd_name = Need(segment, segment->fd());
     if (!fd_name.ok()) { status = fd_name.status(); break; }
     next.segments.push_back(*fd_name);
     host.push_back({*fd_name, SegmentBackend::kMemfd, segment->size(), InodeOf(segment->fd()), segment->huge_pages(), ""});
@@ -179,7 +179,7 @@ void FdStoreKeeper::Publish(const std::shared_ptr<ModelGeneration>& model) {
                                                      " arenas are exported by handle, which no fd store can keep"));
       break;
     }
-    absl::StatusOr<std::string> fd_name = Need(model->arenas[i].get(), arena.export_fd());
+    absl::StatusOr<std::string> fd_name = Need(model->arenas[i], arena.export_fd());
     if (!fd_name.ok()) { status = fd_name.status(); break; }
     next.segments.push_back(*fd_name);
     uint64_t inode = backend == SegmentBackend::kEmulated ? InodeOf(arena.export_fd()) : 0;
@@ -213,15 +213,16 @@ void FdStoreKeeper::Unload(const std::string& name) {
   models_.erase(it);
 }
 
-absl::StatusOr<std::string> FdStoreKeeper::Need(const void* object, int fd) {
-  auto it = segment_names_.find(object);
+absl::StatusOr<std::string> FdStoreKeeper::Need(std::shared_ptr<const void> object, int fd) {
+  auto it = segment_names_.find(object.get());
   if (it != segment_names_.end()) {
-    ++segment_refs_[it->second];
-    return it->second;
+    ++segment_refs_[it->second.name];
+    return it->second.name;
   }
   std::string name = absl::StrCat("wd-seg-", next_segment_++);
   if (sink_) WEIGHTD_RETURN_IF_ERROR(sink_->Store(name, fd));
-  segment_names_[object] = name;
+  const void* key = object.get();  // before the move: `a = b` evaluates b first (C++17)
+  segment_names_[key] = {name, std::move(object)};
   segment_refs_[name] = 1;
   return name;
 }
@@ -232,7 +233,7 @@ void FdStoreKeeper::Release(const std::vector<std::string>& segments) {
     if (ref == segment_refs_.end() || --ref->second > 0) continue;
     segment_refs_.erase(ref);
     for (auto it = segment_names_.begin(); it != segment_names_.end();) {
-      it = it->second == name ? segment_names_.erase(it) : std::next(it);
+      it = it->second.name == name ? segment_names_.erase(it) : std::next(it);
     }
     if (sink_) Note(sink_->Remove(name), absl::StrCat("drop ", name));
   }
@@ -262,7 +263,7 @@ std::vector<NamedFd> FdStoreKeeper::Handoff() {
     records.push_back({stored.record_name, dup(stored.record_fd.get())});
     auto add = [&](const void* object, int fd) {
       auto it = segment_names_.find(object);
-      if (it != segment_names_.end() && named.insert(it->second).second) segments.push_back({it->second, dup(fd)});
+      if (it != segment_names_.end() && named.insert(it->second.name).second) segments.push_back({it->second.name, dup(fd)});
     };
     for (const auto& s : model->host_segments) add(s.get(), s->fd());
     for (const auto& a : model->arenas) add(a.get(), a->export_fd());

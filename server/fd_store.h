@@ -117,8 +117,9 @@ class FdStoreKeeper final : public RegistryListener {
   void Publish(const std::shared_ptr<ModelGeneration>& model) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
   void Unload(const std::string& name) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
   // The store name of a segment object, storing its fd first when new;
-  // counts one more record needing it.
-  absl::StatusOr<std::string> Need(const void* object, int fd) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
+  // counts one more record needing it. The keeper holds the object while it
+  // is stored (the store holds its memory anyway), so its address names it.
+  absl::StatusOr<std::string> Need(std::shared_ptr<const void> object, int fd) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
   // One record fewer needs each of `segments`; the store drops those no
   // record needs.
   void Release(const std::vector<std::string>& segments) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
@@ -133,7 +134,11 @@ class FdStoreKeeper final : public RegistryListener {
   // What the store holds: changed by the worker (and Adopted/Drop at start).
   mutable absl::Mutex state_mu_ ABSL_ACQUIRED_AFTER(mu_);
   std::map<std::string, Stored> models_ ABSL_GUARDED_BY(state_mu_);
-  std::map<const void*, std::string> segment_names_ ABSL_GUARDED_BY(state_mu_);
+  struct Segment {
+    std::string name;
+    std::shared_ptr<const void> object;
+  };
+  std::map<const void*, Segment> segment_names_ ABSL_GUARDED_BY(state_mu_);
   std::map<std::string, int> segment_refs_ ABSL_GUARDED_BY(state_mu_);
   uint64_t next_segment_ ABSL_GUARDED_BY(state_mu_) = 1;
   uint64_t errors_ ABSL_GUARDED_BY(state_mu_) = 0;
