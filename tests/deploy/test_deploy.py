@@ -479,6 +479,15 @@ def _():
     expect(read_unit()["Install"].get("WantedBy") == "multi-user.target", "WantedBy=multi-user.target missing")
 
 
+@check("systemd: the fd store keeps models across restarts and reload is an in-place upgrade")
+def _():
+    s = read_unit()["Service"]
+    store_max = int(s.get("FileDescriptorStoreMax", "0") or 0)
+    expect(1024 <= store_max <= int(s.get("LimitNOFILE", "0") or 0),
+           "FileDescriptorStoreMax=%r: needs >= 1024 and <= LimitNOFILE=%r" % (store_max, s.get("LimitNOFILE")))
+    expect(s.get("ExecReload") == "/bin/kill -HUP $MAINPID", "ExecReload=%r, expected SIGHUP" % s.get("ExecReload"))
+
+
 @check("systemd: ExecStart runs %s --config /etc/weightd/config.json" % BINARY)
 def _():
     execs = unit_values("ExecStart")

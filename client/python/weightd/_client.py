@@ -31,13 +31,24 @@ def _target(socket_path):
     return "unix://" + socket_path if socket_path.startswith("/") else socket_path
 
 
+# Manifests of 100,000+ tensors exceed grpc's 4 MiB default. Reconnect
+# backoff capped at 1 s (gRPC's default grows to 120 s).
+_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.initial_reconnect_backoff_ms", 100),
+                    ("grpc.min_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
+
+
 class Client:
-    """A connection to one daemon. Safe to use from many threads."""
+    """A connection to one daemon. Safe to use from many threads.
+
+    Across a daemon restart or in-place upgrade, attached models stay
+    valid (their leases are gone), a call while the daemon is down raises
+    WeightdError(UNAVAILABLE), and a call once it is back reconnects (the
+    channel's reconnect backoff is capped at 1 s; tests/python/test_restart.py).
+    """
 
     def __init__(self, socket_path):
         self.target = _target(socket_path)
-        # Manifests of 100,000+ tensors exceed grpc's 4 MiB default.
-        self._channel = grpc.insecure_channel(self.target, options=[("grpc.max_receive_message_length", -1)])
+        self._channel = grpc.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
         self._stub = pb_grpc.WeightdStub(self._channel)
 
     def close(self):
