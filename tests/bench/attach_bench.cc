@@ -4,6 +4,7 @@
 // a client process that touches every page and waits (for PSS).
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -28,9 +29,18 @@ absl::StatusOr<std::unique_ptr<Client>> ConnectedClient(const std::string& socke
   return client;
 }
 
+// --packed true|false (default true): the manifest encoding asked for;
+// --prefault true|false (default false).
+AttachOptions OptionsOf(const Flags& flags) {
+  AttachOptions options;
+  options.packed_manifest = flags.Get("packed", "true") == "true";
+  options.prefault = flags.Get("prefault", "false") == "true";
+  return options;
+}
+
 // Attaches and checks that every tensor of the manifest has its view.
-absl::StatusOr<MappedModel> AttachAll(Client& client, const std::string& name) {
-  absl::StatusOr<MappedModel> model = client.Attach(name, 0);
+absl::StatusOr<MappedModel> AttachAll(Client& client, const std::string& name, const AttachOptions& options = {}) {
+  absl::StatusOr<MappedModel> model = client.Attach(name, 0, options);
   if (model.ok() && model->tensors().size() != model->manifest().tensors.size()) {
     return absl::InternalError("views missing");
   }
@@ -39,8 +49,8 @@ absl::StatusOr<MappedModel> AttachAll(Client& client, const std::string& name) {
 
 }  // namespace
 
-// attach --socket S --name N [--runs K]: milliseconds from Attach to all
-// views ready, each run on a new, connected Client.
+// attach --socket S --name N [--runs K] [--packed B] [--prefault B]:
+// milliseconds from Attach to all views ready, each run on a new, connected Client.
 int AttachCommand(const Flags& flags) {
   std::vector<double> ms;
   size_t tensors = 0;
@@ -48,7 +58,7 @@ int AttachCommand(const Flags& flags) {
     absl::StatusOr<std::unique_ptr<Client>> client = ConnectedClient(flags.Get("socket"));
     if (!client.ok()) return Fail(client.status().ToString());
     double start = Now();
-    absl::StatusOr<MappedModel> model = AttachAll(**client, flags.Get("name"));
+    absl::StatusOr<MappedModel> model = AttachAll(**client, flags.Get("name"), OptionsOf(flags));
     double elapsed = Now() - start;
     if (!model.ok()) return Fail(model.status().ToString());
     tensors = model->tensors().size();
@@ -82,8 +92,8 @@ int SelfMapCommand(const Flags& flags) {
   return 0;
 }
 
-// concurrent --socket S --name N [--clients 64]: that many threads, each
-// with its own connected Client, attach at the same moment.
+// concurrent --socket S --name N [--clients 64] [--packed B]: that many
+// threads, each with its own connected Client, attach at the same moment.
 int ConcurrentCommand(const Flags& flags) {
   int n = static_cast<int>(flags.GetInt("clients", 64));
   std::vector<std::unique_ptr<Client>> clients;
@@ -100,7 +110,7 @@ int ConcurrentCommand(const Flags& flags) {
     threads.emplace_back([&, i] {
       start.arrive_and_wait();
       double t0 = Now();
-      absl::StatusOr<MappedModel> model = AttachAll(*clients[i], flags.Get("name"));
+      absl::StatusOr<MappedModel> model = AttachAll(*clients[i], flags.Get("name"), OptionsOf(flags));
       ms[i] = (Now() - t0) * 1e3;
       if (!model.ok()) errors[i] = model.status().ToString();
       done.arrive_and_wait();  // every lease is held at once
@@ -134,6 +144,39 @@ int HoldCommand(const Flags& flags) {
   std::string line;
   while (std::getline(std::cin, line)) {
   }
+  return 0;
+}
+
+// touch --socket S --name N [--prefault B] [--runs K]: attach (lazily or
+// prefaulted), then read one byte of every 4 KiB page of every host tensor:
+// the attach time, the touch time and the page faults the touch took, per run.
+int TouchCommand(const Flags& flags) {
+  std::vector<double> attach_ms, touch_ms, total_ms, faults;
+  uint64_t pages = 0, sum = 0;
+  for (long run = 0; run < flags.GetInt("runs", 5); ++run) {
+    absl::StatusOr<std::unique_ptr<Client>> client = ConnectedClient(flags.Get("socket"));
+    if (!client.ok()) return Fail(client.status().ToString());
+    double t0 = Now();
+    absl::StatusOr<MappedModel> model = AttachAll(**client, flags.Get("name"), OptionsOf(flags));
+    double t1 = Now();
+    if (!model.ok()) return Fail(model.status().ToString());
+    rusage before{}, after{};
+    getrusage(RUSAGE_SELF, &before);
+    pages = 0;
+    for (const TensorView& v : model->tensors()) {
+      if (v.location != Location::kHost) continue;
+      const volatile char* p = static_cast<const char*>(v.data);
+      for (uint64_t off = 0; off < v.nbytes; off += 4096, ++pages) sum += p[off];
+    }
+    double t2 = Now();
+    getrusage(RUSAGE_SELF, &after);
+    attach_ms.push_back((t1 - t0) * 1e3);
+    touch_ms.push_back((t2 - t1) * 1e3);
+    total_ms.push_back((t2 - t0) * 1e3);
+    faults.push_back(static_cast<double>(after.ru_minflt - before.ru_minflt + after.ru_majflt - before.ru_majflt));
+  }
+  Emit({{"pages_touched", pages}, {"checksum", sum}, {"attach_ms", Summarize(attach_ms)},
+        {"touch_ms", Summarize(touch_ms)}, {"total_ms", Summarize(total_ms)}, {"faults", Summarize(faults)}});
   return 0;
 }
 

@@ -3,6 +3,7 @@ import collections.abc
 
 from . import _torch
 from ._types import Manifest, SegmentInfo, TensorInfo
+from .v1 import weightd_pb2 as pb
 
 _CPU = 1  # DLPack kDLCPU
 
@@ -123,6 +124,34 @@ class Tensor(_Exporter):
         return f"<weightd.Tensor {self.name!r} {self.dtype}{list(self.shape)}>"
 
 
+class EntryTable:
+    """TensorEntry messages (a daemon that predates the packed table) behind
+    the interface of weightd._native.PackedTable: len, index(), info(i),
+    first_outside(segment_sizes)."""
+
+    __slots__ = ("_entries",)
+
+    def __init__(self, entries):
+        self._entries = entries
+
+    def __len__(self):
+        return len(self._entries)
+
+    def index(self):
+        return {t.name: i for i, t in enumerate(self._entries)}
+
+    def info(self, i):
+        t = self._entries[i]
+        return (t.name, t.dtype, tuple(t.shape), "device" if t.placement == pb.DEVICE else "host", t.segment,
+                t.offset, t.nbytes, tuple(t.full_shape), t.split_dim, t.split_start, t.content_hash)
+
+    def first_outside(self, segment_sizes):
+        for i, t in enumerate(self._entries):
+            if t.segment >= len(segment_sizes) or t.offset + t.nbytes > segment_sizes[t.segment]:
+                return i
+        return -1
+
+
 class Model(collections.abc.Mapping):
     """A leased, mapped model rank: a Mapping from tensor name to Tensor.
 
@@ -133,7 +162,7 @@ class Model(collections.abc.Mapping):
     threads is safe; close() must not race other calls.
     """
 
-    def __init__(self, response, lease, attach_seconds, private=False):
+    def __init__(self, response, lease, attach_seconds, private=False, table=None):
         self.name = response.model
         self.private = private  # attached copy-on-write: tensors are writable
         self.generation = response.generation
@@ -142,8 +171,9 @@ class Model(collections.abc.Mapping):
         self.version_label = response.version_label  # a writer's tag of the generation; "" for loads from disk
         self.attach_seconds = attach_seconds  # Attach RPC to all segments mapped
         self._segments = tuple(SegmentInfo.from_proto(s) for s in response.segments)
-        self._entries = response.tensors  # protobuf entries, converted on demand
-        self._index = {t.name: i for i, t in enumerate(self._entries)}
+        # The tensors, decoded on demand: the native packed table, or the protobuf entries.
+        self._table = table if table is not None else EntryTable(response.tensors)
+        self._index = self._table.index()
         self._lease = lease
         self._lease_id = lease.lease_id
 
@@ -164,12 +194,12 @@ class Model(collections.abc.Mapping):
 
     def tensor_info(self, name):
         """The manifest entry of `name` (KeyError when this rank has no such tensor)."""
-        return TensorInfo.from_proto(self._entries[self._index[name]])
+        return TensorInfo(*self._table.info(self._index[name]))
 
     @property
     def manifest(self):
         return Manifest(self.name, self.generation, self.rank, self.fingerprint, self._segments,
-                        tuple(TensorInfo.from_proto(t) for t in self._entries), self.version_label)
+                        tuple(TensorInfo(*self._table.info(i)) for i in range(len(self._table))), self.version_label)
 
     @property
     def lease_id(self):
