@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstring>
 #include <chrono>
+#include <mutex>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
@@ -178,6 +179,9 @@ absl::Status ClaimLease(const std::string& fd_socket, const std::string& lease_i
 struct MappedModel::State {
   Manifest manifest;
   std::vector<TensorView> views;                         // manifest order
+  // The name index, built by the first Find() (under index_once): a
+  // 100,000-tensor attach need not hash every name before it returns.
+  std::once_flag index_once;
   absl::flat_hash_map<absl::string_view, size_t> by_name;  // keys point into manifest.tensors
   std::vector<std::pair<void*, size_t>> mappings;
   std::vector<std::unique_ptr<ImportedArena>> imports;  // by segment; null for host segments
@@ -203,10 +207,10 @@ namespace {
 
 // ------------------------------------------------ Attach, step by step
 
-TensorInfo FromPacked(const PackedTensor& t) {
-  TensorInfo info;
-  info.name = std::string(t.name);
-  info.dtype = std::string(t.dtype);
+// Fills `info` in place (no temporaries: this runs once per tensor).
+void FillFromPacked(const PackedTensor& t, TensorInfo& info) {
+  info.name.assign(t.name.data(), t.name.size());
+  info.dtype.assign(t.dtype.data(), t.dtype.size());
   info.shape.resize(t.ndim);
   for (uint32_t k = 0; k < t.ndim; ++k) info.shape[k] = t.Dim(k);
   info.location = t.placement == kPackedPlacementDevice ? Location::kDevice : Location::kHost;
@@ -218,7 +222,6 @@ TensorInfo FromPacked(const PackedTensor& t) {
   info.split_dim = t.split_dim;
   info.split_start = t.split_start;
   info.content_hash = ContentHashHex(t.content_hash);
-  return info;
 }
 
 // The tensors from AttachResponse.packed_tensors when the daemon sent the
@@ -234,8 +237,8 @@ absl::Status TensorsOf(const v1::AttachResponse& response, std::vector<TensorInf
     return absl::DataLossError("the daemon's Attach reply carries both packed_tensors and TensorEntry messages");
   }
   WEIGHTD_ASSIGN_OR_RETURN(PackedManifest table, PackedManifest::Parse(response.packed_tensors()));
-  out->reserve(table.size());
-  for (uint32_t i = 0; i < table.size(); ++i) out->push_back(FromPacked(table.Tensor(i)));
+  out->resize(table.size());
+  for (uint32_t i = 0; i < table.size(); ++i) FillFromPacked(table.Tensor(i), (*out)[i]);
   return absl::OkStatus();
 }
 
@@ -312,7 +315,7 @@ absl::StatusOr<std::vector<const char*>> MapSegments(MappedModel::State& state) 
   return bases;
 }
 
-// One view per tensor at its segment's base + offset, and the name index.
+// One view per tensor at its segment's base + offset.
 absl::Status BuildViews(const std::vector<const char*>& bases, MappedModel::State& state) {
   const Manifest& m = state.manifest;
   state.views.reserve(m.tensors.size());
@@ -324,9 +327,6 @@ absl::Status BuildViews(const std::vector<const char*>& bases, MappedModel::Stat
     state.views.push_back({&t, bases[t.segment] + t.offset, t.nbytes, t.location,
                            imported ? m.segments[t.segment].gpu_uuid : "", imported ? imported->device_ordinal() : -1});
   }
-  // A hash index, not a sort: 100,000 long names sort in tens of milliseconds.
-  state.by_name.reserve(state.views.size());
-  for (size_t i = 0; i < state.views.size(); ++i) state.by_name.emplace(state.views[i].info->name, i);
   return absl::OkStatus();
 }
 
@@ -342,6 +342,12 @@ const std::vector<TensorView>& MappedModel::tensors() const { return state_->vie
 double MappedModel::attach_seconds() const { return state_->attach_seconds; }
 
 const TensorView* MappedModel::Find(absl::string_view name) const {
+  State& s = *state_;
+  // A hash index, not a sort: 100,000 long names sort in tens of milliseconds.
+  std::call_once(s.index_once, [&s] {
+    s.by_name.reserve(s.views.size());
+    for (size_t i = 0; i < s.views.size(); ++i) s.by_name.emplace(s.views[i].info->name, i);
+  });
   auto it = state_->by_name.find(name);
   return it == state_->by_name.end() ? nullptr : &state_->views[it->second];
 }

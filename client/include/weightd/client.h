@@ -165,7 +165,8 @@ class MappedModel {
 
   const Manifest& manifest() const;
   const std::vector<TensorView>& tensors() const;  // in manifest (checkpoint) order
-  // nullptr when the rank holds no tensor called `name`. O(1).
+  // nullptr when the rank holds no tensor called `name`. O(1); the first
+  // call builds the name index (about 0.1 us per tensor, docs/performance.md).
   const TensorView* Find(absl::string_view name) const;
   const std::string& fingerprint() const { return manifest().fingerprint; }
   double attach_seconds() const;  // Attach RPC to all views ready
