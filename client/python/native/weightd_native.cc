@@ -252,12 +252,14 @@ class PackedTable {
   // {name: index}; a repeated name maps to its last index (as a dict
   // comprehension over the entries would). DATA_LOSS for a name that is not UTF-8.
   py::dict Index() const {
-    py::dict out;
+    // Sized once (CPython's _PyDict_NewPresized): growing 17 times was a third of the time.
+    py::dict out = py::reinterpret_steal<py::dict>(_PyDict_NewPresized(table_->size()));
+    if (!out) throw py::error_already_set();
     for (uint32_t i = 0; i < table_->size(); ++i) {
       absl::string_view name = table_->Tensor(i).name;
       py::object key = DecodeName(name, i);
       py::object value = py::reinterpret_steal<py::object>(PyLong_FromUnsignedLong(i));
-      if (PyDict_SetItem(out.ptr(), key.ptr(), value.ptr()) != 0) throw py::error_already_set();
+      if (!value || PyDict_SetItem(out.ptr(), key.ptr(), value.ptr()) != 0) throw py::error_already_set();
     }
     return out;
   }

@@ -232,13 +232,14 @@ def _tensor_table(response):
     """The response's tensors as a table (len, index(), info(i), first_outside(sizes)):
     the native decoder of the packed table, or the TensorEntry messages of a
     daemon that predates it. WeightdError DATA_LOSS for a malformed table."""
-    if not response.packed_tensors:
+    packed = response.packed_tensors  # each read of a bytes field copies it: once
+    if not packed:
         return EntryTable(response.tensors)
     if len(response.tensors):
         raise WeightdError(grpc.StatusCode.DATA_LOSS,
                            "the daemon's Attach reply carries both packed_tensors and TensorEntry messages")
     try:
-        return PackedTable(response.packed_tensors)
+        return PackedTable(packed)
     except RuntimeError as e:
         raise WeightdError.from_number(getattr(e, "code", 15), str(e)) from None
 
