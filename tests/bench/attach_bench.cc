@@ -8,6 +8,9 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cctype>
+#include <fstream>
+#include <tuple>
 #include <iostream>
 #include <latch>
 #include <thread>
@@ -166,12 +169,33 @@ int HoldCommand(const Flags& flags) {
   return 0;
 }
 
+// Bytes of this process's weightd memfd mappings on 2 MiB pages
+// (KernelPageSize in /proc/self/smaps), and on any page size.
+std::pair<uint64_t, uint64_t> SegmentMappingBytes() {
+  std::ifstream smaps("/proc/self/smaps");
+  std::string line;
+  bool segment = false;
+  uint64_t size_kb = 0, huge = 0, all = 0;
+  while (std::getline(smaps, line)) {
+    if (!line.empty() && std::isxdigit(static_cast<unsigned char>(line[0])) && line.find('-') < line.find(' ')) {
+      segment = line.find("memfd:weightd:") != std::string::npos;
+    } else if (segment && line.rfind("Size:", 0) == 0) {
+      size_kb = std::stoull(line.substr(5));
+      all += size_kb << 10;
+    } else if (segment && line.rfind("KernelPageSize:", 0) == 0 && std::stoull(line.substr(15)) == 2048) {
+      huge += size_kb << 10;
+    }
+  }
+  return {huge, all};
+}
+
 // touch --socket S --name N [--prefault B] [--runs K]: attach (lazily or
 // prefaulted), then read one byte of every 4 KiB page of every host tensor:
-// the attach time, the touch time and the page faults the touch took, per run.
+// the attach time, the touch time and the page faults the touch took, per
+// run, and how many of the mapped segment bytes are on 2 MiB pages.
 int TouchCommand(const Flags& flags) {
   std::vector<double> attach_ms, touch_ms, total_ms, faults;
-  uint64_t pages = 0, sum = 0;
+  uint64_t pages = 0, sum = 0, huge_bytes = 0, mapped_bytes = 0;
   for (long run = 0; run < flags.GetInt("runs", 5); ++run) {
     absl::StatusOr<std::unique_ptr<Client>> client = ConnectedClient(flags.Get("socket"));
     if (!client.ok()) return Fail(client.status().ToString());
@@ -189,12 +213,14 @@ int TouchCommand(const Flags& flags) {
     }
     double t2 = Now();
     getrusage(RUSAGE_SELF, &after);
+    std::tie(huge_bytes, mapped_bytes) = SegmentMappingBytes();
     attach_ms.push_back((t1 - t0) * 1e3);
     touch_ms.push_back((t2 - t1) * 1e3);
     total_ms.push_back((t2 - t0) * 1e3);
     faults.push_back(static_cast<double>(after.ru_minflt - before.ru_minflt + after.ru_majflt - before.ru_majflt));
   }
-  Emit({{"pages_touched", pages}, {"checksum", sum}, {"attach_ms", Summarize(attach_ms)},
+  Emit({{"pages_touched", pages}, {"checksum", sum}, {"huge_bytes", huge_bytes}, {"mapped_bytes", mapped_bytes},
+        {"attach_ms", Summarize(attach_ms)},
         {"touch_ms", Summarize(touch_ms)}, {"total_ms", Summarize(total_ms)}, {"faults", Summarize(faults)}});
   return 0;
 }
