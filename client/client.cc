@@ -320,7 +320,8 @@ absl::Status BuildViews(const std::vector<const char*>& bases, MappedModel::Stat
   const Manifest& m = state.manifest;
   state.views.reserve(m.tensors.size());
   for (const TensorInfo& t : m.tensors) {
-    if (t.segment >= bases.size() || t.offset + t.nbytes > m.segments[t.segment].size) {
+    if (t.segment >= bases.size() || t.offset > m.segments[t.segment].size ||
+        t.nbytes > m.segments[t.segment].size - t.offset) {  // no overflow, whatever the daemon sent
       return absl::InternalError(absl::StrCat("tensor '", t.name, "' lies outside its segment"));
     }
     const ImportedArena* imported = state.imports[t.segment].get();

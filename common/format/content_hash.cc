@@ -24,12 +24,4 @@ uint64_t TensorContentHash(const char* data, uint64_t n) {
   return CombineBlockHashes(blocks);
 }
 
-// By hand rather than StrFormat: clients spell 100,000 of these per attach.
-std::string ContentHashHex(uint64_t hash) {
-  static constexpr char kDigits[] = "0123456789abcdef";
-  std::string out(16, '0');
-  for (int i = 15; i >= 0; --i, hash >>= 4) out[i] = kDigits[hash & 0xf];
-  return out;
-}
-
 }  // namespace weightd

@@ -10,6 +10,7 @@
 
 #include "common/format/packed_manifest.h"
 #include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
 #include "tests/testing/checkpoint_builder.h"
 #include "tests/testing/process.h"
 #include "tests/testing/status_matchers.h"
@@ -132,6 +133,20 @@ TEST_F(AttachManifestTest, PrefaultedCopyOnWriteStillSharesEveryPage) {
   EXPECT_EQ(StatsOf(big).private_dirty, 4);  // the one page written
   WEIGHTD_ASSERT_OK_AND_ASSIGN(MappedModel shared, client_->Attach("m", 0));
   EXPECT_EQ(static_cast<const char*>(shared.Find("big")->data)[0], 'b');
+}
+
+TEST_F(AttachManifestTest, WeightctlAttachPrefaults) {
+  ASSERT_TRUE(client_->Load("m", "m.safetensors", {}).ok());
+  testing::CommandResult r = d_.Ctl({"attach", "m", "--prefault", "--json"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  nlohmann::json out = nlohmann::json::parse(r.out);
+  EXPECT_EQ(out["prefaulted"], true);
+  EXPECT_EQ(out["tensors"], 3);
+  r = d_.Ctl({"attach", "m"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(r.out.find("prefaulted"), std::string::npos);
+  r = d_.Ctl({"attach", "m", "--prefault"});
+  EXPECT_NE(r.out.find(", prefaulted (fingerprint"), std::string::npos) << r.out;
 }
 
 // ------------------------------------------------ a daemon that lies

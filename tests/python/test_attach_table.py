@@ -163,3 +163,17 @@ def test_hostile_truncated_table_is_data_loss_and_detaches(tmp_path, cut):
 def test_hostile_table_with_entries_is_data_loss(tmp_path):
     error = _attach_from(tmp_path, _LyingDaemon(_table(_TWO), entries=True))
     assert error.code == grpc.StatusCode.DATA_LOSS and "both packed_tensors" in error.message
+
+
+def test_model_turns_a_bad_name_into_data_loss(tmp_path):
+    bad = _native.PackedTable(_table([(b"\xff", b"U8", (1,), (1,), 1, 0, 0, 1, -1, 0, 0)]))
+    model = weightd.Model(pb.AttachResponse(model="m"), _FakeLease(), 0.0, table=bad)
+    assert len(model) == 1  # no name decoded yet
+    with pytest.raises(weightd.WeightdError) as e:
+        "w" in model
+    assert e.value.code == grpc.StatusCode.DATA_LOSS and "not UTF-8" in e.value.message
+
+
+class _FakeLease:
+    lease_id = "lease-1"
+    segments = ()

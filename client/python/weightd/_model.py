@@ -2,6 +2,7 @@
 import collections.abc
 
 from . import _torch
+from ._errors import WeightdError
 from ._types import Manifest, SegmentInfo, TensorInfo
 from .v1 import weightd_pb2 as pb
 
@@ -124,6 +125,15 @@ class Tensor(_Exporter):
         return f"<weightd.Tensor {self.name!r} {self.dtype}{list(self.shape)}>"
 
 
+def _decoded(method, *args):
+    """Calls a table method; the native decoder's RuntimeError (a name that is not
+    UTF-8: DATA_LOSS) becomes a WeightdError."""
+    try:
+        return method(*args)
+    except RuntimeError as e:
+        raise WeightdError.from_number(getattr(e, "code", 15), str(e)) from None
+
+
 class EntryTable:
     """TensorEntry messages (a daemon that predates the packed table) behind
     the interface of weightd._native.PackedTable: len, index(), info(i),
@@ -183,7 +193,7 @@ class Model(collections.abc.Mapping):
         build equal dicts; either wins."""
         index = self._index
         if index is None:
-            index = self._index = self._table.index()
+            index = self._index = _decoded(self._table.index)
         return index
 
     # Mapping
@@ -203,12 +213,13 @@ class Model(collections.abc.Mapping):
 
     def tensor_info(self, name):
         """The manifest entry of `name` (KeyError when this rank has no such tensor)."""
-        return TensorInfo(*self._table.info(self._names()[name]))
+        return TensorInfo(*_decoded(self._table.info, self._names()[name]))
 
     @property
     def manifest(self):
         return Manifest(self.name, self.generation, self.rank, self.fingerprint, self._segments,
-                        tuple(TensorInfo(*self._table.info(i)) for i in range(len(self._table))), self.version_label)
+                        tuple(TensorInfo(*_decoded(self._table.info, i)) for i in range(len(self._table))),
+                        self.version_label)
 
     @property
     def lease_id(self):
