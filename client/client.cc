@@ -6,9 +6,12 @@
 #include <algorithm>
 #include <cstring>
 #include <chrono>
+#include <mutex>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
+#include "common/format/content_hash.h"
+#include "common/format/packed_manifest.h"
 #include "common/memory/device.h"
 #include "common/memory/host_segment.h"
 #include "common/io/env.h"
@@ -176,6 +179,9 @@ absl::Status ClaimLease(const std::string& fd_socket, const std::string& lease_i
 struct MappedModel::State {
   Manifest manifest;
   std::vector<TensorView> views;                         // manifest order
+  // The name index, built by the first Find() (under index_once): a
+  // 100,000-tensor attach need not hash every name before it returns.
+  std::once_flag index_once;
   absl::flat_hash_map<absl::string_view, size_t> by_name;  // keys point into manifest.tensors
   std::vector<std::pair<void*, size_t>> mappings;
   std::vector<std::unique_ptr<ImportedArena>> imports;  // by segment; null for host segments
@@ -183,6 +189,7 @@ struct MappedModel::State {
   ScopedFd lease;  // the fd-socket connection: closing it ends the lease
   double attach_seconds = 0;
   bool copy_on_write = false;  // AttachOptions::copy_on_write
+  bool prefault = false;       // AttachOptions::prefault
 
   // Unmaps everything before `lease` closes: the daemon may free a
   // generation's memory as soon as its last lease ends, and for
@@ -200,7 +207,42 @@ namespace {
 
 // ------------------------------------------------ Attach, step by step
 
-Manifest ManifestOf(const v1::AttachResponse& response) {
+// Fills `info` in place (no temporaries: this runs once per tensor).
+void FillFromPacked(const PackedTensor& t, TensorInfo& info) {
+  info.name.assign(t.name.data(), t.name.size());
+  info.dtype.assign(t.dtype.data(), t.dtype.size());
+  info.shape.resize(t.ndim);
+  for (uint32_t k = 0; k < t.ndim; ++k) info.shape[k] = t.Dim(k);
+  info.location = t.placement == kPackedPlacementDevice ? Location::kDevice : Location::kHost;
+  info.segment = t.segment;
+  info.offset = t.offset;
+  info.nbytes = t.nbytes;
+  info.full_shape.resize(t.full_ndim);
+  for (uint32_t k = 0; k < t.full_ndim; ++k) info.full_shape[k] = t.FullDim(k);
+  info.split_dim = t.split_dim;
+  info.split_start = t.split_start;
+  info.content_hash = ContentHashHex(t.content_hash);
+}
+
+// The tensors from AttachResponse.packed_tensors when the daemon sent the
+// packed table, else from its TensorEntry messages (a daemon that predates
+// the table). DATA_LOSS for a malformed table.
+absl::Status TensorsOf(const v1::AttachResponse& response, std::vector<TensorInfo>* out) {
+  if (response.packed_tensors().empty()) {
+    out->reserve(response.tensors_size());
+    for (const auto& t : response.tensors()) out->push_back(FromProto(t));
+    return absl::OkStatus();
+  }
+  if (response.tensors_size() > 0) {
+    return absl::DataLossError("the daemon's Attach reply carries both packed_tensors and TensorEntry messages");
+  }
+  WEIGHTD_ASSIGN_OR_RETURN(PackedManifest table, PackedManifest::Parse(response.packed_tensors()));
+  out->resize(table.size());
+  for (uint32_t i = 0; i < table.size(); ++i) FillFromPacked(table.Tensor(i), (*out)[i]);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Manifest> ManifestOf(const v1::AttachResponse& response) {
   Manifest m;
   m.model = response.model();
   m.generation = response.generation();
@@ -208,8 +250,7 @@ Manifest ManifestOf(const v1::AttachResponse& response) {
   m.fingerprint = response.fingerprint();
   m.version_label = response.version_label();
   for (const auto& s : response.segments()) m.segments.push_back(FromProto(s));
-  m.tensors.reserve(response.tensors_size());
-  for (const auto& t : response.tensors()) m.tensors.push_back(FromProto(t));
+  WEIGHTD_RETURN_IF_ERROR(TensorsOf(response, &m.tensors));
   return m;
 }
 
@@ -252,11 +293,11 @@ absl::StatusOr<const char*> ImportSegment(size_t i, MappedModel::State& state) {
   return static_cast<const char*>(state.imports[i]->device_pointer());
 }
 
-// Maps host segment `i` lazily, read-only or copy-on-write; its base.
+// Maps host segment `i` lazily or prefaulted, read-only or copy-on-write; its base.
 absl::StatusOr<const char*> MapHostSegment(size_t i, MappedModel::State& state) {
   uint64_t size = state.manifest.segments[i].size;
   if (size == 0) return static_cast<const char*>(nullptr);
-  absl::StatusOr<char*> addr = MapSegmentFd(state.segment_fds[i].get(), size, state.copy_on_write);
+  absl::StatusOr<char*> addr = MapSegmentFd(state.segment_fds[i].get(), size, state.copy_on_write, state.prefault);
   if (!addr.ok()) return Annotate(addr.status(), absl::StrCat("segment ", i));
   state.mappings.emplace_back(*addr, size);
   return static_cast<const char*>(*addr);
@@ -274,21 +315,19 @@ absl::StatusOr<std::vector<const char*>> MapSegments(MappedModel::State& state) 
   return bases;
 }
 
-// One view per tensor at its segment's base + offset, and the name index.
+// One view per tensor at its segment's base + offset.
 absl::Status BuildViews(const std::vector<const char*>& bases, MappedModel::State& state) {
   const Manifest& m = state.manifest;
   state.views.reserve(m.tensors.size());
   for (const TensorInfo& t : m.tensors) {
-    if (t.segment >= bases.size() || t.offset + t.nbytes > m.segments[t.segment].size) {
+    if (t.segment >= bases.size() || t.offset > m.segments[t.segment].size ||
+        t.nbytes > m.segments[t.segment].size - t.offset) {  // no overflow, whatever the daemon sent
       return absl::InternalError(absl::StrCat("tensor '", t.name, "' lies outside its segment"));
     }
     const ImportedArena* imported = state.imports[t.segment].get();
     state.views.push_back({&t, bases[t.segment] + t.offset, t.nbytes, t.location,
                            imported ? m.segments[t.segment].gpu_uuid : "", imported ? imported->device_ordinal() : -1});
   }
-  // A hash index, not a sort: 100,000 long names sort in tens of milliseconds.
-  state.by_name.reserve(state.views.size());
-  for (size_t i = 0; i < state.views.size(); ++i) state.by_name.emplace(state.views[i].info->name, i);
   return absl::OkStatus();
 }
 
@@ -304,6 +343,12 @@ const std::vector<TensorView>& MappedModel::tensors() const { return state_->vie
 double MappedModel::attach_seconds() const { return state_->attach_seconds; }
 
 const TensorView* MappedModel::Find(absl::string_view name) const {
+  State& s = *state_;
+  // A hash index, not a sort: 100,000 long names sort in tens of milliseconds.
+  std::call_once(s.index_once, [&s] {
+    s.by_name.reserve(s.views.size());
+    for (size_t i = 0; i < s.views.size(); ++i) s.by_name.emplace(s.views[i].info->name, i);
+  });
   auto it = state_->by_name.find(name);
   return it == state_->by_name.end() ? nullptr : &state_->views[it->second];
 }
@@ -517,12 +562,25 @@ absl::StatusOr<MappedModel> Client::Attach(const std::string& name, uint32_t ran
   v1::AttachRequest request;
   request.set_name(name);
   request.set_rank(rank);
+  if (options.packed_manifest) request.set_manifest_encoding(v1::AttachRequest::PACKED_TABLE_V1);
   v1::AttachResponse response;
   grpc::ClientContext context;
   WEIGHTD_RETURN_IF_ERROR(FromGrpc(impl_->stub->Attach(&context, request, &response)));
   auto state = std::make_unique<MappedModel::State>();
   state->copy_on_write = options.copy_on_write;
-  state->manifest = ManifestOf(response);
+  state->prefault = options.prefault;
+  absl::StatusOr<Manifest> manifest = ManifestOf(response);
+  if (!manifest.ok()) {
+    // Ends the lease now rather than at its claim timeout; a failure changes nothing.
+    v1::DetachRequest detach;
+    detach.set_lease_id(response.lease_id());
+    v1::DetachResponse ignored;
+    grpc::ClientContext detach_context;
+    detach_context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    impl_->stub->Detach(&detach_context, detach, &ignored);
+    return manifest.status();
+  }
+  state->manifest = std::move(*manifest);
   WEIGHTD_RETURN_IF_ERROR(ClaimLease(FdSocketPath(response), response.lease_id(), ClaimTimeoutMs(response),
                                      &state->lease, &state->segment_fds));
   WEIGHTD_ASSIGN_OR_RETURN(state->segment_fds, MatchFdsToSegments(std::move(state->segment_fds), state->manifest));

@@ -153,6 +153,13 @@ class ModelGeneration {
   // built once on first Attach (server/service.cc) and reused by every lease.
   std::once_flag encode_once;
   std::vector<std::string> encoded_manifests;
+  // The same for clients that ask for the packed tensor table: each rank's
+  // segments and packed_tensors (common/format/packed_manifest.h), built
+  // once on the first such Attach; shared so a reply can send it without a
+  // copy. Null for a rank whose table could not be packed (it then gets
+  // encoded_manifests).
+  std::once_flag pack_once;
+  std::vector<std::shared_ptr<const std::string>> packed_manifests;
 
   std::atomic<ModelState> state{ModelState::kLoading};
   std::atomic<int> leases{0};

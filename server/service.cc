@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "server/attach_encoding.h"
 #include "server/convert.h"
 #include "server/manifest_pages.h"
 #include "server/watch_stream.h"
@@ -125,14 +126,8 @@ grpc::Status WeightdService::AttachEncoded(const grpc::ByteBuffer& raw, grpc::By
   absl::StatusOr<ModelRegistry::Grant> grant = registry_->Attach(request.name(), request.rank());
   if (!grant.ok()) return ToGrpcStatus(grant.status());
   ModelGeneration& m = *grant->model;
-  std::call_once(m.encode_once, [&m] {
-    for (const RankManifest& rank : m.ranks) {
-      v1::AttachResponse manifest;
-      for (uint32_t s = 0; s < rank.segments.size(); ++s) ToProto(m.segments[rank.segments[s]], s, manifest.add_segments());
-      for (const TensorRecord& t : rank.tensors) ToProto(t, manifest.add_tensors());
-      m.encoded_manifests.push_back(manifest.SerializeAsString());
-    }
-  });
+  std::shared_ptr<const std::string> packed;
+  if (request.manifest_encoding() == v1::AttachRequest::PACKED_TABLE_V1) packed = PackedEncoding(m, grant->rank);
   v1::AttachResponse head;
   head.set_lease_id(grant->lease_id);
   head.set_fd_socket(fd_socket_path_);
@@ -142,12 +137,23 @@ grpc::Status WeightdService::AttachEncoded(const grpc::ByteBuffer& raw, grpc::By
   head.set_rank(grant->rank);
   head.set_fingerprint(m.fingerprint);
   head.set_version_label(m.version_label);
-  // Protobuf messages concatenate: header fields, then the cached repeated
-  // segments and tensors, parse as one AttachResponse.
+  // Protobuf messages concatenate: header fields, then the cached segments
+  // and tensors, parse as one AttachResponse.
   std::string bytes = head.SerializeAsString();
-  bytes += m.encoded_manifests[grant->rank];
-  grpc::Slice slice(bytes);
-  *out = grpc::ByteBuffer(&slice, 1);
+  if (packed == nullptr) {
+    bytes += EntriesEncoding(m, grant->rank);
+    grpc::Slice slice(bytes);
+    *out = grpc::ByteBuffer(&slice, 1);
+    return grpc::Status::OK;
+  }
+  // The cached body goes out without a copy: its slice holds a reference
+  // until gRPC has sent it.
+  auto* hold = new std::shared_ptr<const std::string>(std::move(packed));
+  grpc::Slice slices[2] = {grpc::Slice(bytes),
+                           grpc::Slice(const_cast<char*>((*hold)->data()), (*hold)->size(),
+                                       [](void* p) { delete static_cast<std::shared_ptr<const std::string>*>(p); },
+                                       hold)};
+  *out = grpc::ByteBuffer(slices, 2);
   return grpc::Status::OK;
 }
 

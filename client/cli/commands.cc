@@ -40,6 +40,7 @@ const std::vector<Command>& Commands() {
         {Rank(),
          {"--verify", OptionKind::kText, "CHECKPOINT_DIR", "compare every tensor with the checkpoint's bytes"},
          {"--hold", OptionKind::kNumber, "SECONDS", "keep the lease this long before exiting", "0"},
+         {"--prefault", OptionKind::kFlag, "", "map every page of the host segments now (no page faults later)"},
          Json()}},
        RunAttach},
       {"unload", "stop new leases; free the model when its last lease ends",

@@ -188,13 +188,39 @@ absl::Status HostSegment::Seal(bool lock) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<char*> MapSegmentFd(int fd, uint64_t size, bool copy_on_write) {
+absl::StatusOr<char*> MapSegmentFd(int fd, uint64_t size, bool copy_on_write, bool prefault) {
   int prot = copy_on_write ? PROT_READ | PROT_WRITE : PROT_READ;
   void* map = mmap(nullptr, size, prot, copy_on_write ? MAP_PRIVATE : MAP_SHARED, fd, 0);
   if (map == MAP_FAILED) {
     return ErrnoToStatus(absl::StrCat("mmap segment fd ", fd, copy_on_write ? " copy-on-write" : " read-only"), errno);
   }
+  if (prefault) {
+    absl::Status populated = PrefaultMapping(static_cast<const char*>(map), size);
+    if (!populated.ok()) {
+      munmap(map, size);
+      return populated;
+    }
+  }
   return static_cast<char*>(map);
+}
+
+absl::Status PrefaultMapping(const char* addr, uint64_t size) {
+#ifndef MADV_POPULATE_READ
+  constexpr int MADV_POPULATE_READ = 22;  // <linux/mman.h>, Linux 5.14; older headers lack it
+#endif
+  if (size == 0) return absl::OkStatus();
+  for (;;) {
+    if (madvise(const_cast<char*>(addr), size, MADV_POPULATE_READ) == 0) return absl::OkStatus();
+    if (errno == EINTR) continue;
+    if (errno != EINVAL) return ErrnoToStatus("madvise(MADV_POPULATE_READ) of a segment mapping", errno);
+    break;  // a kernel before 5.14
+  }
+  const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  const volatile char* p = addr;
+  char sink = 0;
+  for (uint64_t off = 0; off < size; off += page) sink ^= p[off];
+  (void)sink;
+  return absl::OkStatus();
 }
 
 }  // namespace weightd

@@ -126,7 +126,19 @@ class HostSegment {
 // 2 MiB from the huge page pool for an MFD_HUGETLB segment) into this process,
 // and the segment itself never changes. The caller owns the mapping
 // (munmap). Errors keep errno (ENOMEM: RESOURCE_EXHAUSTED).
-absl::StatusOr<char*> MapSegmentFd(int fd, uint64_t size, bool copy_on_write);
+// With `prefault`, also PrefaultMapping() before returning (unmapping again
+// if that fails).
+absl::StatusOr<char*> MapSegmentFd(int fd, uint64_t size, bool copy_on_write, bool prefault = false);
+
+// Maps every page of [addr, addr + size) of a mapping made by MapSegmentFd
+// into this process's page tables now, reading, never writing: a
+// copy-on-write mapping keeps sharing the segment's pages (MAP_POPULATE would
+// copy them all, see mmap(2)). Uses madvise(MADV_POPULATE_READ) (Linux 5.14,
+// madvise(2)); on older kernels (EINVAL) reads one byte of every page
+// instead. Costs about what the page faults it saves cost, once; afterwards
+// the first use of each page takes no fault. Errors keep errno (ENOMEM:
+// RESOURCE_EXHAUSTED; EFAULT where the memory cannot be backed).
+absl::Status PrefaultMapping(const char* addr, uint64_t size);
 
 }  // namespace weightd
 

@@ -14,6 +14,7 @@ int AttachCommand(const Flags& flags);
 int SelfMapCommand(const Flags& flags);
 int ConcurrentCommand(const Flags& flags);
 int HoldCommand(const Flags& flags);
+int TouchCommand(const Flags& flags);
 int RestartCommand(const Flags& flags);
 int MakeCheckpointCommand(const Flags& flags);
 int CatalogCommand(const Flags& flags);

@@ -134,6 +134,22 @@ struct AttachOptions {
   // and emulated arenas only: a CUDA arena makes Attach fail with
   // FAILED_PRECONDITION (copy those tensors instead).
   bool copy_on_write = false;
+  // Populate this process's page tables for every host segment during
+  // Attach (madvise MADV_POPULATE_READ, or a read of each page on kernels
+  // before 5.14; common/memory/host_segment.h PrefaultMapping), so the
+  // first pass over the weights takes no page fault. Attach then costs about
+  // what those faults would (measured in docs/performance.md, "Attach");
+  // reading only, so a copy-on-write mapping still shares every page.
+  // Device arenas are not affected. Errors: RESOURCE_EXHAUSTED when the
+  // kernel cannot map the pages.
+  bool prefault = false;
+  // Ask for the packed tensor table (AttachRequest.manifest_encoding
+  // PACKED_TABLE_V1, docs/api.md): one byte string per rank, decoded without
+  // a message per tensor. false asks for one TensorEntry per tensor, as
+  // clients before it did; for comparisons only, the result is the same.
+  // A daemon that predates the table answers with TensorEntry messages
+  // either way.
+  bool packed_manifest = true;
 };
 
 struct LoadProgressInfo {
@@ -160,7 +176,8 @@ class MappedModel {
 
   const Manifest& manifest() const;
   const std::vector<TensorView>& tensors() const;  // in manifest (checkpoint) order
-  // nullptr when the rank holds no tensor called `name`. O(1).
+  // nullptr when the rank holds no tensor called `name`. O(1); the first
+  // call builds the name index (about 0.1 us per tensor, docs/performance.md).
   const TensorView* Find(absl::string_view name) const;
   const std::string& fingerprint() const { return manifest().fingerprint; }
   double attach_seconds() const;  // Attach RPC to all views ready
@@ -324,7 +341,10 @@ class Client {
   absl::StatusOr<Updater> BeginUpdate(const std::string& name, const std::vector<std::string>& tensors = {});
   absl::StatusOr<Manifest> GetManifest(const std::string& name, uint32_t rank);
   // Takes a lease, receives the segment fds and maps them lazily (pages fault
-  // in on first use): read-only, or copy-on-write (see AttachOptions).
+  // in on first use) or prefaulted: read-only, or copy-on-write (see
+  // AttachOptions). DATA_LOSS when the daemon's packed tensor table is
+  // malformed (naming the field), INTERNAL when a tensor lies outside its
+  // segment.
   absl::StatusOr<MappedModel> Attach(const std::string& name, uint32_t rank, const AttachOptions& options = {});
   // Returns the model as it was when unloaded; `freed` is false while
   // leases keep it DRAINING. `force` ends the leases at once, except claimed
