@@ -20,6 +20,8 @@ import tempfile
 import threading
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # daemon_restart.py
+
 GIB = 1 << 30
 MIB = 1 << 20
 RING_BYTES_PER_THREAD = 16 * MIB  # one kReadBlockBytes bounce buffer per load thread (server/loader.h)
@@ -288,6 +290,20 @@ class Bench:
                             if size >= MIB else f"synthetic-{tensors}t-{size}B.safetensors")
 
     # ---------------------------------------------------------------- rows
+    def daemon_restart(self):
+        """Issue 15: SIGKILL, restart through the fd store, READY again, vs a full load."""
+        log("daemon restart through the fd store")
+        import daemon_restart
+        r = daemon_restart.measure(self, 1 if self.quick else 3)
+        self.raw["daemon_restart"] = r
+        ratio = r["load_p50"] / r["restart_p50"]
+        label = f"{self.preset}, {self.ckpt_bytes / GIB:.2f} GiB"
+        self.table.add(f"daemon SIGKILLed and restarted through the fd store to READY ({label}) vs a full load",
+                       f"{r['restart_p50'] * 1e3:.0f} ms (restore step {r['restore_ms_p50']:.1f} ms)",
+                       f"{r['load_p50']:.2f} s", f"{ratio:.0f}x", ">= 100x",
+                       at_least(ratio, 100, "process start, gRPC set-up and the READY poll dominate; "
+                                 f"the restore itself takes {r['restore_ms_p50']:.1f} ms"))
+
     def catalog(self):
         path = self.synthetic(200000, 200000 * 4)
         runs = self.reps
@@ -858,6 +874,8 @@ class Bench:
         if self.wants("writer"):
             self.writer()
             self.reload()
+        if self.wants("daemon-restart"):
+            self.daemon_restart()
         if self.wants("peers"):
             self.peers()
         if self.args.hugepages:
@@ -884,7 +902,7 @@ def main():
     ap.add_argument("--hugepages", action="store_true",
                     help="also measure with a huge page pool (root: sets vm.nr_hugepages, then restores it)")
     ap.add_argument("--only", type=lambda v: v.split(","), default=[],
-                    help="comma-separated sections to run: catalog, load, attach, attach-scale, writer, peers "
+                    help="comma-separated sections to run: catalog, load, attach, attach-scale, writer, daemon-restart, peers "
                          "(default: all; attach includes attach-scale)")
     ap.add_argument("--peers-status", default="{}", type=json.loads,
                     help="JSON {mode or 'venv': reason} for peers that could not be installed")
