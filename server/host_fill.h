@@ -37,14 +37,14 @@ namespace weightd {
 
 inline constexpr uint64_t kFillSliceBytes = 1ull << 20;
 
-// When a THP fill counts as stalled. The default floor, 1 GB/s per thread,
+// When a THP fill counts as stalled. The default floor, 0.5 GB/s per thread,
 // is below a huge-page populate without compaction here (3-6 GB/s) and
 // above one that compacts (0.3-0.4 GB/s), docs/performance.md; two blocks
 // in a row, each populating at least `min_block_bytes` (a shorter one is
 // too quick to time on a busy CPU), so that one preemption is not a stall.
 // Tests set the floor to infinity to force the fall-back.
 struct HugeFillBudget {
-  double min_populate_bytes_per_second = 1e9;
+  double min_populate_bytes_per_second = 0.5e9;
   int stall_blocks = 2;
   uint64_t min_block_bytes = 8ull << 20;
 };
