@@ -371,10 +371,59 @@ void ModelWatch::Cancel() { state_->context.TryCancel(); }
 
 // ---------------------------------------------------------------- Client
 
-struct Client::Impl {
+// One channel to the daemon and its stubs.
+struct ClientStubs {
   std::shared_ptr<grpc::Channel> channel;
-  std::unique_ptr<v1::Weightd::Stub> stub;
+  std::unique_ptr<v1::Weightd::Stub> weightd;
   std::unique_ptr<grpc::health::v1::Health::Stub> health;
+};
+
+// Reconnecting after a daemon restart. gRPC retries a failed connection
+// with exponential backoff (up to 120 s by default) and fails calls fast
+// with UNAVAILABLE meanwhile, so a client of a restarted daemon could keep
+// failing for minutes. Here a call that finds the channel in
+// TRANSIENT_FAILURE gets a new channel instead, which connects at once;
+// backoff is also capped at 1 s. `impl_->stub->Method(...)` reads the
+// current stubs through StubRef, a temporary that holds them (shared_ptr)
+// until the end of the full expression: the whole unary call.
+struct Client::Impl {
+  template <typename StubT, std::unique_ptr<StubT> ClientStubs::*kMember>
+  struct StubRef {
+    std::shared_ptr<ClientStubs> stubs;
+    StubT* operator->() const { return (stubs.get()->*kMember).get(); }
+  };
+  template <typename StubT, std::unique_ptr<StubT> ClientStubs::*kMember>
+  struct StubProxy {
+    Impl* impl;
+    StubRef<StubT, kMember> operator->() const { return {impl->Current()}; }
+  };
+
+  std::string target;
+  std::shared_ptr<grpc::ChannelCredentials> credentials;
+  absl::Mutex mu;
+  std::shared_ptr<ClientStubs> stubs ABSL_GUARDED_BY(mu);
+  StubProxy<v1::Weightd::Stub, &ClientStubs::weightd> stub{this};
+  StubProxy<grpc::health::v1::Health::Stub, &ClientStubs::health> health{this};
+
+  std::shared_ptr<ClientStubs> Make() const {
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(-1);  // an Attach of 100,000+ tensors exceeds the 4 MiB default
+    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+    auto s = std::make_shared<ClientStubs>();
+    s->channel = grpc::CreateCustomChannel(NormalizeTarget(target), credentials, args);
+    s->weightd = v1::Weightd::NewStub(s->channel);
+    s->health = grpc::health::v1::Health::NewStub(s->channel);
+    return s;
+  }
+  // The stubs for the next call: a new channel when the current one is
+  // waiting out a reconnect backoff.
+  std::shared_ptr<ClientStubs> Current() {
+    absl::MutexLock lock(&mu);
+    if (stubs->channel->GetState(/*try_to_connect=*/false) == GRPC_CHANNEL_TRANSIENT_FAILURE) stubs = Make();
+    return stubs;
+  }
 };
 
 Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -383,14 +432,28 @@ Client::~Client() = default;
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& target, const ConnectOptions& options) {
   if (target.empty()) return absl::InvalidArgumentError("empty daemon target");
   WEIGHTD_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials, ChannelCredentials(options));
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(-1);  // an Attach of 100,000+ tensors exceeds the 4 MiB default
-  auto channel = grpc::CreateCustomChannel(NormalizeTarget(target), credentials, args);
   auto impl = std::make_unique<Impl>();
-  impl->channel = channel;
-  impl->stub = v1::Weightd::NewStub(channel);
-  impl->health = grpc::health::v1::Health::NewStub(channel);
+  impl->target = target;
+  impl->credentials = std::move(credentials);
+  {
+    absl::MutexLock lock(&impl->mu);
+    impl->stubs = impl->Make();
+  }
   return std::unique_ptr<Client>(new Client(std::move(impl)));
+}
+
+absl::StatusOr<UpgradeInfo> Client::UpgradeDaemon() {
+  grpc::ClientContext context;
+  v1::UpgradeDaemonResponse response;
+  WEIGHTD_RETURN_IF_ERROR(FromGrpc(impl_->stub->UpgradeDaemon(&context, v1::UpgradeDaemonRequest(), &response)));
+  return UpgradeInfo{response.binary(), response.daemon_instance(), response.models()};
+}
+
+absl::StatusOr<std::string> Client::DaemonInstance() {
+  grpc::ClientContext context;
+  v1::ListModelsResponse response;
+  WEIGHTD_RETURN_IF_ERROR(FromGrpc(impl_->stub->ListModels(&context, v1::ListModelsRequest(), &response)));
+  return response.daemon_instance();
 }
 
 absl::StatusOr<LoadResult> Client::Load(const std::string& name, const std::string& checkpoint_path,
@@ -482,10 +545,11 @@ absl::StatusOr<std::pair<ModelSummary, bool>> Client::Unload(const std::string& 
 
 absl::StatusOr<ModelWatch> Client::Watch(const std::string& name) {
   auto state = std::make_unique<ModelWatch::State>();
-  state->channel = impl_->channel;
+  std::shared_ptr<ClientStubs> stubs = impl_->Current();
+  state->channel = stubs->channel;
   v1::WatchModelRequest request;
   request.set_name(name);
-  state->reader = impl_->stub->WatchModel(&state->context, request);
+  state->reader = stubs->weightd->WatchModel(&state->context, request);
   // The daemon sends "weightd-watch: subscribed" once the subscription is in
   // place; a refusal (or an unreachable daemon) ends the call without it.
   state->reader->WaitForInitialMetadata();
@@ -516,7 +580,8 @@ absl::StatusOr<std::string> Client::Health(const std::string& service) {
 // ---------------------------------------------------------------- Updater
 
 struct Updater::State {
-  v1::Weightd::Stub* stub = nullptr;  // the Client's
+  std::shared_ptr<ClientStubs> stubs;  // the channel the update was begun on
+  v1::Weightd::Stub* stub = nullptr;   // stubs->weightd
   std::string update_id;
   uint64_t base_generation = 0, bytes_staged = 0, bytes_shared = 0;
   std::vector<WritableTensor> tensors;
@@ -589,7 +654,8 @@ absl::StatusOr<Updater> Client::BeginUpdate(const std::string& name, const std::
   v1::BeginUpdateResponse response;
   WEIGHTD_RETURN_IF_ERROR(FromGrpc(impl_->stub->BeginUpdate(&context, request, &response)));
   auto state = std::make_unique<Updater::State>();
-  state->stub = impl_->stub.get();
+  state->stubs = impl_->Current();
+  state->stub = state->stubs->weightd.get();
   state->update_id = response.update_id();
   state->base_generation = response.base_generation();
   state->bytes_staged = response.bytes_staged();

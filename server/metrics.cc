@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/format/format_error.h"
 #include "server/convert.h"
+#include "server/restore.h"
 
 namespace weightd {
 namespace {
@@ -155,6 +156,9 @@ struct PrometheusMetrics::State {
   prometheus::Counter* update_bytes_written;
   prometheus::Counter* update_bytes_shared;
   prometheus::Histogram* commit_duration;
+  prometheus::Gauge* restored_models;
+  prometheus::Gauge* restore_seconds;
+  prometheus::Family<prometheus::Counter>* restore_dropped;
 
   explicit State(const PrometheusOptions& o) : sampled(std::make_shared<SampledGauges>(o.sampler)) {
     using prometheus::BuildCounter, prometheus::BuildGauge, prometheus::BuildHistogram;
@@ -195,6 +199,15 @@ struct PrometheusMetrics::State {
     commit_duration = &BuildHistogram().Name("weightd_update_commit_duration_seconds")
                            .Help("Duration of successful commits: seal, hash, verify, publish.").Register(r)
                            .Add({}, AttachBuckets());
+    restored_models = &BuildGauge().Name("weightd_fd_store_restored_models")
+                           .Help("Models this daemon restored from the fd store at start, without reading a checkpoint.")
+                           .Register(r).Add({});
+    restore_seconds = &BuildGauge().Name("weightd_fd_store_restore_seconds")
+                           .Help("Seconds the start-up restore from the fd store took, all records together.")
+                           .Register(r).Add({});
+    restore_dropped = &BuildCounter().Name("weightd_fd_store_records_dropped_total")
+                           .Help("State records in the fd store dropped at start instead of restored, by reason.").Register(r);
+    for (const char* reason : kRestoreDropReasons) restore_dropped->Add({{"reason", reason}});
     BuildGauge().Name("weightd_build_info").Help("Always 1; the version of this weightd binary.").Register(r)
         .Add({{"version", o.version}}).Set(1);
   }
@@ -251,6 +264,15 @@ void PrometheusMetrics::UpdateCommitted(uint64_t bytes_written, uint64_t bytes_s
 
 void PrometheusMetrics::UpdateAborted(absl::string_view reason) {
   state_->updates_aborted->Add({{"reason", std::string(reason)}}).Increment();
+}
+
+void PrometheusMetrics::ModelsRestored(int models, double seconds) {
+  state_->restored_models->Set(models);
+  state_->restore_seconds->Set(seconds);
+}
+
+void PrometheusMetrics::RestoreRecordDropped(absl::string_view reason) {
+  state_->restore_dropped->Add({{"reason", std::string(reason)}}).Increment();
 }
 
 void PrometheusMetrics::LoadFailed(const absl::Status& status) {

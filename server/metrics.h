@@ -45,6 +45,11 @@ class Metrics {
   virtual void UpdateStarted() {}
   virtual void UpdateCommitted(uint64_t bytes_written, uint64_t bytes_shared, double seconds) {}
   virtual void UpdateAborted(absl::string_view reason) {}
+  // Restart without reload (server/restore.h): `models` generations restored
+  // from the fd store at start in `seconds` in all; a record dropped for
+  // `reason` (one of kRestoreDropReasons).
+  virtual void ModelsRestored(int models, double seconds) {}
+  virtual void RestoreRecordDropped(absl::string_view reason) {}
 };
 
 // The models held, as the registry lists them at one moment.
@@ -100,6 +105,8 @@ class PrometheusMetrics : public Metrics {
   void UpdateStarted() override;
   void UpdateCommitted(uint64_t bytes_written, uint64_t bytes_shared, double seconds) override;
   void UpdateAborted(absl::string_view reason) override;
+  void ModelsRestored(int models, double seconds) override;
+  void RestoreRecordDropped(absl::string_view reason) override;
 
   struct State;
 

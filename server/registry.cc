@@ -275,6 +275,22 @@ void ModelRegistry::InstallLocked(const std::shared_ptr<ModelGeneration>& model)
   AnnouncePublished(*model);
   if (previous) Retire(std::move(previous));
   if (listener_) listener_->OnModelServing(name, true);
+  if (listener_) listener_->OnGenerationPublished(model);
+}
+
+absl::Status ModelRegistry::Adopt(std::shared_ptr<ModelGeneration> model) {
+  absl::MutexLock lock(&mu_);
+  const std::string& name = model->request.name;
+  if (current_.count(name)) return absl::AlreadyExistsError(absl::StrCat("model '", name, "' is loaded already"));
+  next_generation_ = std::max(next_generation_, model->generation + 1);
+  model->state = ModelState::kReady;
+  current_[name] = model;
+  AnnouncePublished(*model);
+  if (listener_) listener_->OnModelServing(name, true);
+  if (listener_) listener_->OnGenerationPublished(model);
+  NotifyMemory();
+  if (options_.loader.mlock) pinner_->Pin(model);  // adopted segments come unlocked
+  return absl::OkStatus();
 }
 
 absl::StatusOr<ModelRegistry::UpdateGrant> ModelRegistry::BeginUpdate(const std::string& name,
@@ -483,6 +499,7 @@ absl::StatusOr<ModelRegistry::UnloadResult> ModelRegistry::Unload(const std::str
   std::shared_ptr<ModelGeneration> model = std::move(it->second);
   current_.erase(it);
   if (listener_) listener_->OnModelServing(name, false);
+  if (listener_) listener_->OnModelUnloaded(name);
   Announce(ModelEvent::Kind::kUnloaded, *model);
   if (force) {
     DropLeasesOf(name);

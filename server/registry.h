@@ -38,6 +38,10 @@ class RegistryListener {
  public:
   virtual ~RegistryListener() = default;
   virtual void OnModelServing(const std::string& name, bool serving) {}
+  // `model` just became the READY generation of its name (a load, reload,
+  // commit, or a restore at start); the name was unloaded.
+  virtual void OnGenerationPublished(const std::shared_ptr<ModelGeneration>& model) {}
+  virtual void OnModelUnloaded(const std::string& name) {}
   virtual void OnLoadFinished(const ModelGeneration& model, uint64_t bytes, double seconds) {}
   virtual void OnLoadFailed(const LoadRequest& request, const absl::Status& status) {}
   virtual void OnLeasesChanged(const std::string& name, int active) {}
@@ -102,6 +106,12 @@ class ModelRegistry {
   // or FAILED_PRECONDITION when the name has no READY generation.
   absl::StatusOr<LoadResult> Reload(const std::string& name, const std::string& checkpoint_path,
                                     const ProgressFn& progress);
+
+  // Serves `model`, restored from the fd store at start (server/fd_store.h),
+  // as the READY generation of its name with its own generation number;
+  // later generations are numbered above it. ALREADY_EXISTS when the name
+  // has one.
+  absl::Status Adopt(std::shared_ptr<ModelGeneration> model);
 
   struct UnloadResult {
     std::shared_ptr<ModelGeneration> model;

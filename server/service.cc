@@ -1,9 +1,12 @@
 #include "server/service.h"
 
+#include <random>
+
 #include <grpcpp/support/byte_buffer.h>
 #include <grpcpp/support/proto_buffer_reader.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "server/convert.h"
 #include "server/manifest_pages.h"
 #include "server/watch_stream.h"
@@ -87,6 +90,7 @@ grpc::Status WeightdService::UnloadModel(grpc::ServerContext*, const v1::UnloadM
 grpc::Status WeightdService::ListModels(grpc::ServerContext*, const v1::ListModelsRequest*,
                                         v1::ListModelsResponse* response) {
   for (const auto& model : registry_->ListAll()) ToProto(*model, response->add_models());
+  response->set_daemon_instance(DaemonInstanceId());
   return grpc::Status::OK;
 }
 
@@ -194,6 +198,30 @@ grpc::Status WeightdService::AbortUpdate(grpc::ServerContext*, const v1::AbortUp
   return ToGrpcStatus(registry_->AbortUpdate(request->update_id(), "aborted_by_writer"));
 }
 
+grpc::Status WeightdService::UpgradeDaemon(grpc::ServerContext*, const v1::UpgradeDaemonRequest*,
+                                           v1::UpgradeDaemonResponse* response) {
+  if (!upgrade_) {
+    return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                        "weightd.v1.Weightd/UpgradeDaemon is served on the daemon's Unix socket only");
+  }
+  uint32_t ready = 0;
+  for (const auto& model : registry_->List()) ready += model->state.load() == ModelState::kReady ? 1 : 0;
+  absl::StatusOr<std::string> binary = upgrade_();
+  if (!binary.ok()) return ToGrpcStatus(binary.status());
+  response->set_binary(*binary);
+  response->set_daemon_instance(DaemonInstanceId());
+  response->set_models(ready);
+  return grpc::Status::OK;
+}
+
+const std::string& DaemonInstanceId() {
+  static const std::string* id = [] {
+    std::random_device device;
+    return new std::string(absl::StrFormat("%08x%08x", device(), device()));
+  }();
+  return *id;
+}
+
 grpc::Status WeightdService::Detach(grpc::ServerContext*, const v1::DetachRequest* request, v1::DetachResponse*) {
   return ToGrpcStatus(registry_->Detach(request->lease_id()));
 }
@@ -250,6 +278,11 @@ grpc::Status ReadOnlyWeightdService::CommitUpdate(grpc::ServerContext*, const v1
 grpc::Status ReadOnlyWeightdService::AbortUpdate(grpc::ServerContext*, const v1::AbortUpdateRequest*,
                                                  v1::AbortUpdateResponse*) {
   return AdminOnly("AbortUpdate");
+}
+
+grpc::Status ReadOnlyWeightdService::UpgradeDaemon(grpc::ServerContext*, const v1::UpgradeDaemonRequest*,
+                                                   v1::UpgradeDaemonResponse*) {
+  return AdminOnly("UpgradeDaemon");
 }
 
 grpc::Status ReadOnlyWeightdService::Detach(grpc::ServerContext*, const v1::DetachRequest*, v1::DetachResponse*) {

@@ -36,6 +36,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "common/base/scoped_fd.h"
 #include "common/memory/huge_pages.h"
 
 namespace weightd {
@@ -53,6 +54,13 @@ class HostSegment {
   // says what it got. Errors: RESOURCE_EXHAUSTED when memory or fds are short.
   static absl::StatusOr<std::unique_ptr<HostSegment>> Create(const std::string& name, uint64_t size,
                                                              const PageChoice& pages = {});
+  // Takes over `fd`, a memfd sealed by an earlier process (a restarted
+  // daemon's fd store, server/fd_store.h): it must carry F_SEAL_SHRINK |
+  // F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL, be exactly `size` bytes, and be
+  // of 2 MiB pages exactly when `huge` (st_blksize). Maps it read-only and
+  // lazily; locks nothing. The result is sealed(). Errors:
+  // FAILED_PRECONDITION naming the check that failed; the fd is closed.
+  static absl::StatusOr<std::unique_ptr<HostSegment>> Adopt(ScopedFd fd, uint64_t size, bool huge);
   ~HostSegment();
   HostSegment(const HostSegment&) = delete;
   HostSegment& operator=(const HostSegment&) = delete;
@@ -99,6 +107,8 @@ class HostSegment {
   const char* data() const { return base_; }
   uint64_t size() const { return size_; }  // kHugetlb: rounded up to 2 MiB
   PageKind page_kind() const { return kind_; }
+  // An MFD_HUGETLB memfd (st_blksize 2 MiB): what the fd store records.
+  bool huge_pages() const { return kind_ == PageKind::kHugetlb; }
   // Bytes on 2 MiB pages: size() for kHugetlb; for kShmemThp what the
   // filler measured (set_huge_bytes), 0 until then.
   uint64_t huge_bytes() const { return kind_ == PageKind::kHugetlb ? size_ : huge_bytes_; }

@@ -9,6 +9,10 @@
 //
 // Errors are absl::Status with the daemon's gRPC code and message
 // (UNAVAILABLE when the daemon cannot be reached).
+// Across a daemon restart (or an in-place upgrade), mappings stay valid,
+// leases of the old daemon are gone, and a Client reconnects on its next
+// call once the daemon is back (a call while it is down: UNAVAILABLE).
+//
 // Thread-safety: a Client may be used from many threads at once; a
 // MappedModel is immutable and may be read from any thread.
 #ifndef WEIGHTD_CLIENT_INCLUDE_WEIGHTD_CLIENT_H_
@@ -105,6 +109,13 @@ struct ModelSummary {
   uint64_t bytes_read = 0;
   uint64_t bytes_shared = 0;
   std::string version_label;  // a writer's tag of the generation (e.g. "step-1200"); "" for loads from disk
+};
+
+// What UpgradeDaemon started.
+struct UpgradeInfo {
+  std::string binary;           // the path the daemon re-executes
+  std::string daemon_instance;  // the instance that is stopping
+  uint32_t models = 0;          // READY models it hands over
 };
 
 struct LoadOptions {
@@ -333,6 +344,15 @@ class Client {
   // "SERVING", "NOT_SERVING" or "SERVICE_UNKNOWN" (a name never loaded);
   // UNAVAILABLE when the daemon cannot be reached.
   absl::StatusOr<std::string> Health(const std::string& service);
+  // Asks the daemon to upgrade in place (UpgradeDaemon in the proto): it
+  // re-executes its binary and serves every READY model again without
+  // reading a checkpoint. Returns before the daemon stops; it is back when
+  // DaemonInstance() answers with another value. FAILED_PRECONDITION when
+  // the binary cannot be executed, PERMISSION_DENIED over TCP.
+  absl::StatusOr<UpgradeInfo> UpgradeDaemon();
+  // The daemon's instance: random per daemon process image, so it changes
+  // when the daemon restarts or upgrades (its leases are then gone).
+  absl::StatusOr<std::string> DaemonInstance();
 
   struct Impl;
 
