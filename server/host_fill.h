@@ -7,7 +7,7 @@
 //              inside the write; no page faults);
 //   kHugetlb   populate the block's 2 MiB pages (MADV_POPULATE_WRITE),
 //   kShmemThp  then read each slice straight into the mapping and hash it.
-// A THP block whose populate runs below HugeFillBudget's floor for
+// A THP block whose populate runs below HugeFillBudget's floor (CPU time) for
 // `stall_blocks` blocks in a row on one thread (the kernel compacting
 // memory to find 2 MiB blocks) makes the rest of the load use 4 KiB pages:
 // THP segments are then filled like kSmall ones after
@@ -37,11 +37,13 @@ namespace weightd {
 
 inline constexpr uint64_t kFillSliceBytes = 1ull << 20;
 
-// When a THP fill counts as stalled. The default floor, 0.5 GB/s per thread,
-// is below a huge-page populate without compaction here (3-6 GB/s) and
-// above one that compacts (0.3-0.4 GB/s), docs/performance.md; two blocks
-// in a row, each populating at least `min_block_bytes` (a shorter one is
-// too quick to time on a busy CPU), so that one preemption is not a stall.
+// When a THP fill counts as stalled: populates timed in the thread's CPU
+// time (CLOCK_THREAD_CPUTIME_ID: direct compaction runs in the populating
+// thread; waiting for a CPU on a busy machine does not count). The default
+// floor, 0.5 GB/s, is below a huge-page populate without compaction here
+// (3-6 GB/s: zeroing) and above one that compacts (0.3-0.4 GB/s),
+// docs/performance.md; two blocks in a row, each populating at least
+// `min_block_bytes` (a shorter one is too quick to time).
 // Tests set the floor to infinity to force the fall-back.
 struct HugeFillBudget {
   double min_populate_bytes_per_second = 0.5e9;

@@ -7,7 +7,8 @@
 # demo checkpoint and the peers' venv exist; --full repeats each measurement
 # more. --hugepages (root) also loads into a huge page pool it reserves and
 # then releases. --only runs some sections: catalog, load, attach (memory,
-# restart, attach, concurrency), writer (a writer's publish, partial
+# restart, attach, concurrency), fill (issue 14: 4 KiB, THP and hugetlb loads vs cat
+# and vs a bare fill; peak memory), writer (a writer's publish, partial
 # updates, publish-to-reattach, partial reload), peers. Builds into
 # $WEIGHTD_BENCH_BUILD (default build-bench/), writes checkpoints under it,
 # and installs the peers (safetensors, runai-model-streamer, fastsafetensors,
@@ -24,7 +25,7 @@ while [ $# -gt 0 ]; do
     --full|--hugepages) args+=("$1") ;;
     --only) only=${2:-}; [ -n "$only" ] || { echo "$0: --only needs a list" >&2; exit 2; }
             args+=(--only "$only"); shift ;;
-    *) echo "usage: $0 [--quick|--full] [--hugepages] [--only catalog,load,attach,writer,peers]" >&2; exit 2 ;;
+    *) echo "usage: $0 [--quick|--full] [--hugepages] [--only catalog,load,fill,attach,writer,peers]" >&2; exit 2 ;;
   esac
   shift
 done
