@@ -131,7 +131,11 @@ absl::Status HostSegment::Write(uint64_t offset, const char* src, uint64_t n) {
 
 HostSegment::HostSegment(int fd, char* base, uint64_t size, PageKind kind)
     : fd_(fd), base_(base), size_(size), kind_(kind) {
-  if (size_ > 0) read_only_ = MapReadOnlyCopy(fd_, size_);
+  if (size_ == 0) return;
+  read_only_ = MapReadOnlyCopy(fd_, size_);
+  // The sealed mapping of a THP segment maps its 2 MiB pages whole (one PMD
+  // each) when advised: pinning 2.4 GiB then maps 1,200 entries, not 600k.
+  if (read_only_ != nullptr && kind_ == PageKind::kShmemThp) madvise(read_only_, size_, MADV_HUGEPAGE);
 }
 
 HostSegment::~HostSegment() {
