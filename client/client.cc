@@ -64,6 +64,7 @@ ModelSummary FromProto(const v1::ModelInfo& m) {
   s.checkpoint_bytes = m.checkpoint_bytes();
   s.host_bytes = m.host_bytes();
   s.locked_bytes = m.locked_bytes();
+  s.huge_page_bytes = m.huge_page_bytes();
   for (const auto& d : m.device_bytes()) s.device_bytes[d.gpu_uuid()] = d.bytes();
   s.leases = m.leases();
   s.fingerprint = m.fingerprint();

@@ -81,18 +81,11 @@ class DaemonListener final : public RegistryListener {
   void OnLoadFailed(const LoadRequest& request, const absl::Status& status) override {
     LogWarning(absl::StrCat("load of '", request.name, "' from ", request.checkpoint_path, " failed: ", status.message()));
   }
-  void OnMemoryChanged(uint64_t host, uint64_t locked) override {
-    if (locked < host && !warned_memlock_.exchange(true)) {
-      LogWarning(absl::StrFormat("only %d of %d host bytes are mlock()ed: raise RLIMIT_MEMLOCK (LimitMEMLOCK=infinity)",
-                                 locked, host));
-    }
-  }
 
  private:
   absl::Mutex mu_;
   std::vector<grpc::Server*> servers_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, bool> serving_ ABSL_GUARDED_BY(mu_);
-  std::atomic<bool> warned_memlock_{false};
 };
 
 // Hands every registry event to each listener in turn. Add() them all before
@@ -176,6 +169,7 @@ class DaemonImpl final : public Daemon {
     options.model_roots = config_.model_root;
     options.loader.threads = config_.load_threads;
     options.loader.mlock = config_.mlock;
+    options.loader.huge_pages = config_.huge_pages;
     options.loader.direct_io = ParseDirectIo(config_.direct_io).value_or(DirectIo::kAuto);  // validated by config
     options.claim_timeout = std::chrono::milliseconds(static_cast<int64_t>(config_.lease_claim_timeout_seconds * 1000));
     options.watch.max_watchers = static_cast<size_t>(config_.max_watchers);

@@ -77,7 +77,11 @@ class SampledGauges final : public prometheus::Collectable {
             GaugeFamily("weightd_device_bytes", "Bytes of device segments held, by GPU.", "gpu_uuid", s.device_bytes),
             GaugeFamily("weightd_leases_active", "Leases held by clients (pending or claimed), by model.", "model",
                         s.leases),
-            VersionFamily(s)};
+            VersionFamily(s),
+            GaugeFamily("weightd_host_huge_page_bytes",
+                        "Bytes of a model's host segments on 2 MiB pages (hugetlb pool or shmem THP), READY "
+                        "generation.",
+                        "model", s.huge_page_bytes)};
   }
 
   // Always 1 per READY generation; its labels say which version is served.
@@ -109,6 +113,7 @@ ModelsSample SampleModels(const std::vector<std::shared_ptr<ModelGeneration>>& m
   for (const auto& m : models) {
     ++s.by_state[StateName(m->state.load())];
     if (m->state.load() == ModelState::kReady) s.versions[m->request.name] = {m->generation, m->version_label};
+    if (m->state.load() == ModelState::kReady) s.huge_page_bytes[m->request.name] = m->huge_page_bytes;
     s.leases[m->request.name] += m->leases.load();
     for (const SegmentRecord& seg : m->segments) {
       if (seg.placement == Placement::kDevice) s.device_bytes[seg.gpu_uuid] += seg.size;

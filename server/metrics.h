@@ -60,6 +60,9 @@ struct ModelsSample {
   // READY generations: model name -> (generation, version label), for
   // weightd_model_version_info{model, generation, version_label}.
   std::map<std::string, std::pair<uint64_t, std::string>> versions;
+  // READY generations: model name -> host bytes on 2 MiB pages, for
+  // weightd_host_huge_page_bytes{model}.
+  std::map<std::string, uint64_t> huge_page_bytes;
 };
 // Builds the sample from ModelRegistry::ListAll().
 ModelsSample SampleModels(const std::vector<std::shared_ptr<ModelGeneration>>& models);

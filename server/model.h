@@ -142,7 +142,11 @@ class ModelGeneration {
   double load_seconds = 0;
   uint64_t checkpoint_bytes = 0;  // tensor bytes of the checkpoint
   uint64_t host_bytes = 0;     // bytes of its host segments, shared ones included
-  uint64_t locked_bytes = 0;
+  // Of those, the bytes mlock()ed: 0 at publication, set by the registry's
+  // pinning thread when it has locked them (read from any thread).
+  std::atomic<uint64_t> locked_bytes{0};
+  uint64_t huge_page_bytes = 0;  // of host_bytes, those on 2 MiB pages (hugetlb or THP)
+  std::string host_pages;        // a load's sentence on its pages: which, why, a fall-back (logged)
   // Where its bytes came from: tensor bytes read from storage, and bytes of
   // segments (host and device) shared with the generation before it.
   uint64_t bytes_read = 0;

@@ -1,6 +1,7 @@
 #include "server/registry.h"
 
 #include <algorithm>
+#include <cstring>
 #include <random>
 #include <utility>
 
@@ -94,9 +95,27 @@ ModelRegistry::ModelRegistry(RegistryOptions options, RegistryListener* listener
   options_.loader.cancel = &cancel_loads_;
   if (options_.loader.admission == nullptr) options_.loader.admission = &admission_;
   release_thread_ = std::thread([this] { ReleaseLoop(); });
+  pinner_ = std::make_unique<SegmentPinner>([this](ModelGeneration& model, const PinResult& pinned) {
+    ReportPinned(model, pinned);
+  });
+}
+
+void ModelRegistry::ReportPinned(const ModelGeneration& model, const PinResult& pinned) {
+  if (pinned.locked_bytes == pinned.host_bytes) {
+    LogInfo(absl::StrFormat("pinned '%s' generation %d: %d host bytes mlock()ed in %.2f s", model.request.name,
+                            model.generation, pinned.locked_bytes, pinned.seconds));
+  } else {
+    LogWarning(absl::StrFormat(
+        "only %d of %d host bytes of '%s' generation %d are mlock()ed (%s): raise RLIMIT_MEMLOCK "
+        "(LimitMEMLOCK=infinity) or give CAP_IPC_LOCK",
+        pinned.locked_bytes, pinned.host_bytes, model.request.name, model.generation, std::strerror(pinned.lock_errno)));
+  }
+  absl::MutexLock lock(&mu_);
+  NotifyMemory();
 }
 
 ModelRegistry::~ModelRegistry() {
+  pinner_.reset();
   {
     absl::MutexLock lock(&release_mu_);
     stop_release_ = true;
@@ -216,6 +235,7 @@ absl::StatusOr<ModelRegistry::LoadResult> ModelRegistry::Load(LoadRequest reques
       LoadGeneration(*catalog, request, options_.loader, track, previous.get());
   if (!loaded.ok()) return fail(loaded.status());
   LoadResult result = Publish(std::move(*loaded), *catalog);
+  if (options_.loader.mlock) pinner_->Pin(result.model);
   if (previous != nullptr) ReleaseLater(std::move(previous));  // freed off the reply's path when unleased
   return result;
 }
@@ -269,6 +289,7 @@ absl::Status ModelRegistry::Adopt(std::shared_ptr<ModelGeneration> model) {
   if (listener_) listener_->OnModelServing(name, true);
   if (listener_) listener_->OnGenerationPublished(model);
   NotifyMemory();
+  if (options_.loader.mlock) pinner_->Pin(model);  // adopted segments come unlocked
   return absl::OkStatus();
 }
 

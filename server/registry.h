@@ -24,6 +24,7 @@
 #include "common/io/env.h"
 #include "absl/synchronization/mutex.h"
 #include "server/loader.h"
+#include "server/segment_pinner.h"
 #include "server/model.h"
 #include "server/update.h"
 #include "server/model_events.h"
@@ -274,6 +275,8 @@ class ModelRegistry {
   void AnnouncePublished(ModelGeneration& model) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DropLease(std::map<std::string, Lease>::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void NotifyMemory() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The pinner finished `model`: logs what it locked and updates the gauges.
+  void ReportPinned(const ModelGeneration& model, const PinResult& pinned) ABSL_LOCKS_EXCLUDED(mu_);
   // Drops `held` on the release thread: freeing a generation of many GiB
   // (munmap, close) takes a good part of a second, which a commit or reload
   // reply should not wait for. Memory gauges may lag by that long.
@@ -298,6 +301,9 @@ class ModelRegistry {
   std::vector<std::shared_ptr<const void>> to_release_ ABSL_GUARDED_BY(release_mu_);
   bool stop_release_ ABSL_GUARDED_BY(release_mu_) = false;
   std::thread release_thread_;  // started in the constructor, joined in the destructor
+  // Pins the host segments of loaded generations after they are published
+  // (LoaderOptions::mlock); stopped first in the destructor.
+  std::unique_ptr<SegmentPinner> pinner_;
   uint64_t next_generation_ ABSL_GUARDED_BY(mu_) = 1;
 };
 

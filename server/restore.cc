@@ -130,6 +130,7 @@ class Restorer {
       if (!fd.ok()) return Refused(fd.status());
       absl::StatusOr<std::unique_ptr<HostSegment>> segment = HostSegment::Adopt(std::move(*fd), s.size, s.huge_pages);
       if (!segment.ok()) return Refusal{"segment_mismatch", absl::StrCat(s.fd_name, ": ", segment.status().message())};
+      m.huge_page_bytes += (*segment)->huge_bytes();  // hugetlb ones; THP is not known after a restart
       m.host_segments.push_back(std::move(*segment));
       out.host_segment_names.push_back(s.fd_name);
     }

@@ -30,7 +30,7 @@ absl::StatusOr<std::unique_ptr<HostSegment>> HostSegment::Adopt(ScopedFd fd, uin
     return absl::FailedPreconditionError(absl::StrCat("memfd pages are ", st.st_blksize, " bytes, the record says ",
                                                       huge ? "2 MiB" : "4 KiB"));
   }
-  std::unique_ptr<HostSegment> segment(new HostSegment(fd.Release(), nullptr, size, huge));
+  std::unique_ptr<HostSegment> segment(new HostSegment(fd.Release(), nullptr, size, huge ? PageKind::kHugetlb : PageKind::kSmall));
   segment->sealed_ = true;
   if (size == 0) return segment;
   if (segment->read_only_ == nullptr) {

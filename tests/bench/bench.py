@@ -864,6 +864,8 @@ class Bench:
         if self.wants("load"):
             self.load_warm()
             self.load_cold()
+        if self.wants("fill"):
+            fill_section(self)
         if self.wants("attach"):
             with Daemon(self, "main") as d:
                 self.memory_and_pss(d)
@@ -894,6 +896,196 @@ class Bench:
         print(self.table.markdown())
 
 
+# ------------------------------------------------------------ fill (issue 14)
+SHMEM_ENABLED = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
+NR_HUGEPAGES = "/proc/sys/vm/nr_hugepages"
+
+
+class KernelSettings:
+    """Sets kernel files for the duration of a `with` block and puts back every old value on every
+    exit path: normal, an exception, Ctrl-C, or SIGTERM (turned into an exception while inside)."""
+
+    def __init__(self):
+        self.saved = []
+
+    def set(self, path, value):
+        with open(path) as f:
+            old = f.read().strip()
+        if path == SHMEM_ENABLED:  # "always within_size [advise] never ...": the bracketed word
+            old = re.search(r"\[(\w+)\]", old).group(1)
+        self.saved.append((path, old))
+        with open(path, "w") as f:
+            f.write(value)
+        log(f"set {path} to {value} (was {old}) for this run")
+
+    def __enter__(self):
+        def raise_exit(signum, frame):
+            raise KeyboardInterrupt(f"signal {signum}")
+        self.old_term = signal.signal(signal.SIGTERM, raise_exit)
+        return self
+
+    def __exit__(self, *exc):
+        for path, old in reversed(self.saved):
+            try:
+                with open(path, "w") as f:
+                    f.write(old)
+                log(f"restored {path} to {old}")
+            except OSError as e:
+                log(f"could not restore {path} to {old}: {e}")
+        signal.signal(signal.SIGTERM, self.old_term)
+
+
+def fill_section(ctx):
+    """Issue 14's load rows: weightd's load against cat and against a bare fill of the same pages,
+    with 4 KiB pages, shmem THP and a hugetlb pool, and the daemon's peak memory."""
+    reps = ctx.reps
+    files, total = ctx.files, ctx.ckpt_bytes
+    threads = os.cpu_count()
+
+    def cat_gbps():
+        subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True)  # warm
+        with open(os.devnull, "w") as null:
+            return gbps(total, wall(["cat", *files], stdout=null))
+
+    def fill(pages):
+        return run_json([ctx.bench, "fill-files", "--pages", pages, "--threads", str(threads), *files])
+
+    def measure(label, daemon_flags, pages):
+        """Interleaved rounds of cat, weightd load and the bare fill; ratios within each round."""
+        out = {"cat": [], "load": [], "fill": []}
+        with Daemon(ctx, f"fill-{label}", *daemon_flags) as d:
+            d.load(f"{label}warm", ctx.ckpt)  # first allocations after a settings change compact memory
+            fill(pages)
+            for i in range(reps):
+                out["cat"].append(cat_gbps())
+                out["load"] += d.load(f"{label}{i}", ctx.ckpt)
+                out["fill"].append(fill(pages))
+        ctx.raw[f"fill_{label}"] = out
+        load = [r["gbps"] for r in out["load"]]
+        return {"vs_cat": [l / c for l, c in zip(load, out["cat"])],
+                "vs_fill": [l / f["gbps"] for l, f in zip(load, out["fill"])],
+                "fill_vs_cat": [f["gbps"] / c for f, c in zip(out["fill"], out["cat"])],
+                "load": median(load), "cat": median(out["cat"]), "fill": median([f["gbps"] for f in out["fill"]]),
+                "huge": min(r.get("huge_page_bytes", 0) for r in out["load"]),
+                "huge_rounds": [r.get("huge_page_bytes", 0) // MIB for r in out["load"]],
+                "fill_huge": min(f["huge_page_bytes"] for f in out["fill"]),
+                "host": out["load"][0]["host_bytes"],
+                "read_s": median([r["phase_start"]["SEAL"] - r["phase_start"]["READ"] for r in out["load"]])}
+
+    def why(m, pages):
+        return (f"the bare {pages} fill (no hash, no RPC) reaches {rounds(m['fill_vs_cat'])}x cat here, so "
+                f"allocating and zeroing fresh pages is the limit; weightd reaches {rounds(m['vs_fill'])}x of "
+                f"the bare fill (read phase {gbps(total, m['read_s']):.2f} GB/s; the rest: XXH3 on every byte, "
+                f"catalog, seal)")
+
+    label = f"{ctx.preset}, {total / GIB:.2f} GiB, {threads} threads"
+    m = measure("4k", ["--huge-pages", "false"], "small")
+    c = median(m["vs_cat"])
+    ctx.table.add(f"fill: load, 4 KiB pages ({label}) vs cat > /dev/null", f"{m['load']:.2f} GB/s",
+                  f"{m['cat']:.2f} GB/s", f"{c:.2f} ({rounds(m['vs_cat'])})", ">= 0.6",
+                  at_least(c, 0.6, why(m, "4 KiB")))
+    ctx.table.add(f"fill: load, 4 KiB pages vs bare 4 KiB fill (pwrite, one memfd per thread)",
+                  f"{m['load']:.2f} GB/s", f"{m['fill']:.2f} GB/s",
+                  f"{median(m['vs_fill']):.2f} ({rounds(m['vs_fill'])})", "(context)", "-")
+
+    huge_rows = [("THP", "shmem THP (shmem_enabled=advise)", "thp"), ("hugetlb", "hugetlb pool", "hugetlb")]
+    if os.geteuid() != 0:
+        for short, what, _ in huge_rows:
+            for vs in ("cat", "bare huge-page fill"):
+                ctx.table.add(f"fill: load, {what} vs {vs}", "n/a", "n/a", "-", ">= 0.9",
+                              "skipped: needs root to switch shmem_enabled / vm.nr_hugepages for this run")
+    else:
+        for short, what, pages in huge_rows:
+            try:
+                with KernelSettings() as k:
+                    if pages == "thp":
+                        k.set(SHMEM_ENABLED, "advise")
+                    else:
+                        # the load's segments and the bare fill's shares, each rounded up to 2 MiB pages
+                        need = 2 * (total // (2 * MIB)) + 64 + 2 * threads
+                        k.set(NR_HUGEPAGES, str(need))
+                        if meminfo("HugePages_Free") < need:
+                            raise RuntimeError(f"the kernel reserved only {meminfo('HugePages_Free')} of {need} "
+                                               "huge pages (memory too fragmented)")
+                    m = measure(short.lower(), [], pages)
+            except (OSError, RuntimeError) as e:
+                for vs in ("cat", "bare huge-page fill"):
+                    ctx.table.add(f"fill: load, {what} vs {vs}", "n/a", "n/a", "-", ">= 0.9", f"not measured: {e}")
+                continue
+            took = m["huge"] >= 0.9 * m["host"]
+            pages_note = (f"{m['huge'] / MIB:.0f} of {m['host'] / MIB:.0f} MiB on 2 MiB pages (measured); "
+                          f"bare fill {m['fill_huge'] / MIB:.0f} MiB")
+            c, f = median(m["vs_cat"]), median(m["vs_fill"])
+            missed = (f"not met: huge pages did not take in every round (MiB on 2 MiB pages per round: "
+                      f"{m['huge_rounds']}): a load fell back to 4 KiB pages on a compaction stall (daemon log)")
+            ctx.table.add(f"fill: load, {what} vs cat > /dev/null", f"{m['load']:.2f} GB/s; {pages_note}",
+                          f"{m['cat']:.2f} GB/s", f"{c:.2f} ({rounds(m['vs_cat'])})", ">= 0.9",
+                          at_least(c, 0.9, why(m, short)) if took else missed)
+            ctx.table.add(f"fill: load, {what} vs bare {short} fill (same pages, no hash)", f"{m['load']:.2f} GB/s",
+                          f"{m['fill']:.2f} GB/s", f"{f:.2f} ({rounds(m['vs_fill'])})", ">= 0.9",
+                          at_least(f, 0.9, why(m, short)) if took else missed)
+    fill_memory(ctx)
+
+
+def wait_pinned(ctx, d, name, host_bytes, deadline_s=30):
+    """Seconds until `weightctl ls` shows all of the model's host bytes locked (the pinning thread
+    runs after the load returns); None when the deadline passes first."""
+    start = time.perf_counter()
+    while time.perf_counter() - start < deadline_s:
+        out = subprocess.run([ctx.weightctl, "--socket", d.socket, "ls", "--json"], capture_output=True, text=True)
+        models = json.loads(out.stdout)["models"] if out.returncode == 0 else []
+        if any(m["name"] == name and m["locked_bytes"] == host_bytes for m in models):
+            return time.perf_counter() - start
+        time.sleep(0.05)
+    return None
+
+
+def fill_memory(ctx):
+    """Peak daemon memory during a load (4 KiB pages) against what it keeps plus its staging."""
+    with Daemon(ctx, "fill-rss", "--huge-pages", "false") as d:
+        base = proc_status(d.pid)
+        samples, stop = [], threading.Event()
+
+        def memfd_bytes(pid):
+            """Bytes allocated to the weightd memfds the daemon holds (st_blocks: pages really there);
+            per process, unlike /proc/meminfo's Shmem, which other processes on the machine move."""
+            total = 0
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:weightd:"):
+                        total += os.stat(f"/proc/{pid}/fd/{fd}").st_blocks * 512
+                except OSError:
+                    pass
+            return total
+
+        def sample():
+            while not stop.is_set():
+                try:
+                    st = proc_status(d.pid)
+                    samples.append(st["VmRSS"] - st.get("RssShmem", 0) + memfd_bytes(d.pid))
+                except OSError:
+                    pass
+                time.sleep(0.005)
+
+        t = threading.Thread(target=sample)
+        t.start()
+        run = d.load("rss", ctx.ckpt, keep=True)[0]
+        pinned_s = wait_pinned(ctx, d, "rss-0", run["host_bytes"])  # the pinning thread maps every page
+        stop.set()
+        t.join()
+        after = proc_status(d.pid)
+    kept = run["host_bytes"]
+    staging = os.cpu_count() * RING_BYTES_PER_THREAD
+    anon0 = base["VmRSS"] - base.get("RssShmem", 0)
+    peak = max(max(samples + [anon0]) - anon0, after["VmHWM"] - base["VmRSS"])
+    ctx.raw["fill_rss"] = {"kept": kept, "staging": staging, "peak": peak, "base": base, "after": after,
+                           "pinned_after_s": pinned_s}
+    ctx.table.add("fill: daemon peak memory during a load / (resident + staging)",
+                  f"{peak / MIB:.0f} MiB", f"{(kept + staging) / MIB:.0f} MiB ({kept / MIB:.0f} MiB kept + "
+                  f"{staging // MIB} MiB staging)", f"{peak / (kept + staging):.3f}", "<= 1.05",
+                  at_most(peak / (kept + staging), 1.05, "the daemon holds more than its segments and buffers"))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--full", action="store_true", help="more repetitions (default: quick)")
@@ -902,8 +1094,8 @@ def main():
     ap.add_argument("--hugepages", action="store_true",
                     help="also measure with a huge page pool (root: sets vm.nr_hugepages, then restores it)")
     ap.add_argument("--only", type=lambda v: v.split(","), default=[],
-                    help="comma-separated sections to run: catalog, load, attach, attach-scale, writer, daemon-restart, peers "
-                         "(default: all; attach includes attach-scale)")
+                    help="comma-separated sections to run: catalog, load, fill, attach, attach-scale, writer, "
+                         "daemon-restart, peers (default: all; attach includes attach-scale)")
     ap.add_argument("--peers-status", default="{}", type=json.loads,
                     help="JSON {mode or 'venv': reason} for peers that could not be installed")
     Bench(ap.parse_args()).run()

@@ -22,6 +22,7 @@ int PublishCommand(const Flags& flags);
 int ShmCopyCommand(const Flags& flags);
 int ReloadCommand(const Flags& flags);
 int PublishWatchCommand(const Flags& flags);
+int FillFilesCommand(const Flags& flags);
 
 }  // namespace weightd::bench
 

@@ -92,7 +92,8 @@ struct ModelSummary {
   std::string checkpoint_path;
   uint64_t checkpoint_bytes = 0;  // tensor bytes read from the checkpoint
   uint64_t host_bytes = 0;
-  uint64_t locked_bytes = 0;
+  uint64_t locked_bytes = 0;     // of host_bytes, mlock()ed (0 until the daemon has pinned them)
+  uint64_t huge_page_bytes = 0;  // of host_bytes, on 2 MiB pages
   std::map<std::string, uint64_t> device_bytes;  // by GPU UUID
   uint32_t leases = 0;
   std::string fingerprint;
