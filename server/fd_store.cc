@@ -68,7 +68,7 @@ std::vector<NamedFd> TakeListenFds() {
 }
 
 absl::StatusOr<ScopedFd> SealedMemfd(const std::string& model, const std::string& bytes) {
-  ScopedFd fd(memfd_create(absl::StrCat("weightd:state:", model).substr(0, 249).c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  ScopedFd fd(memfd_create(absl::StrCat("wd-state:", model).substr(0, 249).c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING));
   if (!fd.valid()) return ErrnoToStatus("memfd_create for a state record", errno);
   size_t done = 0;
   while (done < bytes.size()) {
@@ -100,18 +100,22 @@ void FdStoreKeeper::Adopted(const std::shared_ptr<ModelGeneration>& model, const
                             const std::vector<std::string>& arena_names) {
   absl::MutexLock lock(&state_mu_);
   Stored stored{record_name, std::move(record_fd), model, {}};
-  auto adopt = [&](std::shared_ptr<const void> object, const std::string& name) {
-    segment_names_[object.get()] = {name, object};
-    ++segment_refs_[name];
-    stored.segments.push_back(name);
-    uint64_t n = 0;
-    if (name.rfind("wd-seg-", 0) == 0 && absl::SimpleAtoi(name.substr(7), &n)) next_segment_ = std::max(next_segment_, n + 1);
-  };
   for (size_t i = 0; i < model->host_segments.size() && i < host_segment_names.size(); ++i) {
-    adopt(model->host_segments[i], host_segment_names[i]);
+    AdoptSegment(model->host_segments[i], model->host_segments[i]->fd(), host_segment_names[i], stored);
   }
-  for (size_t i = 0; i < model->arenas.size() && i < arena_names.size(); ++i) adopt(model->arenas[i], arena_names[i]);
+  for (size_t i = 0; i < model->arenas.size() && i < arena_names.size(); ++i) {
+    AdoptSegment(model->arenas[i], model->arenas[i]->export_fd(), arena_names[i], stored);
+  }
   models_[model->request.name] = std::move(stored);
+}
+
+void FdStoreKeeper::AdoptSegment(std::shared_ptr<const void> object, int fd, const std::string& name, Stored& stored) {
+  const void* key = object.get();
+  segment_names_[key] = {name, std::move(object), fd};
+  ++segment_refs_[name];
+  stored.segments.push_back(name);
+  uint64_t n = 0;
+  if (name.rfind("wd-seg-", 0) == 0 && absl::SimpleAtoi(name.substr(7), &n)) next_segment_ = std::max(next_segment_, n + 1);
 }
 
 void FdStoreKeeper::Drop(const std::string& name) {
@@ -222,7 +226,7 @@ absl::StatusOr<std::string> FdStoreKeeper::Need(std::shared_ptr<const void> obje
   std::string name = absl::StrCat("wd-seg-", next_segment_++);
   if (sink_) WEIGHTD_RETURN_IF_ERROR(sink_->Store(name, fd));
   const void* key = object.get();  // before the move: `a = b` evaluates b first (C++17)
-  segment_names_[key] = {name, std::move(object)};
+  segment_names_[key] = {name, std::move(object), fd};
   segment_refs_[name] = 1;
   return name;
 }
@@ -257,16 +261,9 @@ std::vector<NamedFd> FdStoreKeeper::Handoff() {
   std::vector<NamedFd> records, segments;
   std::set<std::string> named;
   auto dup = [](int fd) { return ScopedFd(fcntl(fd, F_DUPFD_CLOEXEC, 3)); };
-  for (const auto& [name, stored] : models_) {
-    std::shared_ptr<ModelGeneration> model = stored.model.lock();
-    if (!model) continue;
-    records.push_back({stored.record_name, dup(stored.record_fd.get())});
-    auto add = [&](const void* object, int fd) {
-      auto it = segment_names_.find(object);
-      if (it != segment_names_.end() && named.insert(it->second.name).second) segments.push_back({it->second.name, dup(fd)});
-    };
-    for (const auto& s : model->host_segments) add(s.get(), s->fd());
-    for (const auto& a : model->arenas) add(a.get(), a->export_fd());
+  for (const auto& [name, stored] : models_) records.push_back({stored.record_name, dup(stored.record_fd.get())});
+  for (const auto& [object, segment] : segment_names_) {  // the keeper holds each object: its fd is open
+    if (named.insert(segment.name).second) segments.push_back({segment.name, dup(segment.fd)});
   }
   for (NamedFd& s : segments) records.push_back(std::move(s));
   return records;

@@ -123,6 +123,9 @@ class FdStoreKeeper final : public RegistryListener {
   // One record fewer needs each of `segments`; the store drops those no
   // record needs.
   void Release(const std::vector<std::string>& segments) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
+  // Records a segment restored at start, stored already under `name`.
+  void AdoptSegment(std::shared_ptr<const void> object, int fd, const std::string& name, Stored& stored)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
   void Note(const absl::Status& status, const std::string& what) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
 
   std::unique_ptr<FdStoreSink> sink_;
@@ -136,7 +139,8 @@ class FdStoreKeeper final : public RegistryListener {
   std::map<std::string, Stored> models_ ABSL_GUARDED_BY(state_mu_);
   struct Segment {
     std::string name;
-    std::shared_ptr<const void> object;
+    std::shared_ptr<const void> object;  // held while stored
+    int fd = -1;                         // the object's own fd
   };
   std::map<const void*, Segment> segment_names_ ABSL_GUARDED_BY(state_mu_);
   std::map<std::string, int> segment_refs_ ABSL_GUARDED_BY(state_mu_);
@@ -146,7 +150,8 @@ class FdStoreKeeper final : public RegistryListener {
 };
 
 // A sealed memfd holding `bytes` (a state record), named
-// "weightd:state:<model>". RESOURCE_EXHAUSTED when memory or fds are short.
+// "wd-state:<model>" (not "weightd:", the prefix of segments in
+// /proc/PID/fd). RESOURCE_EXHAUSTED when memory or fds are short.
 absl::StatusOr<ScopedFd> SealedMemfd(const std::string& model, const std::string& bytes);
 
 }  // namespace weightd
