@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <malloc.h>
 #include <sys/stat.h>
 #include <systemd/sd-daemon.h>
 #include <unistd.h>
@@ -189,9 +190,13 @@ void FdStoreKeeper::Publish(const std::shared_ptr<ModelGeneration>& model) {
     uint64_t inode = backend == SegmentBackend::kEmulated ? InodeOf(arena.export_fd()) : 0;
     arenas.push_back({*fd_name, backend, arena.size(), inode, false, arena.device().uuid});
   }
-  absl::StatusOr<std::string> bytes = status.ok() ? EncodeStateRecord(*model, host, arenas) : status;
-  absl::StatusOr<ScopedFd> record = bytes.ok() ? SealedMemfd(name, *bytes) : bytes.status();
-  if (record.ok() && sink_) status = sink_->Store(next.record_name, record->get());
+  // Without a service manager the record is written only if an upgrade
+  // needs it (Handoff): encoding 100,000 tensors takes ~100 MB of heap.
+  absl::StatusOr<ScopedFd> record = ScopedFd();
+  if (status.ok() && sink_) {
+    record = WriteRecord(*model, host, arenas);
+    if (record.ok()) status = sink_->Store(next.record_name, record->get());
+  }
   if (!record.ok()) status = record.status();
   // The name's older record goes either way: after a failure, a restart must
   // not bring back a generation older than the one served now.
@@ -206,7 +211,20 @@ void FdStoreKeeper::Publish(const std::shared_ptr<ModelGeneration>& model) {
     return;
   }
   next.record_fd = std::move(*record);
+  next.host = std::move(host);
+  next.arenas = std::move(arenas);
   models_[name] = std::move(next);
+}
+
+absl::StatusOr<ScopedFd> FdStoreKeeper::WriteRecord(const ModelGeneration& model, const std::vector<StoredSegment>& host,
+                                                    const std::vector<StoredSegment>& arenas) {
+  absl::StatusOr<ScopedFd> record;
+  {
+    absl::StatusOr<std::string> bytes = EncodeStateRecord(model, host, arenas);
+    record = bytes.ok() ? SealedMemfd(model.request.name, *bytes) : bytes.status();
+  }
+  malloc_trim(0);  // the encoder's many small allocations: give them back now, not at the next load
+  return record;
 }
 
 void FdStoreKeeper::Unload(const std::string& name) {
@@ -261,7 +279,19 @@ std::vector<NamedFd> FdStoreKeeper::Handoff() {
   std::vector<NamedFd> records, segments;
   std::set<std::string> named;
   auto dup = [](int fd) { return ScopedFd(fcntl(fd, F_DUPFD_CLOEXEC, 3)); };
-  for (const auto& [name, stored] : models_) records.push_back({stored.record_name, dup(stored.record_fd.get())});
+  for (auto& [name, stored] : models_) {
+    if (!stored.record_fd.valid()) {  // no service manager: written now
+      std::shared_ptr<ModelGeneration> model = stored.model.lock();
+      absl::StatusOr<ScopedFd> record = model ? WriteRecord(*model, stored.host, stored.arenas)
+                                              : absl::StatusOr<ScopedFd>(absl::NotFoundError("freed"));
+      if (!record.ok()) {
+        Note(record.status(), absl::StrCat("hand '", name, "' over"));
+        continue;
+      }
+      stored.record_fd = std::move(*record);
+    }
+    records.push_back({stored.record_name, dup(stored.record_fd.get())});
+  }
   for (const auto& [object, segment] : segment_names_) {  // the keeper holds each object: its fd is open
     if (named.insert(segment.name).second) segments.push_back({segment.name, dup(segment.fd)});
   }

@@ -104,9 +104,10 @@ class FdStoreKeeper final : public RegistryListener {
  private:
   struct Stored {  // one model name's stored record
     std::string record_name;
-    ScopedFd record_fd;
+    ScopedFd record_fd;  // without a sink: written only when Handoff needs it
     std::weak_ptr<ModelGeneration> model;
     std::vector<std::string> segments;  // names of the fds it needs
+    std::vector<StoredSegment> host, arenas;  // what the record says of them
   };
   struct Task {
     std::shared_ptr<ModelGeneration> publish;  // null: unload of `name`
@@ -127,6 +128,9 @@ class FdStoreKeeper final : public RegistryListener {
   void AdoptSegment(std::shared_ptr<const void> object, int fd, const std::string& name, Stored& stored)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
   void Note(const absl::Status& status, const std::string& what) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
+  // The state record of `model` in a sealed memfd.
+  static absl::StatusOr<ScopedFd> WriteRecord(const ModelGeneration& model, const std::vector<StoredSegment>& host,
+                                              const std::vector<StoredSegment>& arenas);
 
   std::unique_ptr<FdStoreSink> sink_;
   // The queue, taken under the registry lock: never held while storing.

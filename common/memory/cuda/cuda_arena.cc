@@ -66,6 +66,41 @@ class VmmMemory final : public ArenaMemory {
     return m;
   }
 
+  // The allocation an earlier daemon process exported as `fd` (kept by the
+  // fd store), imported and mapped read-write at a new address; `fd` stays
+  // its export. cuMemMap refuses a size that is not the allocation's.
+  static absl::StatusOr<std::unique_ptr<ArenaMemory>> Adopt(const CudaContext& context, ScopedFd fd, uint64_t size) {
+    const CudaFunctions& cu = context.cu();
+    CUmemAllocationProp prop = {};
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = context.device();
+    size_t granularity = 0;
+    WEIGHTD_RETURN_IF_ERROR(
+        WEIGHTD_CU(cu, MemGetAllocationGranularity, &granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+    if (size == 0 || size % granularity != 0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("arena size ", size, " is not a positive multiple of the granularity ", granularity));
+    }
+    std::unique_ptr<VmmMemory> m(new VmmMemory(cu, size));
+    // For POSIX fds the handle argument is the fd itself, cast to a pointer.
+    WEIGHTD_RETURN_IF_ERROR(WEIGHTD_CU(cu, MemImportFromShareableHandle, &m->handle_,
+                                       reinterpret_cast<void*>(static_cast<uintptr_t>(fd.get())),
+                                       CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR));
+    m->created_ = true;
+    WEIGHTD_RETURN_IF_ERROR(WEIGHTD_CU(cu, MemAddressReserve, &m->base_, size, granularity, 0, 0));
+    m->reserved_ = true;
+    WEIGHTD_RETURN_IF_ERROR(WEIGHTD_CU(cu, MemMap, m->base_, size, 0, m->handle_, 0));
+    m->mapped_ = true;
+    CUmemAccessDesc access = {};
+    access.location = prop.location;
+    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    WEIGHTD_RETURN_IF_ERROR(WEIGHTD_CU(cu, MemSetAccess, m->base_, size, &access, 1));
+    m->fd_ = std::move(fd);
+    return m;
+  }
+
   ~VmmMemory() override {
     if (mapped_) cu_.MemUnmap(base_, size_);
     if (reserved_) cu_.MemAddressFree(base_, size_);
@@ -133,8 +168,9 @@ class LegacyMemory final : public ArenaMemory {
 class CudaArena final : public DeviceArena {
  public:
   CudaArena(std::shared_ptr<CudaContext> context, DeviceInfo device, std::unique_ptr<ArenaMemory> memory,
-            std::unique_ptr<CopyStream> stream)
-      : context_(std::move(context)), device_(std::move(device)), memory_(std::move(memory)), stream_(std::move(stream)) {}
+            std::unique_ptr<CopyStream> stream, bool sealed = false)
+      : context_(std::move(context)), device_(std::move(device)), memory_(std::move(memory)), stream_(std::move(stream)),
+        sealed_(sealed) {}
 
   ~CudaArena() override {
     absl::StatusOr<ScopedContext> scope = ScopedContext::Enter(*context_);
@@ -228,6 +264,17 @@ absl::StatusOr<std::unique_ptr<DeviceArena>> AllocateArena(std::shared_ptr<CudaC
 absl::StatusOr<std::unique_ptr<DeviceArena>> AllocateVmmArena(std::shared_ptr<CudaContext> context,
                                                               const DeviceInfo& device, uint64_t size) {
   return AllocateArena(std::move(context), device, size, &VmmMemory::Create);
+}
+
+absl::StatusOr<std::unique_ptr<DeviceArena>> AdoptVmmArena(std::shared_ptr<CudaContext> context, const DeviceInfo& device,
+                                                           ScopedFd fd, uint64_t size) {
+  WEIGHTD_ASSIGN_OR_RETURN(ScopedContext scope, ScopedContext::Enter(*context));
+  const std::string where = absl::StrCat("adopting a ", size, "-byte arena on ", device.uuid);
+  absl::StatusOr<std::unique_ptr<ArenaMemory>> memory = VmmMemory::Adopt(*context, std::move(fd), size);
+  if (!memory.ok()) return Annotate(memory.status(), where);
+  absl::StatusOr<std::unique_ptr<CopyStream>> stream = CopyStream::Create(*context);
+  if (!stream.ok()) return Annotate(stream.status(), where);
+  return std::make_unique<CudaArena>(std::move(context), device, std::move(*memory), std::move(*stream), /*sealed=*/true);
 }
 
 absl::StatusOr<std::unique_ptr<DeviceArena>> AllocateLegacyArena(std::shared_ptr<CudaContext> context,

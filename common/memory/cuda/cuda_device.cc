@@ -152,6 +152,14 @@ class CudaBackend final : public DeviceBackend {
                        : AllocateVmmArena(std::move(context), d->info, size);
   }
 
+  // VMM arenas only: legacy IPC memory dies with the process that allocated it.
+  absl::StatusOr<std::unique_ptr<DeviceArena>> Adopt(const DeviceInfo& device, ScopedFd fd, uint64_t size) override {
+    if (legacy_ipc_) return DeviceBackend::Adopt(device, std::move(fd), size);
+    WEIGHTD_ASSIGN_OR_RETURN(const CudaDevice* d, Find(device));
+    WEIGHTD_ASSIGN_OR_RETURN(std::shared_ptr<CudaContext> context, Context(d->info.ordinal));
+    return AdoptVmmArena(std::move(context), d->info, std::move(fd), size);
+  }
+
   absl::StatusOr<std::unique_ptr<PinnedBuffer>> AllocatePinned(uint64_t size) override {
     // Portable: pinned for every context, so one staging ring feeds all GPUs.
     WEIGHTD_ASSIGN_OR_RETURN(std::shared_ptr<CudaContext> context, AnyContext());

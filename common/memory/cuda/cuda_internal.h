@@ -175,6 +175,10 @@ absl::StatusOr<std::unique_ptr<DeviceArena>> AllocateVmmArena(std::shared_ptr<Cu
                                                               const DeviceInfo& device, uint64_t size);
 absl::StatusOr<std::unique_ptr<DeviceArena>> AllocateLegacyArena(std::shared_ptr<CudaContext> context,
                                                                  const DeviceInfo& device, uint64_t size);
+// A VMM arena exported as `fd` by an earlier daemon process (the fd store),
+// imported, mapped, and sealed: its export is `fd` again.
+absl::StatusOr<std::unique_ptr<DeviceArena>> AdoptVmmArena(std::shared_ptr<CudaContext> context, const DeviceInfo& device,
+                                                           ScopedFd fd, uint64_t size);
 
 // Client side (common/cuda_import.cc). Maps an exported arena into this
 // process on the context's device.
