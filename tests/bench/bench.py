@@ -296,13 +296,14 @@ class Bench:
         import daemon_restart
         r = daemon_restart.measure(self, 1 if self.quick else 3)
         self.raw["daemon_restart"] = r
-        ratio = r["load_p50"] / r["restart_p50"]
+        ratio = r["load_p50"] / r["ready_p50"]
         label = f"{self.preset}, {self.ckpt_bytes / GIB:.2f} GiB"
-        self.table.add(f"daemon SIGKILLed and restarted through the fd store to READY ({label}) vs a full load",
-                       f"{r['restart_p50'] * 1e3:.0f} ms (restore step {r['restore_ms_p50']:.1f} ms)",
+        self.table.add(f"daemon SIGKILLed and restarted through the fd store, exec to READY=1 ({label}) vs a full load",
+                       f"{r['ready_p50'] * 1e3:.0f} ms (restore step {r['restore_ms_p50']:.1f} ms; first `weightctl ls` "
+                       f"answered READY at {r['restart_p50'] * 1e3:.0f} ms)",
                        f"{r['load_p50']:.2f} s", f"{ratio:.0f}x", ">= 100x",
-                       at_least(ratio, 100, "process start, gRPC set-up and the READY poll dominate; "
-                                 f"the restore itself takes {r['restore_ms_p50']:.1f} ms"))
+                       at_least(ratio, 100, "process start (exec, dynamic linking of gRPC) and gRPC server set-up "
+                                 f"dominate; the restore itself takes {r['restore_ms_p50']:.1f} ms"))
 
     def catalog(self):
         path = self.synthetic(200000, 200000 * 4)
