@@ -268,6 +268,7 @@ class ReadJob {
   }
 
   void set_cancel(const std::atomic<bool>* cancel) { cancel_ = cancel; }
+  void set_source(HostSource* source) { source_ = source; }
 
  private:
   // A worker returned `status`; the first error is the job's.
@@ -303,6 +304,12 @@ class ReadJob {
       const TensorPlan& tp = plan_.tensors[task.tensor];
       auto where = [&] { return absl::StrCat(ElideName(catalog_.files[t.file].name), ": tensor ", QuoteName(t.name)); };
       HostSegment* host = tp.placement == Placement::kHost ? alloc_.host[tp.host_segment].fresh.get() : nullptr;
+      if (host != nullptr && source_ != nullptr) {
+        absl::Status filled = FillFromSource(task, tp, *host, scratch);
+        if (!filled.ok()) return Fail(Annotate(filled, where()));
+        Done(task, t);
+        continue;
+      }
       if (host != nullptr && !host->huge_pages()) {
         absl::StatusOr<uint64_t> hash = WriteHost(task, t, *host, tp.host_offset + task.start, scratch, *hasher);
         if (!hash.ok()) return Fail(Annotate(hash.status(), where()));
@@ -360,6 +367,19 @@ class ReadJob {
     return XXH3_64bits_digest(&hasher);
   }
 
+  // Fills one block of a host tensor from the HostSource (through `scratch`,
+  // written with pwrite like storage reads; straight into a huge-page
+  // segment's mapping) and hashes what arrived.
+  absl::Status FillFromSource(const ReadTask& task, const TensorPlan& tp, HostSegment& host, ReadBuffer& scratch) {
+    uint64_t offset = tp.host_offset + task.start;
+    char* dst = host.huge_pages() ? host.writable() + offset : scratch.Get(task.n, 64);
+    WEIGHTD_RETURN_IF_ERROR(source_->Read(tp.host_segment, offset, task.n, dst));
+    block_hashes_[task.tensor][task.block] = XXH3_64bits(dst, task.n);
+    if (!host.huge_pages()) WEIGHTD_RETURN_IF_ERROR(host.Write(offset, dst, task.n));
+    if (lock_) host.Lock(offset, task.n);
+    return absl::OkStatus();
+  }
+
   void Done(const ReadTask& task, const CatalogTensor& t) {
     bytes_done_.fetch_add(task.n);
     if (file_remaining_[t.file].fetch_sub(task.n) == task.n) files_done_.fetch_add(1);
@@ -382,6 +402,7 @@ class ReadJob {
   std::atomic<uint64_t> bytes_done_{0};
   std::atomic<uint32_t> files_done_{0};
   const std::atomic<bool>* cancel_ = nullptr;
+  HostSource* source_ = nullptr;
   std::atomic<bool> failed_{false};
   int threads_ = 0;  // set before the workers start
   absl::Mutex mu_;
@@ -471,6 +492,9 @@ absl::StatusOr<std::unique_ptr<ModelGeneration>> LoadGeneration(const Catalog& c
                                                                  const ProgressFn& progress,
                                                                  const ModelGeneration* previous) {
   static_assert(kReadBlockBytes == kHashBlockBytes, "a read block is a hash block");
+  if (options.host_source != nullptr && previous != nullptr) {
+    return absl::InternalError("a load from a host source shares nothing with the generation before");
+  }
   auto start = std::chrono::steady_clock::now();
   LoadProgress p;
   p.files_total = static_cast<uint32_t>(catalog.files.size());
@@ -510,6 +534,7 @@ absl::StatusOr<std::unique_ptr<ModelGeneration>> LoadGeneration(const Catalog& c
   threads = static_cast<int>(std::min<size_t>(threads, std::max<size_t>(tasks.size(), 1)));
   ReadJob job(catalog, plan, tasks, *reader, alloc, block_hashes, options.mlock);
   job.set_cancel(options.cancel);
+  job.set_source(options.host_source);
   WEIGHTD_RETURN_IF_ERROR(job.Run(threads, options.device_backend, [&](uint64_t bytes, uint32_t files_done) {
     p.bytes_done = bytes;
     p.files_done = files_done;
@@ -539,6 +564,7 @@ absl::StatusOr<std::unique_ptr<ModelGeneration>> LoadGeneration(const Catalog& c
   gen->tensor_count = catalog.tensors.size();
   gen->checkpoint_bytes = catalog.total_bytes();
   gen->bytes_read = p.bytes_total;
+  gen->source = "storage";
   gen->load_seconds = SecondsSince(start);
   return gen;
 }

@@ -45,6 +45,16 @@ class Metrics {
   virtual void UpdateStarted() {}
   virtual void UpdateCommitted(uint64_t bytes_written, uint64_t bytes_shared, double seconds) {}
   virtual void UpdateAborted(absl::string_view reason) {}
+  // Peer seeding (server/peer_seed.h, server/peer_join.h). Seed side: the
+  // transfer sessions open now; a joiner's report of `bytes` it read.
+  // Joiner side: `bytes` received from `peer` (as they arrive); a verified
+  // seeding of `bytes` from `peer` in `seconds`; a fall-back away from a
+  // peer for `reason` (one of kPeerFallbackReasons, server/peer_join.h).
+  virtual void PeerJoiners(int open) {}
+  virtual void PeerBytesSent(absl::string_view peer, uint64_t bytes) {}
+  virtual void PeerBytesReceived(absl::string_view peer, uint64_t bytes) {}
+  virtual void PeerSeeded(absl::string_view peer, uint64_t bytes, double seconds) {}
+  virtual void PeerFallback(absl::string_view reason) {}
 };
 
 // The models held, as the registry lists them at one moment.
@@ -97,6 +107,11 @@ class PrometheusMetrics : public Metrics {
   void UpdateStarted() override;
   void UpdateCommitted(uint64_t bytes_written, uint64_t bytes_shared, double seconds) override;
   void UpdateAborted(absl::string_view reason) override;
+  void PeerJoiners(int open) override;
+  void PeerBytesSent(absl::string_view peer, uint64_t bytes) override;
+  void PeerBytesReceived(absl::string_view peer, uint64_t bytes) override;
+  void PeerSeeded(absl::string_view peer, uint64_t bytes, double seconds) override;
+  void PeerFallback(absl::string_view reason) override;
 
   struct State;
 

@@ -1,5 +1,7 @@
 #include "server/registry.h"
 
+#include "server/peer_join.h"
+
 #include <algorithm>
 #include <random>
 #include <utility>
@@ -212,8 +214,11 @@ absl::StatusOr<ModelRegistry::LoadResult> ModelRegistry::Load(LoadRequest reques
     record->bytes_done = p.bytes_done;
     if (progress) progress(p);
   };
-  absl::StatusOr<std::unique_ptr<ModelGeneration>> loaded =
-      LoadGeneration(*catalog, request, options_.loader, track, previous.get());
+  absl::StatusOr<std::unique_ptr<ModelGeneration>> loaded = absl::NotFoundError("not seeded from a peer");
+  if (options_.peers != nullptr && !options_.peers->PeersFor(request).empty()) {
+    loaded = options_.peers->Load(*catalog, request, options_.loader, track);  // each failure logged there
+  }
+  if (!loaded.ok()) loaded = LoadGeneration(*catalog, request, options_.loader, track, previous.get());
   if (!loaded.ok()) return fail(loaded.status());
   LoadResult result = Publish(std::move(*loaded), *catalog);
   if (previous != nullptr) ReleaseLater(std::move(previous));  // freed off the reply's path when unleased
