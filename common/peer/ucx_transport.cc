@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <thread>
 
@@ -35,6 +36,7 @@ constexpr uint64_t kPieceBytes = 4ull << 20;
 // length; what a peer sent is copied into a zeroed buffer this much larger,
 // so malformed bytes cannot make the parser read past our memory.
 constexpr size_t kParsePadding = 64 << 10;
+constexpr char kTcpSegSize[] = "256k";
 
 absl::Status UcxError(absl::string_view what, ucs_status_t status) {
   std::string message = absl::StrCat(what, ": ", ucs_status_string(status));
@@ -98,6 +100,16 @@ class UcxTransport final : public PeerTransport {
     ucp_config_t* config = nullptr;
     ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
     if (st != UCS_OK) return UcxError("ucp_config_read", st);
+    // UCX over TCP serves a GET in software, one reply per segment of
+    // UCX_TCP_TX_SEG_SIZE bytes (8 KiB by default): larger segments cut the
+    // per-fragment cost (docs/performance.md "Peer seeding"). UCX 1.13
+    // applies a modified transport key by its name within the transport's
+    // table ("TX_SEG_SIZE", not "TCP_TX_SEG_SIZE"); RX must be >= TX. An
+    // operator's own UCX_TCP_*_SEG_SIZE wins.
+    if (std::getenv("UCX_TCP_TX_SEG_SIZE") == nullptr && std::getenv("UCX_TCP_RX_SEG_SIZE") == nullptr) {
+      (void)ucp_config_modify(config, "TX_SEG_SIZE", kTcpSegSize);
+      (void)ucp_config_modify(config, "RX_SEG_SIZE", kTcpSegSize);
+    }
     ucp_params_t params{};
     params.field_mask = UCP_PARAM_FIELD_FEATURES;
     params.features = UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;

@@ -8,7 +8,8 @@
 # more. --hugepages (root) also loads into a huge page pool it reserves and
 # then releases. --only runs some sections: catalog, load, attach (memory,
 # restart, attach, concurrency), writer (a writer's publish, partial
-# updates, publish-to-reattach, partial reload), peers. Builds into
+# updates, publish-to-reattach, partial reload), peers, peer-seed (a second
+# daemon seeded over UCX on loopback TCP vs a TCP stream and cold storage). Builds into
 # $WEIGHTD_BENCH_BUILD (default build-bench/), writes checkpoints under it,
 # and installs the peers (safetensors, runai-model-streamer, fastsafetensors,
 # with torch) into a venv there from PyPI on the first run; WEIGHTD_BENCH_NO_PEERS=1 skips that. Raw numbers:
@@ -24,7 +25,7 @@ while [ $# -gt 0 ]; do
     --full|--hugepages) args+=("$1") ;;
     --only) only=${2:-}; [ -n "$only" ] || { echo "$0: --only needs a list" >&2; exit 2; }
             args+=(--only "$only"); shift ;;
-    *) echo "usage: $0 [--quick|--full] [--hugepages] [--only catalog,load,attach,writer,peers]" >&2; exit 2 ;;
+    *) echo "usage: $0 [--quick|--full] [--hugepages] [--only catalog,load,attach,writer,peers,peer-seed]" >&2; exit 2 ;;
   esac
   shift
 done
