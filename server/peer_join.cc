@@ -1,6 +1,7 @@
 #include "server/peer_join.h"
 
 #include <grpcpp/grpcpp.h>
+#include <netdb.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -11,6 +12,7 @@
 #include "absl/strings/str_format.h"
 #include "common/base/log.h"
 #include "common/base/status.h"
+#include "common/transport/tcp_address.h"
 #include "server/peer_seeding.h"
 #include "weightd/v1/peer.grpc.pb.h"
 
@@ -19,6 +21,27 @@ namespace {
 
 double SecondsSince(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// "HOST:PORT" -> every address it resolves to, "IP:PORT" ("[IPv6]:PORT"),
+// in resolver order without repeats: a Kubernetes headless Service name
+// stands for every weightd pod. A name that does not resolve stays as it
+// is (the call to it then fails and counts as "unavailable").
+std::vector<std::string> Expand(const std::string& peer) {
+  absl::StatusOr<AddrInfoPtr> resolved = ResolveTcpAddress(peer, 0);
+  if (!resolved.ok()) return {peer};
+  std::vector<std::string> out;
+  for (const addrinfo* a = resolved->get(); a != nullptr; a = a->ai_next) {
+    char host[NI_MAXHOST], port[NI_MAXSERV];
+    if (getnameinfo(a->ai_addr, a->ai_addrlen, host, sizeof host, port, sizeof port,
+                    NI_NUMERICHOST | NI_NUMERICSERV) != 0) {
+      continue;
+    }
+    std::string one = a->ai_family == AF_INET6 ? absl::StrCat("[", host, "]:", port) : absl::StrCat(host, ":", port);
+    if (std::find(out.begin(), out.end(), one) == out.end()) out.push_back(one);
+  }
+  if (out.empty()) out.push_back(peer);
+  return out;
 }
 
 absl::Status FromGrpc(const grpc::Status& s) {
@@ -48,8 +71,10 @@ std::string PeerFallbackReason(const absl::Status& status) { return PeerReasonOf
 std::vector<std::string> PeerJoiner::PeersFor(const LoadRequest& request) const {
   std::vector<std::string> out;
   for (const auto* list : {&request.peers, &options_.peers}) {
-    for (const std::string& p : *list) {
-      if (std::find(out.begin(), out.end(), p) == out.end()) out.push_back(p);
+    for (const std::string& name : *list) {
+      for (const std::string& p : Expand(name)) {
+        if (out.size() < kMaxPeers && std::find(out.begin(), out.end(), p) == out.end()) out.push_back(p);
+      }
     }
   }
   return out;

@@ -72,7 +72,9 @@ class PeerJoiner {
   // Before the first Load (the daemon makes its metrics after the registry).
   void set_metrics(Metrics* metrics) { options_.metrics = metrics; }
 
-  // The peers a load of `request` asks: its own, then the config's, without repeats.
+  // The peers a load of `request` asks: its own, then the config's, each
+  // name expanded to every address it resolves to (a headless Service
+  // stands for all its pods), without repeats, at most kMaxPeers.
   std::vector<std::string> PeersFor(const LoadRequest& request) const;
 
   // Seeds `request` (catalog built from the local checkpoint) from the first

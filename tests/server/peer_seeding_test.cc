@@ -187,5 +187,18 @@ TEST(PeerList, BoundsAndShape) {
               StatusIs(absl::StatusCode::kInvalidArgument, "65 peers, at most 64"));
 }
 
+TEST(PeerJoiner, PeersExpandNamesToAddressesWithoutRepeats) {
+  PeerJoinOptions options;
+  options.peers = {"localhost:7070", "10.0.0.9:1"};
+  PeerJoiner joiner(options);
+  LoadRequest request;
+  request.peers = {"127.0.0.1:7070"};
+  std::vector<std::string> peers = joiner.PeersFor(request);
+  ASSERT_GE(peers.size(), 2u);
+  EXPECT_EQ(peers.front(), "127.0.0.1:7070");  // the request's own first
+  EXPECT_EQ(std::count(peers.begin(), peers.end(), "127.0.0.1:7070"), 1);  // localhost adds no repeat
+  EXPECT_EQ(peers.back(), "10.0.0.9:1");
+}
+
 }  // namespace
 }  // namespace weightd
