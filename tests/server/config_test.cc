@@ -288,7 +288,7 @@ TEST(DaemonConfig, ConfigToJsonRoundTripsThroughConfigFile) {
   EXPECT_EQ(reread.config.direct_io, "on");
   EXPECT_TRUE(reread.config.grpc_tcp_admin);
   EXPECT_EQ(reread.config.grpc_tls_client_ca, "/t/ca.pem");
-  EXPECT_EQ(json.size(), 25u);  // every DaemonConfig field, so a new one cannot be forgotten silently
+  EXPECT_EQ(json.size(), 30u);  // every DaemonConfig field, so a new one cannot be forgotten silently
 }
 
 }  // namespace
