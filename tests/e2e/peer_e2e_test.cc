@@ -15,6 +15,7 @@
 #include "tests/testing/process.h"
 #include "tests/testing/scrape.h"
 #include "weightd/v1/peer.grpc.pb.h"
+#include "weightd/v1/weightd.grpc.pb.h"
 
 namespace weightd {
 namespace {
@@ -182,6 +183,49 @@ TEST_F(PeerE2e, UnloadDrainsUntilTheTransferSessionEnds) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   EXPECT_EQ(json::parse(a->Ctl({"ls", "--json"}).out)["models"].size(), 0u);
+}
+
+// A joiner that never finishes (hung, or gone without its connection
+// closing) cannot hold the lease: the session ends at the seed's limit.
+TEST_F(PeerE2e, SessionOfAJoinerThatNeverFinishesExpires) {
+  auto a = Node({"--peer-deadline-seconds", "1"});
+  ASSERT_EQ(a->Ctl({"load", kModel, "demo"}).code, 0);
+  auto stub = v1::Peer::NewStub(grpc::CreateChannel(PeerOf(*a), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  auto stream = stub->Transfer(&context);
+  v1::PeerTransferRequest ask;
+  ask.set_name(kModel);
+  v1::PeerTransferReply reply;
+  ASSERT_TRUE(stream->Write(ask) && stream->Read(&reply));
+  EXPECT_EQ(reply.session_seconds(), 1);
+  EXPECT_EQ(Ls(*a)["leases"], 1);
+  EXPECT_FALSE(stream->Read(&reply));  // returns when the seed ends the session
+  grpc::Status ended = stream->Finish();
+  EXPECT_EQ(ended.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << ended.error_message();
+  EXPECT_TRUE(AwaitMetric(*a, "weightd_peer_joiners", 0));
+  EXPECT_EQ(Ls(*a)["leases"], 0);
+}
+
+TEST_F(PeerE2e, PeerPortServesNothingButThePeerServiceAndHealth) {
+  auto a = Node();
+  ASSERT_EQ(a->Ctl({"load", kModel, "demo"}).code, 0);
+  auto weightd = v1::Weightd::NewStub(grpc::CreateChannel(PeerOf(*a), grpc::InsecureChannelCredentials()));
+  {
+    grpc::ClientContext context;
+    v1::ListModelsResponse models;
+    EXPECT_EQ(weightd->ListModels(&context, v1::ListModelsRequest(), &models).error_code(),
+              grpc::StatusCode::UNIMPLEMENTED);
+  }
+  {
+    grpc::ClientContext context;
+    v1::UnloadModelRequest unload;
+    unload.set_name(kModel);
+    v1::UnloadModelResponse response;
+    EXPECT_EQ(weightd->UnloadModel(&context, unload, &response).error_code(), grpc::StatusCode::UNIMPLEMENTED);
+  }
+  EXPECT_EQ(Ls(*a)["state"], "READY");
+  CommandResult health = testing::RunCommand({testing::WeightctlBinary(), "--socket", PeerOf(*a), "health"});
+  EXPECT_EQ(health.out, "SERVING\n") << health.err;
 }
 
 }  // namespace
