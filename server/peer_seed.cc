@@ -98,13 +98,28 @@ std::string PeerSeed::JoinerLabel(const std::string& joiner) {
   return "other";
 }
 
+void PeerSeed::ReleaseRetired() {
+  std::vector<std::shared_ptr<ModelGeneration>> due;  // freed after the lock
+  absl::MutexLock lock(&mu_);
+  auto now = std::chrono::steady_clock::now();
+  for (auto it = retired_.begin(); it != retired_.end();) {
+    if (it->first <= now) {
+      due.push_back(std::move(it->second));
+      it = retired_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
 int PeerSeed::joiners() const {
   absl::MutexLock lock(&mu_);
   return joiners_;
 }
 
-void PeerSeed::Closed(const Session& session) {
+void PeerSeed::Closed(std::shared_ptr<ModelGeneration> model) {
   absl::MutexLock lock(&mu_);
+  if (model != nullptr) retired_.emplace_back(std::chrono::steady_clock::now() + kRetireGrace, std::move(model));
   --joiners_;
   if (metrics_) metrics_->PeerJoiners(joiners_);
 }
@@ -118,7 +133,7 @@ void PeerSeed::Session::Finished(uint64_t bytes_read, bool verified) {
 PeerSeed::Session::~Session() {
   regions_.clear();  // deregistered before the lease lets the memory go
   if (!lease_id_.empty()) seed_->registry_->Release(lease_id_);
-  seed_->Closed(*this);
+  seed_->Closed(std::move(model_));
 }
 
 }  // namespace weightd

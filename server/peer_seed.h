@@ -80,8 +80,19 @@ class PeerSeed {
   int joiners() const;
   const PeerSeedOptions& options() const { return options_; }
 
+  // Over TCP, UCX serves a remote read in software when its request
+  // arrives, without checking the address against registrations: a read
+  // still queued when a session ends (a joiner that gave up at its
+  // deadline) would touch memory an unload just freed. So an ended
+  // session's generation is kept mapped for kRetireGrace after its lease
+  // is released (the unload completes; the memory goes a little later).
+  // Called periodically (the peer listener's reaper) to drop what is due.
+  void ReleaseRetired();
+  static constexpr std::chrono::seconds kRetireGrace{5};
+
  private:
-  void Closed(const Session& session);
+  // A session ended: its slot back, its generation retired (above).
+  void Closed(std::shared_ptr<ModelGeneration> model);
   // `joiner` as a metric label: the first kMaxJoinerLabels names seen, then
   // "other", so joiners cannot grow the series without bound.
   std::string JoinerLabel(const std::string& joiner);
@@ -94,6 +105,8 @@ class PeerSeed {
   mutable absl::Mutex mu_;
   int joiners_ ABSL_GUARDED_BY(mu_) = 0;
   std::set<std::string> labels_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::pair<std::chrono::steady_clock::time_point, std::shared_ptr<ModelGeneration>>> retired_
+      ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace weightd
