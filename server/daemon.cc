@@ -332,6 +332,7 @@ class DaemonImpl final : public Daemon {
     if (watchdog) interval = std::min(interval, std::chrono::duration<double>(usec / 2e6));
     SelfCheckTargets targets{config_.socket, config_.fd_socket, {}};
     if (tcp_listener_) targets.accepting.push_back(LocalTarget(config_.grpc_address, tcp_listener_->port()));
+    if (peer_listener_) targets.accepting.push_back(LocalTarget(config_.peer_address, peer_listener_->port()));
     if (health_port_) {
       targets.grpc_targets.push_back(LocalTarget(config_.health_address, health_port_->port()));
       targets.accepting.push_back(LocalTarget(config_.health_address, health_port_->port()));
