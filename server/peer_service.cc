@@ -10,6 +10,7 @@
 #include "absl/time/time.h"
 #include "common/base/status.h"
 #include "server/convert.h"
+#include "server/grpc_limits.h"
 #include "server/health_port.h"
 #include "server/rpc_metrics.h"
 #include "server/tcp_listener.h"
@@ -176,6 +177,7 @@ absl::StatusOr<std::unique_ptr<PeerListener>> PeerListener::Start(const DaemonCo
   builder.SetOption(WithoutReflectionOption());
   builder.RegisterService(peer->service_.get());
   builder.SetMaxSendMessageSize(-1);
+  ApplyGrpcLimits(config, builder);  // streams per connection; connections are bounded by the acceptor
   CountRpcs(builder, metrics);
   peer->server_ = builder.BuildAndStart();
   if (peer->server_ == nullptr) {
