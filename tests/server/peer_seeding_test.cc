@@ -153,9 +153,9 @@ TEST_F(PeerSeedingTest, DifferentCheckpointOrLayoutIsRefusedBeforeAnyRead) {
 }
 
 TEST_F(PeerSeedingTest, SeedRefusesJoinersPastItsLimit) {
-  PeerSeedOptions two;
-  two.max_joiners = 2;
-  PeerSeed seed(registry_.get(), &transport_, two, nullptr);
+  PeerSeedOptions limit;
+  limit.max_joiners = 2;
+  PeerSeed seed(registry_.get(), &transport_, limit, nullptr);
   WEIGHTD_ASSERT_OK_AND_ASSIGN(auto one, seed.Open("m", "a"));
   WEIGHTD_ASSERT_OK_AND_ASSIGN(auto two, seed.Open("m", "b"));
   EXPECT_THAT(seed.Open("m", "c"), StatusIs(absl::StatusCode::kUnavailable, "--peer-max-joiners"));
