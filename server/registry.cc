@@ -215,7 +215,9 @@ absl::StatusOr<ModelRegistry::LoadResult> ModelRegistry::Load(LoadRequest reques
     if (progress) progress(p);
   };
   absl::StatusOr<std::unique_ptr<ModelGeneration>> loaded = absl::NotFoundError("not seeded from a peer");
-  if (options_.peers != nullptr && !options_.peers->PeersFor(request).empty()) {
+  // A READY generation with the same plan (a reload) shares its unchanged
+  // files instead: peers seed only names this node does not serve yet.
+  if (options_.peers != nullptr && previous == nullptr && !options_.peers->PeersFor(request).empty()) {
     loaded = options_.peers->Load(*catalog, request, options_.loader, track);  // each failure logged there
   }
   if (!loaded.ok()) loaded = LoadGeneration(*catalog, request, options_.loader, track, previous.get());

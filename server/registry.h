@@ -91,8 +91,9 @@ class ModelRegistry {
   // Validates the request, resolves the path under a model root (symlinks
   // included; PERMISSION_DENIED outside), catalogs, and loads a new
   // generation (from the first peer that serves the same checkpoint and
-  // plan when peers are named, see server/peer_join.h; else, or when none
-  // does, from storage); or reuses the READY one loaded from the same unchanged files
+  // plan when peers are named and the name has no READY generation with
+  // the same plan, see server/peer_join.h; else, or when none does, from
+  // storage); or reuses the READY one loaded from the same unchanged files
   // with the same plan. ALREADY_EXISTS while another load of the name runs.
   //
   // While it runs, ListAll() shows a LOADING record of the load with its
