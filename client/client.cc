@@ -6,9 +6,12 @@
 #include <algorithm>
 #include <cstring>
 #include <chrono>
+#include <mutex>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
+#include "common/format/content_hash.h"
+#include "common/format/packed_manifest.h"
 #include "common/memory/device.h"
 #include "common/memory/host_segment.h"
 #include "common/io/env.h"
@@ -61,6 +64,7 @@ ModelSummary FromProto(const v1::ModelInfo& m) {
   s.checkpoint_bytes = m.checkpoint_bytes();
   s.host_bytes = m.host_bytes();
   s.locked_bytes = m.locked_bytes();
+  s.huge_page_bytes = m.huge_page_bytes();
   for (const auto& d : m.device_bytes()) s.device_bytes[d.gpu_uuid()] = d.bytes();
   s.leases = m.leases();
   s.fingerprint = m.fingerprint();
@@ -177,6 +181,9 @@ absl::Status ClaimLease(const std::string& fd_socket, const std::string& lease_i
 struct MappedModel::State {
   Manifest manifest;
   std::vector<TensorView> views;                         // manifest order
+  // The name index, built by the first Find() (under index_once): a
+  // 100,000-tensor attach need not hash every name before it returns.
+  std::once_flag index_once;
   absl::flat_hash_map<absl::string_view, size_t> by_name;  // keys point into manifest.tensors
   std::vector<std::pair<void*, size_t>> mappings;
   std::vector<std::unique_ptr<ImportedArena>> imports;  // by segment; null for host segments
@@ -184,6 +191,7 @@ struct MappedModel::State {
   ScopedFd lease;  // the fd-socket connection: closing it ends the lease
   double attach_seconds = 0;
   bool copy_on_write = false;  // AttachOptions::copy_on_write
+  bool prefault = false;       // AttachOptions::prefault
 
   // Unmaps everything before `lease` closes: the daemon may free a
   // generation's memory as soon as its last lease ends, and for
@@ -201,7 +209,42 @@ namespace {
 
 // ------------------------------------------------ Attach, step by step
 
-Manifest ManifestOf(const v1::AttachResponse& response) {
+// Fills `info` in place (no temporaries: this runs once per tensor).
+void FillFromPacked(const PackedTensor& t, TensorInfo& info) {
+  info.name.assign(t.name.data(), t.name.size());
+  info.dtype.assign(t.dtype.data(), t.dtype.size());
+  info.shape.resize(t.ndim);
+  for (uint32_t k = 0; k < t.ndim; ++k) info.shape[k] = t.Dim(k);
+  info.location = t.placement == kPackedPlacementDevice ? Location::kDevice : Location::kHost;
+  info.segment = t.segment;
+  info.offset = t.offset;
+  info.nbytes = t.nbytes;
+  info.full_shape.resize(t.full_ndim);
+  for (uint32_t k = 0; k < t.full_ndim; ++k) info.full_shape[k] = t.FullDim(k);
+  info.split_dim = t.split_dim;
+  info.split_start = t.split_start;
+  info.content_hash = ContentHashHex(t.content_hash);
+}
+
+// The tensors from AttachResponse.packed_tensors when the daemon sent the
+// packed table, else from its TensorEntry messages (a daemon that predates
+// the table). DATA_LOSS for a malformed table.
+absl::Status TensorsOf(const v1::AttachResponse& response, std::vector<TensorInfo>* out) {
+  if (response.packed_tensors().empty()) {
+    out->reserve(response.tensors_size());
+    for (const auto& t : response.tensors()) out->push_back(FromProto(t));
+    return absl::OkStatus();
+  }
+  if (response.tensors_size() > 0) {
+    return absl::DataLossError("the daemon's Attach reply carries both packed_tensors and TensorEntry messages");
+  }
+  WEIGHTD_ASSIGN_OR_RETURN(PackedManifest table, PackedManifest::Parse(response.packed_tensors()));
+  out->resize(table.size());
+  for (uint32_t i = 0; i < table.size(); ++i) FillFromPacked(table.Tensor(i), (*out)[i]);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Manifest> ManifestOf(const v1::AttachResponse& response) {
   Manifest m;
   m.model = response.model();
   m.generation = response.generation();
@@ -209,8 +252,7 @@ Manifest ManifestOf(const v1::AttachResponse& response) {
   m.fingerprint = response.fingerprint();
   m.version_label = response.version_label();
   for (const auto& s : response.segments()) m.segments.push_back(FromProto(s));
-  m.tensors.reserve(response.tensors_size());
-  for (const auto& t : response.tensors()) m.tensors.push_back(FromProto(t));
+  WEIGHTD_RETURN_IF_ERROR(TensorsOf(response, &m.tensors));
   return m;
 }
 
@@ -253,11 +295,11 @@ absl::StatusOr<const char*> ImportSegment(size_t i, MappedModel::State& state) {
   return static_cast<const char*>(state.imports[i]->device_pointer());
 }
 
-// Maps host segment `i` lazily, read-only or copy-on-write; its base.
+// Maps host segment `i` lazily or prefaulted, read-only or copy-on-write; its base.
 absl::StatusOr<const char*> MapHostSegment(size_t i, MappedModel::State& state) {
   uint64_t size = state.manifest.segments[i].size;
   if (size == 0) return static_cast<const char*>(nullptr);
-  absl::StatusOr<char*> addr = MapSegmentFd(state.segment_fds[i].get(), size, state.copy_on_write);
+  absl::StatusOr<char*> addr = MapSegmentFd(state.segment_fds[i].get(), size, state.copy_on_write, state.prefault);
   if (!addr.ok()) return Annotate(addr.status(), absl::StrCat("segment ", i));
   state.mappings.emplace_back(*addr, size);
   return static_cast<const char*>(*addr);
@@ -275,21 +317,19 @@ absl::StatusOr<std::vector<const char*>> MapSegments(MappedModel::State& state) 
   return bases;
 }
 
-// One view per tensor at its segment's base + offset, and the name index.
+// One view per tensor at its segment's base + offset.
 absl::Status BuildViews(const std::vector<const char*>& bases, MappedModel::State& state) {
   const Manifest& m = state.manifest;
   state.views.reserve(m.tensors.size());
   for (const TensorInfo& t : m.tensors) {
-    if (t.segment >= bases.size() || t.offset + t.nbytes > m.segments[t.segment].size) {
+    if (t.segment >= bases.size() || t.offset > m.segments[t.segment].size ||
+        t.nbytes > m.segments[t.segment].size - t.offset) {  // no overflow, whatever the daemon sent
       return absl::InternalError(absl::StrCat("tensor '", t.name, "' lies outside its segment"));
     }
     const ImportedArena* imported = state.imports[t.segment].get();
     state.views.push_back({&t, bases[t.segment] + t.offset, t.nbytes, t.location,
                            imported ? m.segments[t.segment].gpu_uuid : "", imported ? imported->device_ordinal() : -1});
   }
-  // A hash index, not a sort: 100,000 long names sort in tens of milliseconds.
-  state.by_name.reserve(state.views.size());
-  for (size_t i = 0; i < state.views.size(); ++i) state.by_name.emplace(state.views[i].info->name, i);
   return absl::OkStatus();
 }
 
@@ -305,6 +345,12 @@ const std::vector<TensorView>& MappedModel::tensors() const { return state_->vie
 double MappedModel::attach_seconds() const { return state_->attach_seconds; }
 
 const TensorView* MappedModel::Find(absl::string_view name) const {
+  State& s = *state_;
+  // A hash index, not a sort: 100,000 long names sort in tens of milliseconds.
+  std::call_once(s.index_once, [&s] {
+    s.by_name.reserve(s.views.size());
+    for (size_t i = 0; i < s.views.size(); ++i) s.by_name.emplace(s.views[i].info->name, i);
+  });
   auto it = state_->by_name.find(name);
   return it == state_->by_name.end() ? nullptr : &state_->views[it->second];
 }
@@ -371,10 +417,59 @@ void ModelWatch::Cancel() { state_->context.TryCancel(); }
 
 // ---------------------------------------------------------------- Client
 
-struct Client::Impl {
+// One channel to the daemon and its stubs.
+struct ClientStubs {
   std::shared_ptr<grpc::Channel> channel;
-  std::unique_ptr<v1::Weightd::Stub> stub;
+  std::unique_ptr<v1::Weightd::Stub> weightd;
   std::unique_ptr<grpc::health::v1::Health::Stub> health;
+};
+
+// Reconnecting after a daemon restart. gRPC retries a failed connection
+// with exponential backoff (up to 120 s by default) and fails calls fast
+// with UNAVAILABLE meanwhile, so a client of a restarted daemon could keep
+// failing for minutes. Here a call that finds the channel in
+// TRANSIENT_FAILURE gets a new channel instead, which connects at once;
+// backoff is also capped at 1 s. `impl_->stub->Method(...)` reads the
+// current stubs through StubRef, a temporary that holds them (shared_ptr)
+// until the end of the full expression: the whole unary call.
+struct Client::Impl {
+  template <typename StubT, std::unique_ptr<StubT> ClientStubs::*kMember>
+  struct StubRef {
+    std::shared_ptr<ClientStubs> stubs;
+    StubT* operator->() const { return (stubs.get()->*kMember).get(); }
+  };
+  template <typename StubT, std::unique_ptr<StubT> ClientStubs::*kMember>
+  struct StubProxy {
+    Impl* impl;
+    StubRef<StubT, kMember> operator->() const { return {impl->Current()}; }
+  };
+
+  std::string target;
+  std::shared_ptr<grpc::ChannelCredentials> credentials;
+  absl::Mutex mu;
+  std::shared_ptr<ClientStubs> stubs ABSL_GUARDED_BY(mu);
+  StubProxy<v1::Weightd::Stub, &ClientStubs::weightd> stub{this};
+  StubProxy<grpc::health::v1::Health::Stub, &ClientStubs::health> health{this};
+
+  std::shared_ptr<ClientStubs> Make() const {
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(-1);  // an Attach of 100,000+ tensors exceeds the 4 MiB default
+    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+    auto s = std::make_shared<ClientStubs>();
+    s->channel = grpc::CreateCustomChannel(NormalizeTarget(target), credentials, args);
+    s->weightd = v1::Weightd::NewStub(s->channel);
+    s->health = grpc::health::v1::Health::NewStub(s->channel);
+    return s;
+  }
+  // The stubs for the next call: a new channel when the current one is
+  // waiting out a reconnect backoff.
+  std::shared_ptr<ClientStubs> Current() {
+    absl::MutexLock lock(&mu);
+    if (stubs->channel->GetState(/*try_to_connect=*/false) == GRPC_CHANNEL_TRANSIENT_FAILURE) stubs = Make();
+    return stubs;
+  }
 };
 
 Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -383,14 +478,28 @@ Client::~Client() = default;
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& target, const ConnectOptions& options) {
   if (target.empty()) return absl::InvalidArgumentError("empty daemon target");
   WEIGHTD_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials, ChannelCredentials(options));
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(-1);  // an Attach of 100,000+ tensors exceeds the 4 MiB default
-  auto channel = grpc::CreateCustomChannel(NormalizeTarget(target), credentials, args);
   auto impl = std::make_unique<Impl>();
-  impl->channel = channel;
-  impl->stub = v1::Weightd::NewStub(channel);
-  impl->health = grpc::health::v1::Health::NewStub(channel);
+  impl->target = target;
+  impl->credentials = std::move(credentials);
+  {
+    absl::MutexLock lock(&impl->mu);
+    impl->stubs = impl->Make();
+  }
   return std::unique_ptr<Client>(new Client(std::move(impl)));
+}
+
+absl::StatusOr<UpgradeInfo> Client::UpgradeDaemon() {
+  grpc::ClientContext context;
+  v1::UpgradeDaemonResponse response;
+  WEIGHTD_RETURN_IF_ERROR(FromGrpc(impl_->stub->UpgradeDaemon(&context, v1::UpgradeDaemonRequest(), &response)));
+  return UpgradeInfo{response.binary(), response.daemon_instance(), response.models()};
+}
+
+absl::StatusOr<std::string> Client::DaemonInstance() {
+  grpc::ClientContext context;
+  v1::ListModelsResponse response;
+  WEIGHTD_RETURN_IF_ERROR(FromGrpc(impl_->stub->ListModels(&context, v1::ListModelsRequest(), &response)));
+  return response.daemon_instance();
 }
 
 absl::StatusOr<LoadResult> Client::Load(const std::string& name, const std::string& checkpoint_path,
@@ -456,12 +565,25 @@ absl::StatusOr<MappedModel> Client::Attach(const std::string& name, uint32_t ran
   v1::AttachRequest request;
   request.set_name(name);
   request.set_rank(rank);
+  if (options.packed_manifest) request.set_manifest_encoding(v1::AttachRequest::PACKED_TABLE_V1);
   v1::AttachResponse response;
   grpc::ClientContext context;
   WEIGHTD_RETURN_IF_ERROR(FromGrpc(impl_->stub->Attach(&context, request, &response)));
   auto state = std::make_unique<MappedModel::State>();
   state->copy_on_write = options.copy_on_write;
-  state->manifest = ManifestOf(response);
+  state->prefault = options.prefault;
+  absl::StatusOr<Manifest> manifest = ManifestOf(response);
+  if (!manifest.ok()) {
+    // Ends the lease now rather than at its claim timeout; a failure changes nothing.
+    v1::DetachRequest detach;
+    detach.set_lease_id(response.lease_id());
+    v1::DetachResponse ignored;
+    grpc::ClientContext detach_context;
+    detach_context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    impl_->stub->Detach(&detach_context, detach, &ignored);
+    return manifest.status();
+  }
+  state->manifest = std::move(*manifest);
   WEIGHTD_RETURN_IF_ERROR(ClaimLease(FdSocketPath(response), response.lease_id(), ClaimTimeoutMs(response),
                                      &state->lease, &state->segment_fds));
   WEIGHTD_ASSIGN_OR_RETURN(state->segment_fds, MatchFdsToSegments(std::move(state->segment_fds), state->manifest));
@@ -483,10 +605,11 @@ absl::StatusOr<std::pair<ModelSummary, bool>> Client::Unload(const std::string& 
 
 absl::StatusOr<ModelWatch> Client::Watch(const std::string& name) {
   auto state = std::make_unique<ModelWatch::State>();
-  state->channel = impl_->channel;
+  std::shared_ptr<ClientStubs> stubs = impl_->Current();
+  state->channel = stubs->channel;
   v1::WatchModelRequest request;
   request.set_name(name);
-  state->reader = impl_->stub->WatchModel(&state->context, request);
+  state->reader = stubs->weightd->WatchModel(&state->context, request);
   // The daemon sends "weightd-watch: subscribed" once the subscription is in
   // place; a refusal (or an unreachable daemon) ends the call without it.
   state->reader->WaitForInitialMetadata();
@@ -517,7 +640,8 @@ absl::StatusOr<std::string> Client::Health(const std::string& service) {
 // ---------------------------------------------------------------- Updater
 
 struct Updater::State {
-  v1::Weightd::Stub* stub = nullptr;  // the Client's
+  std::shared_ptr<ClientStubs> stubs;  // the channel the update was begun on
+  v1::Weightd::Stub* stub = nullptr;   // stubs->weightd
   std::string update_id;
   uint64_t base_generation = 0, bytes_staged = 0, bytes_shared = 0;
   std::vector<WritableTensor> tensors;
@@ -590,7 +714,8 @@ absl::StatusOr<Updater> Client::BeginUpdate(const std::string& name, const std::
   v1::BeginUpdateResponse response;
   WEIGHTD_RETURN_IF_ERROR(FromGrpc(impl_->stub->BeginUpdate(&context, request, &response)));
   auto state = std::make_unique<Updater::State>();
-  state->stub = impl_->stub.get();
+  state->stubs = impl_->Current();
+  state->stub = state->stubs->weightd.get();
   state->update_id = response.update_id();
   state->base_generation = response.base_generation();
   state->bytes_staged = response.bytes_staged();

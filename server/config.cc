@@ -34,6 +34,7 @@ void ForEachField(Config& c, F&& f) {
   f("load_threads", c.load_threads);
   f("direct_io", c.direct_io);
   f("mlock", c.mlock);
+  f("huge_pages", c.huge_pages);
   f("fd_socket_max_connections", c.fd_socket_max_connections);
   f("grpc_max_connections", c.grpc_max_connections);
   f("grpc_max_threads", c.grpc_max_threads);
@@ -232,11 +233,12 @@ std::string DaemonUsage() {
          "               [--config FILE.json] [--preload NAME=PATH ...] [--fd-socket PATH] [--grpc-address HOST:PORT]\n"
          "               [--grpc-tls-cert PEM --grpc-tls-key PEM [--grpc-tls-client-ca PEM [--grpc-tcp-admin true]]]\n"
          "               [--allowed-gids GID ...] [--lease-claim-timeout-seconds S] [--load-threads N]\n"
-         "               [--direct-io auto|on|off] [--mlock true|false] [--fd-socket-max-connections N]\n"
-         "               [--grpc-max-connections N] [--grpc-max-threads N] [--grpc-max-streams-per-connection N]\n"
-         "               [--grpc-first-bytes-timeout-seconds S] [--self-check-interval-seconds S] [--max-watchers N]\n"
-         "               [--watch-queue-events N] [--peer-address HOST:PORT] [--peers HOST:PORT ...]\n"
-         "               [--peer-max-joiners N] [--peer-deadline-seconds S] [--print-config] [--version]\n";
+         "               [--direct-io auto|on|off] [--mlock true|false] [--huge-pages true|false]\n"
+         "               [--fd-socket-max-connections N] [--grpc-max-connections N] [--grpc-max-threads N]\n"
+         "               [--grpc-max-streams-per-connection N] [--grpc-first-bytes-timeout-seconds S]\n"
+         "               [--self-check-interval-seconds S] [--max-watchers N] [--watch-queue-events N]\n"
+         "               [--peer-address HOST:PORT] [--peers HOST:PORT ...] [--peer-max-joiners N]\n"
+         "               [--peer-deadline-seconds S] [--print-config] [--version]\n";
 }
 
 absl::StatusOr<ParsedArgs> ParseDaemonArgs(const std::vector<std::string>& argv) {

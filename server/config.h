@@ -33,7 +33,8 @@ struct DaemonConfig {
   double lease_claim_timeout_seconds = 10;
   int load_threads = 0;                              // 0: one per core
   std::string direct_io = "auto";                    // auto|on|off: O_DIRECT reads (server/reader.h)
-  bool mlock = true;
+  bool mlock = true;                                 // pin host segments after publishing (server/segment_pinner.h)
+  bool huge_pages = true;                            // 2 MiB pages where the kernel allows (common/memory/huge_pages.h)
   // Reliability bounds (docs/operations.md "Reliability").
   int fd_socket_max_connections = 4096;              // claimed + pending fd-socket connections
   int grpc_max_connections = 1024;                  // connections on the gRPC Unix socket, and on a plain-TCP grpc_address

@@ -42,7 +42,8 @@ void ToProto(const ModelGeneration& m, v1::ModelInfo* out) {
   out->set_state(StateToProto(m.state.load()));
   out->set_checkpoint_path(m.request.checkpoint_path);
   out->set_host_bytes(m.host_bytes);
-  out->set_locked_bytes(m.locked_bytes);
+  out->set_locked_bytes(m.locked_bytes.load());
+  out->set_huge_page_bytes(m.huge_page_bytes);
   out->set_checkpoint_bytes(m.checkpoint_bytes);
   out->set_bytes_read(m.bytes_read);
   out->set_bytes_shared(m.bytes_reused);

@@ -4,6 +4,7 @@
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <systemd/sd-daemon.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -21,6 +22,9 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "server/fd_channel.h"
+#include "server/fd_store.h"
+#include "server/restore.h"
+#include "server/upgrade.h"
 #include "server/grpc_acceptor.h"
 #include "server/grpc_limits.h"
 #include "server/health_port.h"
@@ -80,18 +84,11 @@ class DaemonListener final : public RegistryListener {
   void OnLoadFailed(const LoadRequest& request, const absl::Status& status) override {
     LogWarning(absl::StrCat("load of '", request.name, "' from ", request.checkpoint_path, " failed: ", status.message()));
   }
-  void OnMemoryChanged(uint64_t host, uint64_t locked) override {
-    if (locked < host && !warned_memlock_.exchange(true)) {
-      LogWarning(absl::StrFormat("only %d of %d host bytes are mlock()ed: raise RLIMIT_MEMLOCK (LimitMEMLOCK=infinity)",
-                                 locked, host));
-    }
-  }
 
  private:
   absl::Mutex mu_;
   std::vector<grpc::Server*> servers_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, bool> serving_ ABSL_GUARDED_BY(mu_);
-  std::atomic<bool> warned_memlock_{false};
 };
 
 // Hands every registry event to each listener in turn. Add() them all before
@@ -104,6 +101,12 @@ class ListenerFanOut final : public RegistryListener {
   }
   void OnLoadFinished(const ModelGeneration& m, uint64_t bytes, double seconds) override {
     for (auto* l : listeners_) l->OnLoadFinished(m, bytes, seconds);
+  }
+  void OnGenerationPublished(const std::shared_ptr<ModelGeneration>& model) override {
+    for (auto* l : listeners_) l->OnGenerationPublished(model);
+  }
+  void OnModelUnloaded(const std::string& name) override {
+    for (auto* l : listeners_) l->OnModelUnloaded(name);
   }
   void OnLoadFailed(const LoadRequest& request, const absl::Status& status) override {
     for (auto* l : listeners_) l->OnLoadFailed(request, status);
@@ -142,7 +145,11 @@ std::string BoundAddress(const std::string& address, int port) {
 
 class DaemonImpl final : public Daemon {
  public:
-  explicit DaemonImpl(const DaemonConfig& config) : config_(config) { listeners_.Add(&listener_); }
+  explicit DaemonImpl(const DaemonConfig& config) : config_(config), binary_(SelfBinaryPath()) {
+    listeners_.Add(&listener_);
+    fd_store_ = std::make_unique<FdStoreKeeper>(MakeSystemdFdStore());
+    listeners_.Add(fd_store_.get());
+  }
   ~DaemonImpl() override { Shutdown(); }
 
   absl::Status Init() {
@@ -165,6 +172,7 @@ class DaemonImpl final : public Daemon {
     options.model_roots = config_.model_root;
     options.loader.threads = config_.load_threads;
     options.loader.mlock = config_.mlock;
+    options.loader.huge_pages = config_.huge_pages;
     options.loader.direct_io = ParseDirectIo(config_.direct_io).value_or(DirectIo::kAuto);  // validated by config
     options.claim_timeout = std::chrono::milliseconds(static_cast<int64_t>(config_.lease_claim_timeout_seconds * 1000));
     options.watch.max_watchers = static_cast<size_t>(config_.max_watchers);
@@ -176,12 +184,19 @@ class DaemonImpl final : public Daemon {
       LogInfo(absl::StrCat("host memory for loads: ", budget->available, " bytes, bounded by ", budget->source));
     }
     WEIGHTD_RETURN_IF_ERROR(StartMetrics());
+    Restore();
     absl::StatusOr<std::unique_ptr<FdChannel>> channel = FdChannel::Start({config_.fd_socket, 0660, config_.allowed_gids,
                                                                           static_cast<size_t>(config_.fd_socket_max_connections)},
                                                                          registry_.get());
     if (!channel.ok()) return channel.status();
     fd_channel_ = std::move(*channel);
     service_ = std::make_unique<WeightdService>(registry_.get(), config_.fd_socket, config_.mlock);
+    service_->EnableUpgrade([this]() -> absl::StatusOr<std::string> {
+      WEIGHTD_ASSIGN_OR_RETURN(std::string binary, binary_);
+      WEIGHTD_RETURN_IF_ERROR(CheckUpgradable(binary));
+      kill(getpid(), SIGHUP);  // main() takes it: the same path as `kill -HUP`
+      return binary;
+    });
     grpc::EnableDefaultHealthCheckService(true);
     grpc::reflection::InitProtoReflectionServerBuilderPlugin();  // every builder from here on; the health port opts out
     WEIGHTD_RETURN_IF_ERROR(StartGrpc());
@@ -195,9 +210,13 @@ class DaemonImpl final : public Daemon {
     return absl::OkStatus();
   }
 
-  void Shutdown() override {
+  void Shutdown() override { Stop("STOPPING=1"); }
+  void ShutdownForUpgrade() override { Stop("RELOADING=1\nSTATUS=upgrading in place"); }
+  std::vector<NamedFd> Handoff() override { return fd_store_->Handoff(); }
+
+  void Stop(const char* notify) {
     if (shut_down_.exchange(true)) return;
-    sd_notify(0, "STOPPING=1");
+    sd_notify(0, notify);
     {
       absl::MutexLock lock(&mu_);
       stopping_ = true;
@@ -252,6 +271,43 @@ class DaemonImpl final : public Daemon {
       LogInfo(absl::StrCat("metrics on http://", BoundAddress(config_.metrics_address, metrics_->port()), "/metrics"));
     }
     return absl::OkStatus();
+  }
+
+  // Serves again the models a restarted daemon left in the fd store (or an
+  // in-place upgrade handed over), before any socket answers: a client never
+  // sees a restored model missing. See server/restore.h.
+  void Restore() {
+    std::vector<NamedFd> fds = TakeListenFds();
+    if (fds.empty()) return;
+    auto start = std::chrono::steady_clock::now();
+    size_t passed = fds.size();
+    ModelRoots roots = ModelRoots::Resolve(*Env::Default(), config_.model_root);
+    RestoreResult result = RestoreFromFdStore(std::move(fds), {&roots, device_backend_.get()});
+    int restored = 0;
+    for (RestoredModel& r : result.models) {
+      std::shared_ptr<ModelGeneration> model = std::move(r.model);
+      fd_store_->Adopted(model, r.record_name, std::move(r.record_fd), r.host_segment_names, r.arena_names);
+      if (absl::Status adopted = registry_->Adopt(model); !adopted.ok()) {
+        LogWarning(absl::StrCat("fd store: cannot restore '", model->request.name, "': ", adopted.message()));
+        continue;
+      }
+      ++restored;
+      LogInfo(absl::StrFormat("restored '%s' generation %d from the fd store in %.1f ms without reading the checkpoint: "
+                              "%d tensors, %d host bytes, %d segments, fingerprint %s%s",
+                              model->request.name, model->generation, r.seconds * 1e3, model->tensor_count,
+                              model->host_bytes, model->segments.size(), model->fingerprint,
+                              model->version_label.empty() ? "" : absl::StrCat(", version label ", model->version_label)));
+    }
+    for (const DroppedRecord& d : result.dropped) {
+      LogWarning(absl::StrCat("fd store: dropped record ", d.fd_name, d.model.empty() ? "" : absl::StrCat(" of '", d.model, "'"),
+                              " (", d.reason, "): ", d.message));
+      metrics_->RestoreRecordDropped(d.reason);
+    }
+    for (const std::string& name : result.unused) fd_store_->Drop(name);
+    double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    metrics_->ModelsRestored(restored, seconds);
+    LogInfo(absl::StrFormat("fd store: %d fds passed, %d models restored, %d records dropped, in %.1f ms", passed,
+                            restored, result.dropped.size(), seconds * 1e3));
   }
 
   absl::Status StartTcpListener() {
@@ -363,11 +419,13 @@ class DaemonImpl final : public Daemon {
   }
 
   const DaemonConfig config_;
+  const absl::StatusOr<std::string> binary_;  // what an upgrade executes: this binary's path at start
   std::vector<PathLock> locks_;  // one per bound Unix path, held until exit
   bool owns_socket_ = false;     // every lock is ours: the socket paths may be unlinked
   DaemonListener listener_;
   ListenerFanOut listeners_;
   std::unique_ptr<DeviceBackend> device_backend_;  // outlives the registry's generations
+  std::unique_ptr<FdStoreKeeper> fd_store_;         // outlives the registry, which calls it
   absl::Mutex peer_mu_;
   std::unique_ptr<PeerTransport> peer_transport_ ABSL_GUARDED_BY(peer_mu_);  // outlives peer sessions and loads
   std::unique_ptr<PeerJoiner> peer_joiner_;

@@ -7,9 +7,11 @@
 #define WEIGHTD_SERVER_DAEMON_H_
 
 #include <memory>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "server/config.h"
+#include "server/fd_store.h"
 
 namespace weightd {
 
@@ -21,6 +23,12 @@ class Daemon {
   virtual ~Daemon() = default;
   // Stops accepting, lets in-flight calls finish (up to 10 s), ends leases.
   virtual void Shutdown() = 0;
+  // Shutdown() before an in-place upgrade (server/upgrade.h): tells systemd
+  // RELOADING=1 rather than STOPPING=1.
+  virtual void ShutdownForUpgrade() = 0;
+  // After a shutdown: copies of the fds of every READY model, named as in the
+  // fd store, for the next image (FdStoreKeeper::Handoff).
+  virtual std::vector<NamedFd> Handoff() = 0;
 };
 
 }  // namespace weightd

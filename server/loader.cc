@@ -13,14 +13,13 @@
 #include "common/base/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/base/log.h"
+#include "common/io/proc_files.h"
+#include "server/host_fill.h"
 #include "server/reader.h"
 
 namespace weightd {
 namespace {
-
-// Host blocks go from the bounce buffer to the segment in slices this size,
-// small enough to stay in L2 between the read, the hash and the pwrite.
-constexpr uint64_t kCopySliceBytes = 1ull << 20;
 
 double SecondsSince(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -98,6 +97,40 @@ std::vector<ReadTask> MakeTasks(const Catalog& catalog, const std::vector<bool>&
   return tasks;
 }
 
+// What one worker takes at a time: tasks [first, end) of the sorted task list.
+struct WorkUnit {
+  size_t first = 0;
+  size_t end = 0;
+  uint64_t bytes = 0;
+};
+
+// Orders `tasks` so that each host segment's blocks are adjacent and cuts
+// them into units: one per host segment, so that no two threads ever fill
+// one memfd (pwrite serialises on the inode lock: 12.7% of load samples
+// spun in rwsem_down_write_slowpath, docs/performance.md), largest first so
+// that the threads finish together; then one per device block, in file order.
+std::vector<WorkUnit> MakeUnits(const LoadPlan& plan, std::vector<ReadTask>& tasks) {
+  auto segment_of = [&](const ReadTask& t) -> uint64_t {
+    const TensorPlan& tp = plan.tensors[t.tensor];
+    return tp.placement == Placement::kHost ? tp.host_segment : UINT64_MAX;
+  };
+  std::stable_sort(tasks.begin(), tasks.end(),
+                   [&](const ReadTask& a, const ReadTask& b) { return segment_of(a) < segment_of(b); });
+  std::vector<WorkUnit> host, device;
+  for (size_t i = 0; i < tasks.size(); ++i) {
+    uint64_t segment = segment_of(tasks[i]);
+    if (segment != UINT64_MAX && !host.empty() && segment_of(tasks[host.back().first]) == segment) {
+      host.back().end = i + 1;
+      host.back().bytes += tasks[i].n;
+      continue;
+    }
+    (segment == UINT64_MAX ? device : host).push_back({i, i + 1, tasks[i].n});
+  }
+  std::stable_sort(host.begin(), host.end(), [](const WorkUnit& a, const WorkUnit& b) { return a.bytes > b.bytes; });
+  host.insert(host.end(), device.begin(), device.end());
+  return host;
+}
+
 // Promises `host_bytes` of new host memory to this load (LoaderOptions::admission).
 absl::StatusOr<HostMemoryAdmission::Reservation> AdmitHostMemory(const std::string& name, uint64_t host_bytes,
                                                                  const LoaderOptions& options) {
@@ -149,7 +182,7 @@ Reuse FindReusable(const Catalog& catalog, const LoadPlan& plan, const ModelGene
 
 absl::StatusOr<Allocation> Allocate(const std::string& name, const LoadPlan& plan, const Reuse& reuse,
                                     const ModelGeneration* previous, const std::vector<DeviceInfo>& devices,
-                                    DeviceBackend* backend, HugePages huge) {
+                                    DeviceBackend* backend, const PageChoice& pages) {
   Allocation a;
   std::vector<uint32_t> next_host(reuse.file.size());  // per file: its next reused host segment
   for (size_t i = 0; i < plan.host_segments.size(); ++i) {
@@ -159,7 +192,7 @@ absl::StatusOr<Allocation> Allocate(const std::string& name, const LoadPlan& pla
       slot.reused = previous->host_segments[previous->segments[old->host_segments[next_host[c.file]++]].owner];
     } else {
       WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<HostSegment> segment,
-                               HostSegment::Create(absl::StrCat(name, ":host", i), c.bytes, huge));
+                               HostSegment::Create(absl::StrCat(name, ":host", i), c.bytes, pages));
       slot.fresh = std::move(segment);
     }
     a.host.push_back(std::move(slot));
@@ -238,14 +271,14 @@ absl::Status WaitStaging(Staging& staging) {
   return absl::OkStatus();
 }
 
-// Shared state of one parallel read; workers take tasks by atomic index.
+// Shared state of one parallel read; workers take units by atomic index.
 class ReadJob {
  public:
-  // `lock`: mlock each host block as soon as it is written (see HostSegment::Lock).
   ReadJob(const Catalog& catalog, const LoadPlan& plan, const std::vector<ReadTask>& tasks,
-          const CheckpointReader& reader, Allocation& alloc, std::vector<std::vector<uint64_t>>& block_hashes, bool lock)
-      : catalog_(catalog), plan_(plan), tasks_(tasks), reader_(reader), alloc_(alloc), block_hashes_(block_hashes),
-        lock_(lock), file_remaining_(catalog.files.size()) {
+          const std::vector<WorkUnit>& units, HostFill& fill, Allocation& alloc,
+          std::vector<std::vector<uint64_t>>& block_hashes)
+      : catalog_(catalog), plan_(plan), tasks_(tasks), units_(units), fill_(fill), alloc_(alloc),
+        block_hashes_(block_hashes), file_remaining_(catalog.files.size()) {
     for (const ReadTask& t : tasks) file_remaining_[catalog.tensors[t.tensor].file] += t.n;
     for (const auto& r : file_remaining_) files_done_ += r.load() == 0;
   }
@@ -294,90 +327,57 @@ class ReadJob {
       }
     } drain{staging};
     int turn = 0;
-    ReadBuffer scratch;  // this worker's O_DIRECT and pwrite bounce buffer
-    std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> hasher(XXH3_createState(), &XXH3_freeState);
-    for (size_t i; (i = next_.fetch_add(1)) < tasks_.size();) {
-      if (failed_.load()) break;
-      if (cancel_ != nullptr && cancel_->load()) return Fail(absl::UnavailableError("load cancelled: weightd is shutting down"));
-      const ReadTask& task = tasks_[i];
-      const CatalogTensor& t = catalog_.tensors[task.tensor];
-      const TensorPlan& tp = plan_.tensors[task.tensor];
-      auto where = [&] { return absl::StrCat(ElideName(catalog_.files[t.file].name), ": tensor ", QuoteName(t.name)); };
-      HostSegment* host = tp.placement == Placement::kHost ? alloc_.host[tp.host_segment].fresh.get() : nullptr;
-      if (host != nullptr && source_ != nullptr) {
-        absl::Status filled = FillFromSource(task, tp, *host, scratch);
-        if (!filled.ok()) return Fail(Annotate(filled, where()));
-        Done(task, t);
-        continue;
-      }
-      if (host != nullptr && !host->huge_pages()) {
-        absl::StatusOr<uint64_t> hash = WriteHost(task, t, *host, tp.host_offset + task.start, scratch, *hasher);
+    FillThread thread;
+    for (size_t u; (u = next_.fetch_add(1)) < units_.size();) {
+      for (size_t i = units_[u].first; i < units_[u].end; ++i) {
+        if (failed_.load()) return absl::OkStatus();
+        if (cancel_ != nullptr && cancel_->load()) return Fail(absl::UnavailableError("load cancelled: weightd is shutting down"));
+        const ReadTask& task = tasks_[i];
+        const CatalogTensor& t = catalog_.tensors[task.tensor];
+        const TensorPlan& tp = plan_.tensors[task.tensor];
+        auto where = [&] { return absl::StrCat(ElideName(catalog_.files[t.file].name), ": tensor ", QuoteName(t.name)); };
+        absl::StatusOr<uint64_t> hash;
+        if (tp.placement == Placement::kHost && source_ != nullptr) {
+          hash = FillFromSource(task, tp, *alloc_.host[tp.host_segment].fresh, thread);
+        } else if (tp.placement == Placement::kHost) {
+          hash = fill_.FillBlock(t.file, t.offset + task.start, task.n, *alloc_.host[tp.host_segment].fresh,
+                                 tp.host_offset + task.start, thread);
+        } else {
+          Staging& stage = staging[turn ^= 1];
+          WEIGHTD_RETURN_IF_ERROR(Fail(WaitStaging(stage)));
+          if (!stage.buffer) {
+            absl::StatusOr<std::unique_ptr<PinnedBuffer>> buffer = backend->AllocatePinned(kReadBlockBytes);
+            WEIGHTD_RETURN_IF_ERROR(Fail(buffer.status()));
+            stage.buffer = std::move(*buffer);
+          }
+          hash = fill_.ReadHashed(t.file, t.offset + task.start, task.n, stage.buffer->data(), thread);
+          if (hash.ok()) {
+            WEIGHTD_RETURN_IF_ERROR(
+                Fail(CopyBlockToRanks(tp, task.start, task.start + task.n, stage.buffer->data(), alloc_, stage)));
+          }
+        }
         if (!hash.ok()) return Fail(Annotate(hash.status(), where()));
         block_hashes_[task.tensor][task.block] = *hash;
-        if (lock_) host->Lock(tp.host_offset + task.start, task.n);
         Done(task, t);
-        continue;
       }
-      char* dst;
-      Staging* stage = nullptr;
-      if (host != nullptr) {
-        dst = host->writable() + tp.host_offset + task.start;
-      } else {
-        stage = &staging[turn ^= 1];
-        WEIGHTD_RETURN_IF_ERROR(Fail(WaitStaging(*stage)));
-        if (!stage->buffer) {
-          absl::StatusOr<std::unique_ptr<PinnedBuffer>> buffer = backend->AllocatePinned(kReadBlockBytes);
-          WEIGHTD_RETURN_IF_ERROR(Fail(buffer.status()));
-          stage->buffer = std::move(*buffer);
-        }
-        dst = stage->buffer->data();
-      }
-      absl::Status read = reader_.Read(t.file, t.offset + task.start, task.n, dst, scratch);
-      if (!read.ok()) return Fail(Annotate(read, where()));
-      block_hashes_[task.tensor][task.block] = XXH3_64bits(dst, task.n);
-      if (stage != nullptr) {
-        WEIGHTD_RETURN_IF_ERROR(Fail(CopyBlockToRanks(tp, task.start, task.start + task.n, dst, alloc_, *stage)));
-      } else if (lock_) {
-        host->Lock(tp.host_offset + task.start, task.n);
-      }
-      Done(task, t);
     }
     for (Staging& s : staging) WEIGHTD_RETURN_IF_ERROR(WaitStaging(s));
     return absl::OkStatus();
   }
 
-  // Reads one block of a host tensor into `scratch` and writes it into the
-  // segment at `offset` slice by slice, hashing each slice while it is in
-  // cache: returns the block's hash (streaming XXH3 equals one-shot XXH3).
-  // O_DIRECT files are read in whole blocks (the disk wants large requests),
-  // buffered ones a slice at a time (the bounce buffer stays in L2).
-  absl::StatusOr<uint64_t> WriteHost(const ReadTask& task, const CatalogTensor& t, HostSegment& host, uint64_t offset,
-                                     ReadBuffer& scratch, XXH3_state_t& hasher) {
-    XXH3_64bits_reset(&hasher);
-    uint64_t piece = reader_.direct(t.file) ? kReadBlockBytes : kCopySliceBytes;
-    for (uint64_t done = 0; done < task.n; done += piece) {
-      uint64_t n = std::min(piece, task.n - done);
-      WEIGHTD_ASSIGN_OR_RETURN(const char* src, reader_.ReadInto(t.file, t.offset + task.start + done, n, scratch));
-      for (uint64_t s = 0; s < n; s += kCopySliceBytes) {
-        uint64_t m = std::min(kCopySliceBytes, n - s);
-        XXH3_64bits_update(&hasher, src + s, m);
-        WEIGHTD_RETURN_IF_ERROR(host.Write(offset + done + s, src + s, m));
-      }
-    }
-    return XXH3_64bits_digest(&hasher);
-  }
-
-  // Fills one block of a host tensor from the HostSource (through `scratch`,
-  // written with pwrite like storage reads; straight into a huge-page
-  // segment's mapping) and hashes what arrived.
-  absl::Status FillFromSource(const ReadTask& task, const TensorPlan& tp, HostSegment& host, ReadBuffer& scratch) {
+  // Fills one block of a host tensor from the HostSource and returns the
+  // XXH3-64 of what arrived: on 4 KiB pages through the thread's bounce
+  // buffer and pwrite(2) (as storage reads), on huge pages straight into
+  // the segment's mapping.
+  absl::StatusOr<uint64_t> FillFromSource(const ReadTask& task, const TensorPlan& tp, HostSegment& host,
+                                          FillThread& thread) {
     uint64_t offset = tp.host_offset + task.start;
-    char* dst = host.huge_pages() ? host.writable() + offset : scratch.Get(task.n, 64);
+    bool small = host.page_kind() == PageKind::kSmall;
+    char* dst = small ? thread.scratch.Get(task.n, 64) : host.writable() + offset;
     WEIGHTD_RETURN_IF_ERROR(source_->Read(tp.host_segment, offset, task.n, dst));
-    block_hashes_[task.tensor][task.block] = XXH3_64bits(dst, task.n);
-    if (!host.huge_pages()) WEIGHTD_RETURN_IF_ERROR(host.Write(offset, dst, task.n));
-    if (lock_) host.Lock(offset, task.n);
-    return absl::OkStatus();
+    uint64_t hash = XXH3_64bits(dst, task.n);
+    if (small) WEIGHTD_RETURN_IF_ERROR(host.Write(offset, dst, task.n));
+    return hash;
   }
 
   void Done(const ReadTask& task, const CatalogTensor& t) {
@@ -393,10 +393,10 @@ class ReadJob {
   const Catalog& catalog_;
   const LoadPlan& plan_;
   const std::vector<ReadTask>& tasks_;
-  const CheckpointReader& reader_;
+  const std::vector<WorkUnit>& units_;
+  HostFill& fill_;
   Allocation& alloc_;
   std::vector<std::vector<uint64_t>>& block_hashes_;
-  const bool lock_;
   std::vector<std::atomic<uint64_t>> file_remaining_;
   std::atomic<size_t> next_{0};
   std::atomic<uint64_t> bytes_done_{0};
@@ -410,10 +410,56 @@ class ReadJob {
   absl::Status error_ ABSL_GUARDED_BY(mu_);
 };
 
+// The page choice of a load: what the kernel offers now (or the test's
+// probe) for the fresh host segments of `plan`.
+PageChoice ChooseLoadPages(const LoadPlan& plan, const std::vector<bool>& read_file, const LoaderOptions& options) {
+  uint64_t hugetlb_bytes = 0;
+  for (const HostChunk& c : plan.host_segments) {
+    if (read_file[c.file] && c.bytes >= kHugeSegmentMinBytes) {
+      hugetlb_bytes += (c.bytes + kHugePageBytes - 1) / kHugePageBytes * kHugePageBytes;
+    }
+  }
+  HugePageSystem system = options.huge_page_probe ? options.huge_page_probe() : ReadHugePageSystem();
+  return ChoosePages(system, hugetlb_bytes, options.huge_pages);
+}
+
+// Records on each fresh THP segment how many of its bytes are on 2 MiB
+// pages, from the ShmemPmdMapped of its writable mapping in /proc/self/smaps
+// (proc(5)): measured, not assumed. Before sealing (which unmaps it).
+void MeasureThp(Allocation& alloc) {
+  bool any = false;
+  for (const HostSlot& slot : alloc.host) any |= slot.fresh && slot.fresh->page_kind() == PageKind::kShmemThp;
+  if (!any) return;
+  absl::StatusOr<std::string> smaps = ReadPseudoFile("/proc/self/smaps", 256 << 20);
+  if (!smaps.ok()) return;
+  std::map<uint64_t, uint64_t> pmd = ParseSmapsField(*smaps, "ShmemPmdMapped");
+  for (HostSlot& slot : alloc.host) {
+    if (!slot.fresh || slot.fresh->page_kind() != PageKind::kShmemThp || slot.fresh->writable() == nullptr) continue;
+    auto it = pmd.find(reinterpret_cast<uint64_t>(slot.fresh->writable()));
+    if (it != pmd.end()) slot.fresh->set_huge_bytes(std::min(it->second, slot.fresh->size()));
+  }
+}
+
+// The load's one line about its pages; "" when it made no host segment.
+std::string DescribePages(const std::string& name, const PageChoice& pages, const HostFill& fill,
+                          const Allocation& alloc) {
+  uint64_t fresh = 0, huge = 0;
+  for (const HostSlot& slot : alloc.host) {
+    if (!slot.fresh) continue;
+    fresh += slot.fresh->size();
+    huge += slot.fresh->huge_bytes();
+  }
+  if (fresh == 0) return "";
+  std::string line = absl::StrFormat("load of '%s': host pages %s (%s): %d of %d MiB on 2 MiB pages", name,
+                                     PageKindName(pages.kind), pages.reason, huge >> 20, fresh >> 20);
+  if (fill.stalled()) absl::StrAppend(&line, "; ", fill.stall_note());
+  return line;
+}
+
 // Seals every fresh segment and moves all of them, with the manifests, into
 // `gen`: host segments first (plan order), then each rank's arenas.
 absl::Status Publish(const Catalog& catalog, const LoadPlan& plan, Allocation& alloc,
-                     const std::vector<uint64_t>& hashes, bool mlock, DeviceBackend* backend, ModelGeneration& gen) {
+                     const std::vector<uint64_t>& hashes, DeviceBackend* backend, ModelGeneration& gen) {
   gen.files.resize(catalog.files.size());
   for (size_t f = 0; f < catalog.files.size(); ++f) {
     gen.files[f].stamp = StampOf(catalog.files[f]);
@@ -423,7 +469,7 @@ absl::Status Publish(const Catalog& catalog, const LoadPlan& plan, Allocation& a
   for (size_t i = 0; i < alloc.host.size(); ++i) {
     HostSlot& slot = alloc.host[i];
     if (slot.fresh != nullptr) {
-      WEIGHTD_RETURN_IF_ERROR(slot.fresh->Seal(mlock));
+      WEIGHTD_RETURN_IF_ERROR(slot.fresh->Seal(/*lock=*/false));  // pinned after publishing: ModelRegistry
       slot.reused = std::move(slot.fresh);
     } else {
       gen.bytes_reused += slot.reused->size();
@@ -431,6 +477,7 @@ absl::Status Publish(const Catalog& catalog, const LoadPlan& plan, Allocation& a
     const HostSegment& segment = *slot.reused;
     gen.host_bytes += segment.size();
     gen.locked_bytes += segment.locked() ? segment.size() : 0;
+    gen.huge_page_bytes += segment.huge_bytes();
     uint32_t id = static_cast<uint32_t>(gen.segments.size());
     host_ids.push_back(id);
     gen.files[plan.host_segments[i].file].host_segments.push_back(id);
@@ -516,23 +563,25 @@ absl::StatusOr<std::unique_ptr<ModelGeneration>> LoadGeneration(const Catalog& c
   }
 
   report(LoadProgress::Phase::kAllocate);
-  HugePages huge = options.huge_pages ? HugePages::kWhenPoolAllows : HugePages::kNever;
+  PageChoice pages = ChooseLoadPages(plan, read_file, options);
   uint64_t new_host_bytes = 0;
   for (const HostChunk& c : plan.host_segments) new_host_bytes += read_file[c.file] ? c.bytes : 0;
   WEIGHTD_ASSIGN_OR_RETURN(HostMemoryAdmission::Reservation admitted,
                            AdmitHostMemory(request.name, new_host_bytes, options));
   WEIGHTD_ASSIGN_OR_RETURN(Allocation alloc,
-                           Allocate(request.name, plan, reuse, previous, devices, options.device_backend, huge));
+                           Allocate(request.name, plan, reuse, previous, devices, options.device_backend, pages));
   WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader,
                            CheckpointReader::Open(catalog, {options.direct_io}));
 
   report(LoadProgress::Phase::kRead);
   std::vector<ReadTask> tasks = MakeTasks(catalog, read_file);
+  std::vector<WorkUnit> units = MakeUnits(plan, tasks);
   std::vector<std::vector<uint64_t>> block_hashes(catalog.tensors.size());
-  for (const ReadTask& t : tasks) block_hashes[t.tensor].resize(t.block + 1);
+  for (const ReadTask& t : tasks) block_hashes[t.tensor].resize(std::max<size_t>(block_hashes[t.tensor].size(), t.block + 1));
   int threads = options.threads > 0 ? options.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  threads = static_cast<int>(std::min<size_t>(threads, std::max<size_t>(tasks.size(), 1)));
-  ReadJob job(catalog, plan, tasks, *reader, alloc, block_hashes, options.mlock);
+  threads = static_cast<int>(std::min<size_t>(threads, std::max<size_t>(units.size(), 1)));
+  HostFill fill(*reader, options.huge_fill_budget);
+  ReadJob job(catalog, plan, tasks, units, fill, alloc, block_hashes);
   job.set_cancel(options.cancel);
   job.set_source(options.host_source);
   WEIGHTD_RETURN_IF_ERROR(job.Run(threads, options.device_backend, [&](uint64_t bytes, uint32_t files_done) {
@@ -542,6 +591,9 @@ absl::StatusOr<std::unique_ptr<ModelGeneration>> LoadGeneration(const Catalog& c
   }));
 
   report(LoadProgress::Phase::kSeal);
+  MeasureThp(alloc);
+  std::string host_pages = DescribePages(request.name, pages, fill, alloc);
+  if (!host_pages.empty()) LogInfo(host_pages);
   std::vector<uint64_t> hashes(catalog.tensors.size());
   for (size_t i = 0; i < hashes.size(); ++i) {
     const CatalogTensor& t = catalog.tensors[i];
@@ -558,8 +610,9 @@ absl::StatusOr<std::unique_ptr<ModelGeneration>> LoadGeneration(const Catalog& c
     }
   }
   auto gen = std::make_unique<ModelGeneration>();
-  WEIGHTD_RETURN_IF_ERROR(Publish(catalog, plan, alloc, hashes, options.mlock, options.device_backend, *gen));
+  WEIGHTD_RETURN_IF_ERROR(Publish(catalog, plan, alloc, hashes, options.device_backend, *gen));
   gen->request = request;
+  gen->host_pages = std::move(host_pages);
   gen->fingerprint = FingerprintOf(gen->ranks[0].tensors);
   gen->tensor_count = catalog.tensors.size();
   gen->checkpoint_bytes = catalog.total_bytes();

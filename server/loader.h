@@ -1,19 +1,28 @@
-// The load pipeline: catalog -> plan -> allocate -> parallel read + hash ->
-// seal and export. Work is cut into blocks of at most kReadBlockBytes that a
-// pool of threads takes in file order (CheckpointReader: buffered or
-// O_DIRECT per --direct-io). Host tensors are read into a per-thread bounce
-// buffer and written into their sealed-to-be memfd with pwrite(2) in 1 MiB
-// slices, each hashed between the read and the write while it is in cache:
-// writing through the file lets the kernel allocate the memfd's pages
-// without a page fault each, which is what bounds a load from the page
-// cache (docs/performance.md). A MFD_HUGETLB segment (huge page pool
-// configured) is read straight into its mapping instead. Device tensors are
-// read into a bounded ring of pinned staging buffers (two per thread) and
+// The load pipeline: catalog -> plan -> choose pages -> allocate -> parallel
+// read + hash -> seal and export. Work is cut into blocks of at most
+// kReadBlockBytes (CheckpointReader: buffered or O_DIRECT per --direct-io)
+// and handed to a pool of threads in units: all blocks of one host segment
+// form one unit, so each memfd has one writer (largest first), and each
+// device block is a unit of its own.
+//
+// Host pages (common/memory/huge_pages.h): per load, 2 MiB hugetlb pages
+// when the pool has room for all fresh segments, else 2 MiB shmem THP when
+// shmem_enabled allows, else 4 KiB; one log line per load says which and
+// why, and ModelGeneration::huge_page_bytes how many bytes got huge pages
+// (for THP measured from /proc/self/smaps). How each kind is filled, with
+// the hash of each 1 MiB slice taken while it is in cache, and the
+// fall-back to 4 KiB pages on a compaction stall: server/host_fill.h.
+// Device tensors are read (hashed per slice the same way) into a bounded
+// ring of pinned staging buffers (two per thread) and
 // copied asynchronously to every rank that needs them: whole for
 // replicated tensors, one contiguous range per rank for a split on dim 0, 2D
 // strided copies for other split dims; a buffer is reused only after its
 // copies' fences complete. Peak host memory: host-resident bytes +
 // threads * (2 * kReadBlockBytes staging + one block of bounce buffer).
+//
+// Host segments are sealed unlocked: mlock() is not on the load's critical
+// path (it cost 27-36% of a load, docs/performance.md). ModelRegistry pins
+// them once the generation is published (LoaderOptions::mlock).
 //
 // Content hash of a tensor: see common/format/content_hash.h (each read
 // block is one hash block, hashed as it is read). The model fingerprint is XXH3-128 over, for each tensor in
@@ -28,8 +37,10 @@
 #include "absl/status/statusor.h"
 #include "common/format/catalog.h"
 #include "common/format/content_hash.h"
+#include "common/memory/huge_pages.h"
 #include "server/memory_admission.h"
 #include "server/model.h"
+#include "server/host_fill.h"
 #include "server/plan.h"
 #include "server/reader.h"
 
@@ -63,9 +74,15 @@ class HostSource {
 
 struct LoaderOptions {
   int threads = 0;     // 0: one per core
-  bool mlock = true;   // lock host segments when RLIMIT_MEMLOCK allows
+  // Pin host segments (mlock, when RLIMIT_MEMLOCK allows) once published;
+  // done by ModelRegistry off the load's path, not by LoadGeneration.
+  bool mlock = true;
   DirectIo direct_io = DirectIo::kAuto;  // see server/reader.h
-  bool huge_pages = true;  // MFD_HUGETLB host segments when the huge page pool has room
+  bool huge_pages = true;  // false: always 4 KiB pages (--huge-pages false)
+  // What the kernel offers for huge pages; empty: ReadHugePageSystem().
+  // Tests hand in their own to force each branch of the choice.
+  HugePageProbe huge_page_probe;
+  HugeFillBudget huge_fill_budget;  // when a THP fill falls back to 4 KiB pages
   DeviceBackend* device_backend = nullptr;  // null: host only; not owned
   uint64_t max_arena_bytes = kDefaultMaxArenaBytes;
   // Where a load's host-resident bytes are admitted before anything is

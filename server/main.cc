@@ -4,9 +4,11 @@
 
 #include <iostream>
 
+#include "absl/strings/str_cat.h"
 #include "common/base/log.h"
 #include "server/config.h"
 #include "server/daemon.h"
+#include "server/upgrade.h"
 
 namespace {
 
@@ -36,12 +38,17 @@ int main(int argc, char** argv) {
   if (args->version) return std::cout << "weightd " << WEIGHTD_VERSION << "\n", 0;
   if (args->print_config) return std::cout << weightd::ConfigToJson(args->config).dump(2) << "\n", 0;
 
-  // SIGTERM/SIGINT are taken synchronously by this thread; every thread the
-  // daemon starts inherits the blocked mask.
+  // The binary an in-place upgrade executes: this path, taken now, is the
+  // new file once a package manager has replaced it.
+  absl::StatusOr<std::string> binary = weightd::SelfBinaryPath();
+
+  // SIGTERM/SIGINT/SIGHUP are taken synchronously by this thread; every
+  // thread the daemon starts inherits the blocked mask.
   sigset_t signals;
   sigemptyset(&signals);
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGHUP);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   signal(SIGPIPE, SIG_IGN);
 
@@ -52,8 +59,25 @@ int main(int argc, char** argv) {
     return 1;
   }
   int sig = 0;
-  sigwait(&signals, &sig);
-  weightd::LogInfo(sig == SIGTERM ? "SIGTERM: shutting down" : "SIGINT: shutting down");
-  (*daemon)->Shutdown();
-  return 0;
+  for (;;) {
+    sigwait(&signals, &sig);
+    if (sig != SIGHUP) break;
+    // SIGHUP (or UpgradeDaemon): upgrade in place, when the binary allows.
+    absl::Status ready = binary.ok() ? weightd::CheckUpgradable(*binary) : binary.status();
+    if (ready.ok()) break;
+    weightd::LogError(absl::StrCat("SIGHUP: ", ready.message(), "; still serving"));
+  }
+  if (sig != SIGHUP) {
+    weightd::LogInfo(sig == SIGTERM ? "SIGTERM: shutting down" : "SIGINT: shutting down");
+    (*daemon)->Shutdown();
+    return 0;
+  }
+  weightd::LogInfo(absl::StrCat("SIGHUP: upgrading in place: stopping, then executing ", *binary));
+  (*daemon)->ShutdownForUpgrade();
+  std::vector<weightd::NamedFd> fds = (*daemon)->Handoff();
+  daemon->reset();  // the copies in `fds` keep every segment alive
+  weightd::LogInfo(absl::StrCat("handing ", fds.size(), " fds to the new image"));
+  absl::Status exec = weightd::ExecUpgrade(*binary, std::vector<std::string>(argv, argv + argc), std::move(fds));
+  weightd::LogError(absl::StrCat("in-place upgrade failed: ", exec.message()));
+  return 1;
 }

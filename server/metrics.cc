@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/format/format_error.h"
 #include "server/convert.h"
+#include "server/restore.h"
 
 namespace weightd {
 namespace {
@@ -77,7 +78,11 @@ class SampledGauges final : public prometheus::Collectable {
             GaugeFamily("weightd_device_bytes", "Bytes of device segments held, by GPU.", "gpu_uuid", s.device_bytes),
             GaugeFamily("weightd_leases_active", "Leases held by clients (pending or claimed), by model.", "model",
                         s.leases),
-            VersionFamily(s)};
+            VersionFamily(s),
+            GaugeFamily("weightd_host_huge_page_bytes",
+                        "Bytes of a model's host segments on 2 MiB pages (hugetlb pool or shmem THP), READY "
+                        "generation.",
+                        "model", s.huge_page_bytes)};
   }
 
   // Always 1 per READY generation; its labels say which version is served.
@@ -109,6 +114,7 @@ ModelsSample SampleModels(const std::vector<std::shared_ptr<ModelGeneration>>& m
   for (const auto& m : models) {
     ++s.by_state[StateName(m->state.load())];
     if (m->state.load() == ModelState::kReady) s.versions[m->request.name] = {m->generation, m->version_label};
+    if (m->state.load() == ModelState::kReady) s.huge_page_bytes[m->request.name] = m->huge_page_bytes;
     s.leases[m->request.name] += m->leases.load();
     for (const SegmentRecord& seg : m->segments) {
       if (seg.placement == Placement::kDevice) s.device_bytes[seg.gpu_uuid] += seg.size;
@@ -151,6 +157,9 @@ struct PrometheusMetrics::State {
   prometheus::Counter* update_bytes_written;
   prometheus::Counter* update_bytes_shared;
   prometheus::Histogram* commit_duration;
+  prometheus::Gauge* restored_models;
+  prometheus::Gauge* restore_seconds;
+  prometheus::Family<prometheus::Counter>* restore_dropped;
   // Peer seeding.
   prometheus::Gauge* peer_joiners;
   prometheus::Family<prometheus::Counter>* peer_bytes_sent;
@@ -199,6 +208,15 @@ struct PrometheusMetrics::State {
     commit_duration = &BuildHistogram().Name("weightd_update_commit_duration_seconds")
                            .Help("Duration of successful commits: seal, hash, verify, publish.").Register(r)
                            .Add({}, AttachBuckets());
+    restored_models = &BuildGauge().Name("weightd_fd_store_restored_models")
+                           .Help("Models this daemon restored from the fd store at start, without reading a checkpoint.")
+                           .Register(r).Add({});
+    restore_seconds = &BuildGauge().Name("weightd_fd_store_restore_seconds")
+                           .Help("Seconds the start-up restore from the fd store took, all records together.")
+                           .Register(r).Add({});
+    restore_dropped = &BuildCounter().Name("weightd_fd_store_records_dropped_total")
+                           .Help("State records in the fd store dropped at start instead of restored, by reason.").Register(r);
+    for (const char* reason : kRestoreDropReasons) restore_dropped->Add({{"reason", reason}});
     RegisterPeerMetrics();
     BuildGauge().Name("weightd_build_info").Help("Always 1; the version of this weightd binary.").Register(r)
         .Add({{"version", o.version}}).Set(1);
@@ -256,6 +274,15 @@ void PrometheusMetrics::UpdateCommitted(uint64_t bytes_written, uint64_t bytes_s
 
 void PrometheusMetrics::UpdateAborted(absl::string_view reason) {
   state_->updates_aborted->Add({{"reason", std::string(reason)}}).Increment();
+}
+
+void PrometheusMetrics::ModelsRestored(int models, double seconds) {
+  state_->restored_models->Set(models);
+  state_->restore_seconds->Set(seconds);
+}
+
+void PrometheusMetrics::RestoreRecordDropped(absl::string_view reason) {
+  state_->restore_dropped->Add({{"reason", std::string(reason)}}).Increment();
 }
 
 void PrometheusMetrics::LoadFailed(const absl::Status& status) {

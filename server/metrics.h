@@ -45,6 +45,11 @@ class Metrics {
   virtual void UpdateStarted() {}
   virtual void UpdateCommitted(uint64_t bytes_written, uint64_t bytes_shared, double seconds) {}
   virtual void UpdateAborted(absl::string_view reason) {}
+  // Restart without reload (server/restore.h): `models` generations restored
+  // from the fd store at start in `seconds` in all; a record dropped for
+  // `reason` (one of kRestoreDropReasons).
+  virtual void ModelsRestored(int models, double seconds) {}
+  virtual void RestoreRecordDropped(absl::string_view reason) {}
   // Peer seeding (server/peer_seed.h, server/peer_join.h). Seed side: the
   // transfer sessions open now; a joiner's report of `bytes` it read.
   // Joiner side: `bytes` received from `peer` (as they arrive); a verified
@@ -65,6 +70,9 @@ struct ModelsSample {
   // READY generations: model name -> (generation, version label), for
   // weightd_model_version_info{model, generation, version_label}.
   std::map<std::string, std::pair<uint64_t, std::string>> versions;
+  // READY generations: model name -> host bytes on 2 MiB pages, for
+  // weightd_host_huge_page_bytes{model}.
+  std::map<std::string, uint64_t> huge_page_bytes;
 };
 // Builds the sample from ModelRegistry::ListAll().
 ModelsSample SampleModels(const std::vector<std::shared_ptr<ModelGeneration>>& models);
@@ -107,6 +115,8 @@ class PrometheusMetrics : public Metrics {
   void UpdateStarted() override;
   void UpdateCommitted(uint64_t bytes_written, uint64_t bytes_shared, double seconds) override;
   void UpdateAborted(absl::string_view reason) override;
+  void ModelsRestored(int models, double seconds) override;
+  void RestoreRecordDropped(absl::string_view reason) override;
   void PeerJoiners(int open) override;
   void PeerBytesSent(absl::string_view peer, uint64_t bytes) override;
   void PeerBytesReceived(absl::string_view peer, uint64_t bytes) override;

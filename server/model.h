@@ -142,13 +142,18 @@ class ModelGeneration {
   std::vector<RankManifest> ranks;  // tp_size entries
   std::string fingerprint;          // 32 hex digits
   std::string version_label;        // set by a writer's commit (e.g. "step-1200"); empty for loads from disk
-  // Where its bytes came from: "storage", "writer" (a commit), or
-  // "peer HOST:PORT" (seeded from that peer; see server/peer_join.h).
+  // Where its bytes came from: "storage", "writer" (a commit),
+  // "peer HOST:PORT" (seeded from that peer; see server/peer_join.h), or
+  // "fd store" (restored by a restarted daemon, server/restore.h).
   std::string source;
   double load_seconds = 0;
   uint64_t checkpoint_bytes = 0;  // tensor bytes of the checkpoint
   uint64_t host_bytes = 0;     // bytes of its host segments, shared ones included
-  uint64_t locked_bytes = 0;
+  // Of those, the bytes mlock()ed: 0 at publication, set by the registry's
+  // pinning thread when it has locked them (read from any thread).
+  std::atomic<uint64_t> locked_bytes{0};
+  uint64_t huge_page_bytes = 0;  // of host_bytes, those on 2 MiB pages (hugetlb or THP)
+  std::string host_pages;        // a load's sentence on its pages: which, why, a fall-back (logged)
   // Where its bytes came from: tensor bytes read from storage, and bytes of
   // segments (host and device) shared with the generation before it.
   uint64_t bytes_read = 0;
@@ -159,6 +164,13 @@ class ModelGeneration {
   // built once on first Attach (server/service.cc) and reused by every lease.
   std::once_flag encode_once;
   std::vector<std::string> encoded_manifests;
+  // The same for clients that ask for the packed tensor table: each rank's
+  // segments and packed_tensors (common/format/packed_manifest.h), built
+  // once on the first such Attach; shared so a reply can send it without a
+  // copy. Null for a rank whose table could not be packed (it then gets
+  // encoded_manifests).
+  std::once_flag pack_once;
+  std::vector<std::shared_ptr<const std::string>> packed_manifests;
 
   std::atomic<ModelState> state{ModelState::kLoading};
   std::atomic<int> leases{0};

@@ -3,6 +3,7 @@
 #include "server/peer_join.h"
 
 #include <algorithm>
+#include <cstring>
 #include <random>
 #include <utility>
 
@@ -96,9 +97,27 @@ ModelRegistry::ModelRegistry(RegistryOptions options, RegistryListener* listener
   options_.loader.cancel = &cancel_loads_;
   if (options_.loader.admission == nullptr) options_.loader.admission = &admission_;
   release_thread_ = std::thread([this] { ReleaseLoop(); });
+  pinner_ = std::make_unique<SegmentPinner>([this](ModelGeneration& model, const PinResult& pinned) {
+    ReportPinned(model, pinned);
+  });
+}
+
+void ModelRegistry::ReportPinned(const ModelGeneration& model, const PinResult& pinned) {
+  if (pinned.locked_bytes == pinned.host_bytes) {
+    LogInfo(absl::StrFormat("pinned '%s' generation %d: %d host bytes mlock()ed in %.2f s", model.request.name,
+                            model.generation, pinned.locked_bytes, pinned.seconds));
+  } else {
+    LogWarning(absl::StrFormat(
+        "only %d of %d host bytes of '%s' generation %d are mlock()ed (%s): raise RLIMIT_MEMLOCK "
+        "(LimitMEMLOCK=infinity) or give CAP_IPC_LOCK",
+        pinned.locked_bytes, pinned.host_bytes, model.request.name, model.generation, std::strerror(pinned.lock_errno)));
+  }
+  absl::MutexLock lock(&mu_);
+  NotifyMemory();
 }
 
 ModelRegistry::~ModelRegistry() {
+  pinner_.reset();
   {
     absl::MutexLock lock(&release_mu_);
     stop_release_ = true;
@@ -223,6 +242,7 @@ absl::StatusOr<ModelRegistry::LoadResult> ModelRegistry::Load(LoadRequest reques
   if (!loaded.ok()) loaded = LoadGeneration(*catalog, request, options_.loader, track, previous.get());
   if (!loaded.ok()) return fail(loaded.status());
   LoadResult result = Publish(std::move(*loaded), *catalog);
+  if (options_.loader.mlock) pinner_->Pin(result.model);
   if (previous != nullptr) ReleaseLater(std::move(previous));  // freed off the reply's path when unleased
   return result;
 }
@@ -262,6 +282,22 @@ void ModelRegistry::InstallLocked(const std::shared_ptr<ModelGeneration>& model)
   AnnouncePublished(*model);
   if (previous) Retire(std::move(previous));
   if (listener_) listener_->OnModelServing(name, true);
+  if (listener_) listener_->OnGenerationPublished(model);
+}
+
+absl::Status ModelRegistry::Adopt(std::shared_ptr<ModelGeneration> model) {
+  absl::MutexLock lock(&mu_);
+  const std::string& name = model->request.name;
+  if (current_.count(name)) return absl::AlreadyExistsError(absl::StrCat("model '", name, "' is loaded already"));
+  next_generation_ = std::max(next_generation_, model->generation + 1);
+  model->state = ModelState::kReady;
+  current_[name] = model;
+  AnnouncePublished(*model);
+  if (listener_) listener_->OnModelServing(name, true);
+  if (listener_) listener_->OnGenerationPublished(model);
+  NotifyMemory();
+  if (options_.loader.mlock) pinner_->Pin(model);  // adopted segments come unlocked
+  return absl::OkStatus();
 }
 
 absl::StatusOr<ModelRegistry::UpdateGrant> ModelRegistry::BeginUpdate(const std::string& name,
@@ -470,6 +506,7 @@ absl::StatusOr<ModelRegistry::UnloadResult> ModelRegistry::Unload(const std::str
   std::shared_ptr<ModelGeneration> model = std::move(it->second);
   current_.erase(it);
   if (listener_) listener_->OnModelServing(name, false);
+  if (listener_) listener_->OnModelUnloaded(name);
   Announce(ModelEvent::Kind::kUnloaded, *model);
   if (force) {
     DropLeasesOf(name);

@@ -24,6 +24,7 @@
 #include "common/io/env.h"
 #include "absl/synchronization/mutex.h"
 #include "server/loader.h"
+#include "server/segment_pinner.h"
 #include "server/model.h"
 #include "server/update.h"
 #include "server/model_events.h"
@@ -39,6 +40,10 @@ class RegistryListener {
  public:
   virtual ~RegistryListener() = default;
   virtual void OnModelServing(const std::string& name, bool serving) {}
+  // `model` just became the READY generation of its name (a load, reload,
+  // commit, or a restore at start); the name was unloaded.
+  virtual void OnGenerationPublished(const std::shared_ptr<ModelGeneration>& model) {}
+  virtual void OnModelUnloaded(const std::string& name) {}
   virtual void OnLoadFinished(const ModelGeneration& model, uint64_t bytes, double seconds) {}
   virtual void OnLoadFailed(const LoadRequest& request, const absl::Status& status) {}
   virtual void OnLeasesChanged(const std::string& name, int active) {}
@@ -110,6 +115,12 @@ class ModelRegistry {
   // or FAILED_PRECONDITION when the name has no READY generation.
   absl::StatusOr<LoadResult> Reload(const std::string& name, const std::string& checkpoint_path,
                                     const ProgressFn& progress);
+
+  // Serves `model`, restored from the fd store at start (server/fd_store.h),
+  // as the READY generation of its name with its own generation number;
+  // later generations are numbered above it. ALREADY_EXISTS when the name
+  // has one.
+  absl::Status Adopt(std::shared_ptr<ModelGeneration> model);
 
   struct UnloadResult {
     std::shared_ptr<ModelGeneration> model;
@@ -273,6 +284,8 @@ class ModelRegistry {
   void AnnouncePublished(ModelGeneration& model) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DropLease(std::map<std::string, Lease>::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void NotifyMemory() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The pinner finished `model`: logs what it locked and updates the gauges.
+  void ReportPinned(const ModelGeneration& model, const PinResult& pinned) ABSL_LOCKS_EXCLUDED(mu_);
   // Drops `held` on the release thread: freeing a generation of many GiB
   // (munmap, close) takes a good part of a second, which a commit or reload
   // reply should not wait for. Memory gauges may lag by that long.
@@ -297,6 +310,9 @@ class ModelRegistry {
   std::vector<std::shared_ptr<const void>> to_release_ ABSL_GUARDED_BY(release_mu_);
   bool stop_release_ ABSL_GUARDED_BY(release_mu_) = false;
   std::thread release_thread_;  // started in the constructor, joined in the destructor
+  // Pins the host segments of loaded generations after they are published
+  // (LoaderOptions::mlock); stopped first in the destructor.
+  std::unique_ptr<SegmentPinner> pinner_;
   uint64_t next_generation_ ABSL_GUARDED_BY(mu_) = 1;
 };
 

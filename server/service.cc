@@ -1,9 +1,13 @@
 #include "server/service.h"
 
+#include <random>
+
 #include <grpcpp/support/byte_buffer.h>
 #include <grpcpp/support/proto_buffer_reader.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "server/attach_encoding.h"
 #include "server/convert.h"
 #include "server/manifest_pages.h"
 #include "server/peer_join.h"
@@ -90,6 +94,7 @@ grpc::Status WeightdService::UnloadModel(grpc::ServerContext*, const v1::UnloadM
 grpc::Status WeightdService::ListModels(grpc::ServerContext*, const v1::ListModelsRequest*,
                                         v1::ListModelsResponse* response) {
   for (const auto& model : registry_->ListAll()) ToProto(*model, response->add_models());
+  response->set_daemon_instance(DaemonInstanceId());
   return grpc::Status::OK;
 }
 
@@ -124,14 +129,8 @@ grpc::Status WeightdService::AttachEncoded(const grpc::ByteBuffer& raw, grpc::By
   absl::StatusOr<ModelRegistry::Grant> grant = registry_->Attach(request.name(), request.rank());
   if (!grant.ok()) return ToGrpcStatus(grant.status());
   ModelGeneration& m = *grant->model;
-  std::call_once(m.encode_once, [&m] {
-    for (const RankManifest& rank : m.ranks) {
-      v1::AttachResponse manifest;
-      for (uint32_t s = 0; s < rank.segments.size(); ++s) ToProto(m.segments[rank.segments[s]], s, manifest.add_segments());
-      for (const TensorRecord& t : rank.tensors) ToProto(t, manifest.add_tensors());
-      m.encoded_manifests.push_back(manifest.SerializeAsString());
-    }
-  });
+  std::shared_ptr<const std::string> packed;
+  if (request.manifest_encoding() == v1::AttachRequest::PACKED_TABLE_V1) packed = PackedEncoding(m, grant->rank);
   v1::AttachResponse head;
   head.set_lease_id(grant->lease_id);
   head.set_fd_socket(fd_socket_path_);
@@ -141,12 +140,23 @@ grpc::Status WeightdService::AttachEncoded(const grpc::ByteBuffer& raw, grpc::By
   head.set_rank(grant->rank);
   head.set_fingerprint(m.fingerprint);
   head.set_version_label(m.version_label);
-  // Protobuf messages concatenate: header fields, then the cached repeated
-  // segments and tensors, parse as one AttachResponse.
+  // Protobuf messages concatenate: header fields, then the cached segments
+  // and tensors, parse as one AttachResponse.
   std::string bytes = head.SerializeAsString();
-  bytes += m.encoded_manifests[grant->rank];
-  grpc::Slice slice(bytes);
-  *out = grpc::ByteBuffer(&slice, 1);
+  if (packed == nullptr) {
+    bytes += EntriesEncoding(m, grant->rank);
+    grpc::Slice slice(bytes);
+    *out = grpc::ByteBuffer(&slice, 1);
+    return grpc::Status::OK;
+  }
+  // The cached body goes out without a copy: its slice holds a reference
+  // until gRPC has sent it.
+  auto* hold = new std::shared_ptr<const std::string>(std::move(packed));
+  grpc::Slice slices[2] = {grpc::Slice(bytes),
+                           grpc::Slice(const_cast<char*>((*hold)->data()), (*hold)->size(),
+                                       [](void* p) { delete static_cast<std::shared_ptr<const std::string>*>(p); },
+                                       hold)};
+  *out = grpc::ByteBuffer(slices, 2);
   return grpc::Status::OK;
 }
 
@@ -195,6 +205,30 @@ grpc::Status WeightdService::CommitUpdate(grpc::ServerContext*, const v1::Commit
 grpc::Status WeightdService::AbortUpdate(grpc::ServerContext*, const v1::AbortUpdateRequest* request,
                                          v1::AbortUpdateResponse*) {
   return ToGrpcStatus(registry_->AbortUpdate(request->update_id(), "aborted_by_writer"));
+}
+
+grpc::Status WeightdService::UpgradeDaemon(grpc::ServerContext*, const v1::UpgradeDaemonRequest*,
+                                           v1::UpgradeDaemonResponse* response) {
+  if (!upgrade_) {
+    return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                        "weightd.v1.Weightd/UpgradeDaemon is served on the daemon's Unix socket only");
+  }
+  uint32_t ready = 0;
+  for (const auto& model : registry_->List()) ready += model->state.load() == ModelState::kReady ? 1 : 0;
+  absl::StatusOr<std::string> binary = upgrade_();
+  if (!binary.ok()) return ToGrpcStatus(binary.status());
+  response->set_binary(*binary);
+  response->set_daemon_instance(DaemonInstanceId());
+  response->set_models(ready);
+  return grpc::Status::OK;
+}
+
+const std::string& DaemonInstanceId() {
+  static const std::string* id = [] {
+    std::random_device device;
+    return new std::string(absl::StrFormat("%08x%08x", device(), device()));
+  }();
+  return *id;
 }
 
 grpc::Status WeightdService::Detach(grpc::ServerContext*, const v1::DetachRequest* request, v1::DetachResponse*) {
@@ -253,6 +287,11 @@ grpc::Status ReadOnlyWeightdService::CommitUpdate(grpc::ServerContext*, const v1
 grpc::Status ReadOnlyWeightdService::AbortUpdate(grpc::ServerContext*, const v1::AbortUpdateRequest*,
                                                  v1::AbortUpdateResponse*) {
   return AdminOnly("AbortUpdate");
+}
+
+grpc::Status ReadOnlyWeightdService::UpgradeDaemon(grpc::ServerContext*, const v1::UpgradeDaemonRequest*,
+                                                   v1::UpgradeDaemonResponse*) {
+  return AdminOnly("UpgradeDaemon");
 }
 
 grpc::Status ReadOnlyWeightdService::Detach(grpc::ServerContext*, const v1::DetachRequest*, v1::DetachResponse*) {

@@ -12,6 +12,7 @@
 #ifndef WEIGHTD_SERVER_SERVICE_H_
 #define WEIGHTD_SERVER_SERVICE_H_
 
+#include <functional>
 #include <string>
 
 #include "server/registry.h"
@@ -25,6 +26,10 @@ class WeightdService final
   // `registry` must outlive the service.
   // `mlock`: lock the sealed segments of a writer's commit (--mlock).
   WeightdService(ModelRegistry* registry, std::string fd_socket_path, bool mlock = true);
+  // Enables UpgradeDaemon on this service (the Unix socket's): `upgrade`
+  // checks that the daemon can upgrade and starts it, returning the binary
+  // it will execute. Unset, UpgradeDaemon answers PERMISSION_DENIED.
+  void EnableUpgrade(std::function<absl::StatusOr<std::string>()> upgrade) { upgrade_ = std::move(upgrade); }
 
   grpc::Status LoadModel(grpc::ServerContext* context, const v1::LoadModelRequest* request,
                          grpc::ServerWriter<v1::LoadModelProgress>* writer) override;
@@ -48,6 +53,8 @@ class WeightdService final
                            v1::AbortUpdateResponse* response) override;
   grpc::ServerWriteReactor<v1::ModelEvent>* WatchModel(grpc::CallbackServerContext* context,
                                                        const v1::WatchModelRequest* request) override;
+  grpc::Status UpgradeDaemon(grpc::ServerContext* context, const v1::UpgradeDaemonRequest* request,
+                             v1::UpgradeDaemonResponse* response) override;
 
  private:
   grpc::Status AttachEncoded(const grpc::ByteBuffer& request, grpc::ByteBuffer* response);
@@ -62,7 +69,11 @@ class WeightdService final
   ModelRegistry* registry_;
   std::string fd_socket_path_;
   bool mlock_;
+  std::function<absl::StatusOr<std::string>()> upgrade_;
 };
+
+// Random hex, drawn once per process image (ListModelsResponse.daemon_instance).
+const std::string& DaemonInstanceId();
 
 // The Weightd service as a read-only TCP listener serves it (see
 // tcp_listener.h): ListModels, GetManifest and WatchModel of `full`; every method that
@@ -90,6 +101,7 @@ class ReadOnlyWeightdService final : public v1::Weightd::WithCallbackMethod_Watc
   grpc::Status BeginUpdate(grpc::ServerContext*, const v1::BeginUpdateRequest*, v1::BeginUpdateResponse*) override;
   grpc::Status CommitUpdate(grpc::ServerContext*, const v1::CommitUpdateRequest*, v1::CommitUpdateResponse*) override;
   grpc::Status AbortUpdate(grpc::ServerContext*, const v1::AbortUpdateRequest*, v1::AbortUpdateResponse*) override;
+  grpc::Status UpgradeDaemon(grpc::ServerContext*, const v1::UpgradeDaemonRequest*, v1::UpgradeDaemonResponse*) override;
 
  private:
   WeightdService* full_;

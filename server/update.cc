@@ -29,7 +29,7 @@ bool IsHashHex(const std::string& s) {
 // Copies base segment `base` into a new, writable memfd whose size is sealed.
 absl::StatusOr<std::shared_ptr<HostSegment>> CopySegment(const std::string& name, const HostSegment& base) {
   WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<HostSegment> copy,
-                           HostSegment::Create(name, base.size(), HugePages::kNever));
+                           HostSegment::Create(name, base.size()));
   constexpr uint64_t kSlice = 16ull << 20;
   for (uint64_t at = 0; at < base.size(); at += kSlice) {
     WEIGHTD_RETURN_IF_ERROR(copy->Write(at, base.data() + at, std::min(kSlice, base.size() - at)));
@@ -204,7 +204,7 @@ absl::StatusOr<std::unique_ptr<StagedUpdate>> StageUpdate(std::shared_ptr<ModelG
   }
   if (!device_named.empty()) {
     absl::StatusOr<std::unique_ptr<HostSegment>> memory =
-        HostSegment::Create(absl::StrCat(model, ":update-device"), device_bytes, HugePages::kNever);
+        HostSegment::Create(absl::StrCat(model, ":update-device"), device_bytes);
     if (!memory.ok()) return Annotate(memory.status(), "staging device tensors in host memory");
     for (size_t k = 0; k < device_named.size(); ++k) {
       absl::Status gathered = GatherDeviceTensor(*base, device_named[k], (*memory)->writable() + device_offset[k]);
@@ -413,6 +413,7 @@ absl::StatusOr<CommitOutcome> SealAndVerify(StagedUpdate& update, const CommitOp
   for (const auto& segment : gen->host_segments) {
     gen->host_bytes += segment->size();
     gen->locked_bytes += segment->locked() ? segment->size() : 0;
+    gen->huge_page_bytes += segment->huge_bytes();
   }
   gen->fingerprint = FingerprintOf(gen->ranks[0].tensors);
   return CommitOutcome{std::move(gen), changed};

@@ -17,16 +17,20 @@ namespace weightd::cli {
 int RunAttach(const Args& args, Context& ctx) {
   absl::StatusOr<std::unique_ptr<Client>> client = ConnectTo(ctx);
   if (!client.ok()) return ReportError(client.status(), ctx.err);
-  absl::StatusOr<MappedModel> model = (*client)->Attach(args.positional[0], static_cast<uint32_t>(args.Int("--rank")));
+  AttachOptions options;
+  options.prefault = args.Flag("--prefault");
+  absl::StatusOr<MappedModel> model =
+      (*client)->Attach(args.positional[0], static_cast<uint32_t>(args.Int("--rank")), options);
   if (!model.ok()) return ReportError(model.status(), ctx.err);
   uint64_t bytes = 0;
   for (const TensorView& v : model->tensors()) bytes += v.nbytes;
   const Manifest& m = model->manifest();
   bool as_json = args.Flag("--json");
   if (!as_json) {
-    ctx.out << absl::StrFormat("attached '%s' rank %d generation %d: %d tensors, %s in %.3f ms (fingerprint %s)\n",
+    ctx.out << absl::StrFormat("attached '%s' rank %d generation %d: %d tensors, %s in %.3f ms%s (fingerprint %s)\n",
                                m.model, m.rank, m.generation, model->tensors().size(), HumanBytes(bytes),
-                               model->attach_seconds() * 1e3, m.fingerprint);
+                               model->attach_seconds() * 1e3, options.prefault ? ", prefaulted" : "",
+                               m.fingerprint);
   }
   bool verified = false;
   if (std::optional<std::string> dir = args.Text("--verify")) {
@@ -42,6 +46,7 @@ int RunAttach(const Args& args, Context& ctx) {
                               {"tensors", model->tensors().size()},
                               {"bytes", bytes},
                               {"attach_seconds", model->attach_seconds()},
+                              {"prefaulted", options.prefault},
                               {"fingerprint", m.fingerprint},
                               {"version_label", m.version_label},
                               {"verified", verified}}

@@ -50,6 +50,7 @@ int RunList(const Args& args, Context& ctx);
 int RunManifest(const Args& args, Context& ctx);
 int RunAttach(const Args& args, Context& ctx);
 int RunUnload(const Args& args, Context& ctx);
+int RunUpgrade(const Args& args, Context& ctx);
 int RunHealth(const Args& args, Context& ctx);
 int RunWatch(const Args& args, Context& ctx);
 

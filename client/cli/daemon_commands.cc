@@ -30,6 +30,7 @@ json SummaryJson(const ModelSummary& m) {
           {"state", m.state},
           {"host_bytes", m.host_bytes},
           {"locked_bytes", m.locked_bytes},
+          {"huge_page_bytes", m.huge_page_bytes},
           {"device_bytes", m.device_bytes},
           {"leases", m.leases},
           {"fingerprint", m.fingerprint},
@@ -149,16 +150,17 @@ int RunList(const Args& args, Context& ctx) {
     ctx.out << json{{"models", list}}.dump(2) << "\n";
     return kExitOk;
   }
-  ctx.out << absl::StrFormat("%-24s %5s %-9s %12s %12s %6s  %-16s %-24s %s\n", "NAME", "GEN", "STATE", "HOST",
-                             "DEVICE", "LEASES", "LABEL", "SOURCE", "FINGERPRINT");
+  ctx.out << absl::StrFormat("%-24s %5s %-9s %12s %12s %12s %6s  %-16s %-24s %s\n", "NAME", "GEN", "STATE", "HOST",
+                             "HUGE PAGES", "DEVICE", "LEASES", "LABEL", "SOURCE", "FINGERPRINT");
   for (const ModelSummary& m : *models) {
     std::string last = m.fingerprint;  // a LOADING or FAILED entry has none: its progress or error instead
     if (m.state == "LOADING") last = absl::StrCat(HumanBytes(m.bytes_done), " of ", HumanBytes(m.bytes_total), " read");
     if (m.state == "FAILED") last = m.error;
     std::string label = m.version_label.empty() ? "-" : absl::CEscape(m.version_label);
     std::string source = m.source.empty() ? "-" : absl::CEscape(m.source);
-    ctx.out << absl::StrFormat("%-24s %5d %-9s %12s %12s %6d  %-16s %-24s %s\n", m.name, m.generation, m.state,
-                               HumanBytes(m.host_bytes), HumanBytes(DeviceTotal(m)), m.leases, label, source, last);
+    ctx.out << absl::StrFormat("%-24s %5d %-9s %12s %12s %12s %6d  %-16s %-24s %s\n", m.name, m.generation, m.state,
+                               HumanBytes(m.host_bytes), HumanBytes(m.huge_page_bytes), HumanBytes(DeviceTotal(m)),
+                               m.leases, label, source, last);
   }
   return kExitOk;
 }

@@ -4,8 +4,6 @@
 
 #include <algorithm>
 
-#include "absl/strings/str_format.h"
-
 namespace weightd {
 
 uint64_t CombineBlockHashes(const std::vector<uint64_t>& blocks) {
@@ -25,7 +23,5 @@ uint64_t TensorContentHash(const char* data, uint64_t n) {
   }
   return CombineBlockHashes(blocks);
 }
-
-std::string ContentHashHex(uint64_t hash) { return absl::StrFormat("%016x", hash); }
 
 }  // namespace weightd

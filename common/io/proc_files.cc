@@ -52,4 +52,26 @@ std::optional<uint64_t> MeminfoValue(absl::string_view key, const std::string& p
   return it->second;
 }
 
+std::map<uint64_t, uint64_t> ParseSmapsField(absl::string_view text, absl::string_view field) {
+  std::map<uint64_t, uint64_t> out;
+  std::optional<uint64_t> start;  // of the mapping whose lines follow
+  for (absl::string_view line : absl::StrSplit(text, '\n', absl::SkipEmpty())) {
+    size_t dash = line.find('-');
+    size_t space = line.find(' ');
+    uint64_t address = 0;
+    // A mapping's first line: "7f12a0000000-7f12a4000000 rw-s 00000000 00:01 2 /memfd:..."
+    if (dash != absl::string_view::npos && space != absl::string_view::npos && dash < space &&
+        absl::SimpleHexAtoi(line.substr(0, dash), &address)) {
+      start = address;
+      continue;
+    }
+    absl::string_view rest = line;
+    if (!start || !absl::ConsumePrefix(&rest, field) || !absl::ConsumePrefix(&rest, ":")) continue;
+    std::vector<absl::string_view> words = absl::StrSplit(rest, ' ', absl::SkipEmpty());
+    uint64_t kib = 0;
+    if (words.size() == 2 && words[1] == "kB" && absl::SimpleAtoi(words[0], &kib)) out[*start] = kib * 1024;
+  }
+  return out;
+}
+
 }  // namespace weightd

@@ -29,6 +29,11 @@ std::map<std::string, uint64_t> ParseMeminfo(absl::string_view text);
 // be read or has no such key.
 std::optional<uint64_t> MeminfoValue(absl::string_view key, const std::string& path = "/proc/meminfo");
 
+// /proc/PID/smaps: for each mapping, its start address -> the value of
+// `field` ("ShmemPmdMapped", "Rss", ...) in bytes (the file gives kB).
+// Mappings without the field are left out. Source: proc(5), /proc/PID/smaps.
+std::map<uint64_t, uint64_t> ParseSmapsField(absl::string_view text, absl::string_view field);
+
 }  // namespace weightd
 
 #endif  // WEIGHTD_COMMON_IO_PROC_FILES_H_

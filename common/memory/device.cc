@@ -7,6 +7,11 @@
 
 namespace weightd {
 
+absl::StatusOr<std::unique_ptr<DeviceArena>> DeviceBackend::Adopt(const DeviceInfo& device, ScopedFd, uint64_t) {
+  return absl::UnimplementedError(
+      absl::StrCat("the ", name(), " device backend cannot adopt an arena of an earlier process (", device.uuid, ")"));
+}
+
 std::string DeviceList(const std::vector<DeviceInfo>& devices, bool with_names) {
   return absl::StrJoin(devices, ", ", [&](std::string* out, const DeviceInfo& d) {
     absl::StrAppend(out, d.ordinal, "=", d.uuid, with_names ? absl::StrCat(" (", d.name, ")") : "");

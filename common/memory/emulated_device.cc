@@ -109,6 +109,11 @@ class EmulatedBackend final : public DeviceBackend {
     return std::make_unique<EmulatedArena>(device, std::move(memory));
   }
 
+  absl::StatusOr<std::unique_ptr<DeviceArena>> Adopt(const DeviceInfo& device, ScopedFd fd, uint64_t size) override {
+    WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<HostSegment> memory, HostSegment::Adopt(std::move(fd), size, false));
+    return std::make_unique<EmulatedArena>(device, std::move(memory));
+  }
+
   absl::StatusOr<std::unique_ptr<PinnedBuffer>> AllocatePinned(uint64_t size) override {
     void* p = nullptr;
     if (posix_memalign(&p, 4096, std::max<uint64_t>(size, 1)) != 0) {

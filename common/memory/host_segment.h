@@ -8,24 +8,24 @@
 // F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL, maps the memory read-only, and
 // mlock()s it when asked and RLIMIT_MEMLOCK allows.
 //
-// Locking while filling: Lock(offset, n) mlock()s the pages of a range
-// already written, through a read-only mapping of a second, O_RDONLY
-// descriptor of the memfd (a read-only mapping of the writable descriptor
-// would block F_SEAL_WRITE). Locking each block right after it is written,
-// while its pages are in cache, costs almost nothing; locking 2.4 GiB at
-// Seal() took ~0.4 s here (docs/performance.md). Seal() then locks only
-// what is not locked yet, and keeps that mapping as the sealed one.
+// Pages (common/memory/huge_pages.h): a segment gets the PageChoice it is
+// created with. kSmall segments are filled with Write() (pwrite(2)), so the
+// kernel allocates each page inside the write instead of through a page
+// fault on the mapping (measured ~1.5x faster on small VMs,
+// docs/performance.md). kHugetlb segments (MFD_HUGETLB: hugetlbfs has no
+// write(2)) and kShmemThp segments (THP is decided when a page is allocated
+// through a mapping; pwrite would allocate 4 KiB pages) are filled through
+// writable(): Populate() a range (MADV_POPULATE_WRITE, one call allocates,
+// zeroes and maps its pages), then read or copy into it.
 //
-// Filling: Write() copies with pwrite(2) into the memfd, so the kernel
-// allocates each page inside the write instead of through a page fault on
-// the mapping (measured ~1.5x faster on small VMs, docs/performance.md).
-// A segment of MFD_HUGETLB pages (hugetlbfs has no write(2)) is filled by
-// memcpy into writable(); reading straight into writable() is the faster
-// path there.
+// Locking off the load's critical path: Seal(false), then Pin() from any
+// thread once the segment is published; locked() turns true when it took.
 //
-// Thread-safety: writable() and Write() may be used by many threads at
-// disjoint offsets; Create/Seal/destruction are not concurrent with anything
-// else.
+// Thread-safety: writable(), Populate() and Write() may be used by many
+// threads at disjoint offsets (one writer per memfd avoids the inode lock
+// pwrite takes, docs/performance.md); Pin(), locked(), lock_errno() and the
+// const accessors by any thread after Seal(); Create/Seal/destruction are
+// not concurrent with anything else.
 #ifndef WEIGHTD_COMMON_MEMORY_HOST_SEGMENT_H_
 #define WEIGHTD_COMMON_MEMORY_HOST_SEGMENT_H_
 
@@ -35,38 +35,55 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "common/base/scoped_fd.h"
+#include "common/memory/huge_pages.h"
 
 namespace weightd {
 
-// kWhenPoolAllows: a segment of at least kHugeSegmentMinBytes uses
-// MFD_HUGETLB (2 MiB pages, size rounded up to a whole page) when
-// /proc/meminfo shows enough free huge pages (an operator sets
-// vm.nr_hugepages); any refusal falls back to ordinary pages.
-enum class HugePages { kNever, kWhenPoolAllows };
-inline constexpr uint64_t kHugeSegmentMinBytes = 64ull << 20;
+// A segment smaller than this never takes hugetlb pages (it would round
+// up to a whole 2 MiB page): it gets the choice's fallback.
+inline constexpr uint64_t kHugeSegmentMinBytes = 2ull << 20;
 
 class HostSegment {
  public:
   // A memfd of `size` bytes named "weightd:<name>" (visible in /proc/PID/fd),
-  // mapped read-write. Errors: RESOURCE_EXHAUSTED when memory or fds are short.
+  // mapped read-write, of the pages `pages` asks for: kHugetlb when the
+  // pool grants them (size rounded up to 2 MiB), else pages.fallback;
+  // kShmemThp with madvise(MADV_HUGEPAGE) when pages.advise. page_kind()
+  // says what it got. Errors: RESOURCE_EXHAUSTED when memory or fds are short.
   static absl::StatusOr<std::unique_ptr<HostSegment>> Create(const std::string& name, uint64_t size,
-                                                             HugePages huge = HugePages::kNever);
+                                                             const PageChoice& pages = {});
+  // Takes over `fd`, a memfd sealed by an earlier process (a restarted
+  // daemon's fd store, server/fd_store.h): it must carry F_SEAL_SHRINK |
+  // F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL, be exactly `size` bytes, and be
+  // of 2 MiB pages exactly when `huge` (st_blksize). Maps it read-only and
+  // lazily; locks nothing. The result is sealed(). Errors:
+  // FAILED_PRECONDITION naming the check that failed; the fd is closed.
+  static absl::StatusOr<std::unique_ptr<HostSegment>> Adopt(ScopedFd fd, uint64_t size, bool huge);
   ~HostSegment();
   HostSegment(const HostSegment&) = delete;
   HostSegment& operator=(const HostSegment&) = delete;
 
   // Before Seal(): the writable mapping (nullptr when size() == 0).
   char* writable() { return sealed_ ? nullptr : base_; }
-  // Before Seal(): mlock()s the pages holding bytes [offset, offset + n)
-  // (written already); a refusal is kept in lock_errno() and later calls do
-  // nothing. Seal(true) skips the final mlock when every page is locked.
-  void Lock(uint64_t offset, uint64_t n);
-  // Before Seal(): copies `n` bytes from `src` to byte `offset`.
+  // Before Seal(): allocates the pages holding bytes [offset, offset + n)
+  // through the writable mapping (madvise(MADV_POPULATE_WRITE), Linux
+  // 5.14+), whole 2 MiB pages for huge kinds. UNIMPLEMENTED when the kernel
+  // lacks it (EINVAL): the caller just writes, and pages fault in.
+  // RESOURCE_EXHAUSTED on ENOMEM (or a hugetlb pool run dry: EFAULT).
+  // Returns the bytes of the whole pages it covered.
+  absl::StatusOr<uint64_t> Populate(uint64_t offset, uint64_t n);
+  // Before Seal(): asks that pages not allocated yet be 4 KiB
+  // (madvise(MADV_NOHUGEPAGE)), after a compaction stall. Best effort.
+  void AvoidHugePages();
+  // Before Seal(): copies `n` bytes from `src` to byte `offset` (pwrite(2);
+  // memcpy into writable() for kHugetlb).
   // OUT_OF_RANGE past size(); a failed pwrite keeps errno (ENOSPC, ENOMEM
   // are RESOURCE_EXHAUSTED).
   absl::Status Write(uint64_t offset, const char* src, uint64_t n);
-  // Seals and remaps read-only; then, if `lock`, tries mlock(). A refused
-  // mlock is not an error: locked() says whether it took. While another
+  // Seals and remaps read-only; then, if `lock`, Pin(). A refused mlock is
+  // not an error: locked() says whether it took. While another
   // process maps the memfd writable the kernel refuses F_SEAL_WRITE (EBUSY,
   // FAILED_PRECONDITION here); the segment then stays unsealed, without its
   // writable mapping, and Seal() may be called again.
@@ -82,31 +99,39 @@ class HostSegment {
   // an update that ends without a commit. Best effort; no-op once sealed.
   void Discard();
 
+  // After Seal(): mlock()s the whole segment unless done already; returns
+  // locked(). A refusal (RLIMIT_MEMLOCK, EPERM, ENOMEM) is kept in
+  // lock_errno() and not retried. Thread-safe; concurrent calls lock once.
+  bool Pin() const;
+
   const char* data() const { return base_; }
-  uint64_t size() const { return size_; }  // with huge pages: rounded up to 2 MiB
-  bool huge_pages() const { return huge_; }
+  uint64_t size() const { return size_; }  // kHugetlb: rounded up to 2 MiB
+  PageKind page_kind() const { return kind_; }
+  // An MFD_HUGETLB memfd (st_blksize 2 MiB): what the fd store records.
+  bool huge_pages() const { return kind_ == PageKind::kHugetlb; }
+  // Bytes on 2 MiB pages: size() for kHugetlb; for kShmemThp what the
+  // filler measured (set_huge_bytes), 0 until then.
+  uint64_t huge_bytes() const { return kind_ == PageKind::kHugetlb ? size_ : huge_bytes_; }
+  void set_huge_bytes(uint64_t bytes) { huge_bytes_ = bytes; }
   int fd() const { return fd_; }
   bool sealed() const { return sealed_; }
-  bool locked() const { return locked_; }
+  bool locked() const { return locked_.load(); }
   // errno of a refused mlock (0 when locked or not attempted).
-  int lock_errno() const { return lock_errno_; }
+  int lock_errno() const { return lock_errno_.load(); }
 
  private:
-  HostSegment(int fd, char* base, uint64_t size, bool huge);
+  HostSegment(int fd, char* base, uint64_t size, PageKind kind);
 
   int fd_;
   char* base_;               // writable until sealed, then read-only
-  char* read_only_ = nullptr;  // the O_RDONLY mapping Lock() uses; null without /proc
+  char* read_only_ = nullptr;  // mapping of an O_RDONLY descriptor, kept as the sealed one; null without /proc
   uint64_t size_;
-  bool huge_;
-  uint64_t page_bytes_ = 0;  // 4 KiB, or 2 MiB with huge pages
-  uint64_t pages_ = 0;
-  std::unique_ptr<std::atomic<uint64_t>[]> lock_bits_;  // one bit per page locked
-  std::atomic<uint64_t> pages_locked_{0};
-  std::atomic<int> fill_lock_errno_{0};
+  PageKind kind_;
+  uint64_t huge_bytes_ = 0;
   bool sealed_ = false;
-  bool locked_ = false;
-  int lock_errno_ = 0;
+  mutable absl::Mutex pin_mu_;  // one mlock at a time
+  mutable std::atomic<bool> locked_{false};
+  mutable std::atomic<int> lock_errno_{0};
 };
 
 // Client side: maps `size` bytes (> 0) of a received segment fd lazily
@@ -118,7 +143,19 @@ class HostSegment {
 // 2 MiB from the huge page pool for an MFD_HUGETLB segment) into this process,
 // and the segment itself never changes. The caller owns the mapping
 // (munmap). Errors keep errno (ENOMEM: RESOURCE_EXHAUSTED).
-absl::StatusOr<char*> MapSegmentFd(int fd, uint64_t size, bool copy_on_write);
+// With `prefault`, also PrefaultMapping() before returning (unmapping again
+// if that fails).
+absl::StatusOr<char*> MapSegmentFd(int fd, uint64_t size, bool copy_on_write, bool prefault = false);
+
+// Maps every page of [addr, addr + size) of a mapping made by MapSegmentFd
+// into this process's page tables now, reading, never writing: a
+// copy-on-write mapping keeps sharing the segment's pages (MAP_POPULATE would
+// copy them all, see mmap(2)). Uses madvise(MADV_POPULATE_READ) (Linux 5.14,
+// madvise(2)); on older kernels (EINVAL) reads one byte of every page
+// instead. Costs about what the page faults it saves cost, once; afterwards
+// the first use of each page takes no fault. Errors keep errno (ENOMEM:
+// RESOURCE_EXHAUSTED; EFAULT where the memory cannot be backed).
+absl::Status PrefaultMapping(const char* addr, uint64_t size);
 
 }  // namespace weightd
 

@@ -10,16 +10,18 @@ int main(int argc, char** argv) {
   static const std::map<std::string, int (*)(const Flags&)> kCommands = {
       {"load", LoadCommand},           {"read-malloc", ReadMallocCommand},
       {"memfd-fill", MemfdFillCommand},
+      {"fill-files", FillFilesCommand},
       {"attach", AttachCommand},       {"self-map", SelfMapCommand},
       {"concurrent", ConcurrentCommand}, {"hold", HoldCommand},
       {"restart", RestartCommand},     {"make-checkpoint", MakeCheckpointCommand},
       {"catalog", CatalogCommand},
       {"publish", PublishCommand},     {"shm-copy", ShmCopyCommand},
       {"reload", ReloadCommand},       {"publish-watch", PublishWatchCommand},
+      {"touch", TouchCommand},
   };
   auto it = argc > 1 ? kCommands.find(argv[1]) : kCommands.end();
   if (it == kCommands.end()) {
-    return Fail("usage: weightd_bench load|read-malloc|memfd-fill|attach|self-map|concurrent|hold|restart|make-checkpoint|catalog|publish|shm-copy|reload|publish-watch ...");
+    return Fail("usage: weightd_bench load|read-malloc|memfd-fill|fill-files|attach|self-map|concurrent|hold|restart|make-checkpoint|catalog|publish|shm-copy|reload|publish-watch|touch ...");
   }
   return it->second(Flags(argc - 1, argv + 1));
 }

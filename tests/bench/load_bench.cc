@@ -38,7 +38,8 @@ int LoadCommand(const Flags& flags) {
     for (const auto& [phase, at] : phase_start) phases[phase] = at;
     runs.push_back({{"seconds", seconds}, {"bytes", bytes}, {"gbps", bytes / seconds / 1e9},
                     {"server_seconds", result->model.load_seconds}, {"phase_start", phases},
-                    {"host_bytes", result->model.host_bytes}, {"bytes_read", result->bytes_read}});
+                    {"host_bytes", result->model.host_bytes}, {"bytes_read", result->bytes_read},
+                    {"huge_page_bytes", result->model.huge_page_bytes}});
     if (flags.Get("keep") != "true") {
       absl::StatusOr<std::pair<ModelSummary, bool>> unloaded = (*client)->Unload(name, true);
       if (!unloaded.ok()) return Fail(unloaded.status().ToString());

@@ -7,9 +7,14 @@
 # demo checkpoint and the peers' venv exist; --full repeats each measurement
 # more. --hugepages (root) also loads into a huge page pool it reserves and
 # then releases. --only runs some sections: catalog, load, attach (memory,
-# restart, attach, concurrency), writer (a writer's publish, partial
-# updates, publish-to-reattach, partial reload), peers, peer-seed (a second
-# daemon seeded over UCX on loopback TCP vs a TCP stream and cold storage). Builds into
+# restart, attach, concurrency, and attach-scale), attach-scale (packed
+# manifest vs TensorEntry messages, Python vs C++, 64 concurrent, prefault
+# vs lazy page touching, on a hugetlb pool too when root), fill (issue 14:
+# 4 KiB, THP and hugetlb loads vs cat and vs a bare fill; peak memory),
+# writer (a writer's publish, partial updates, publish-to-reattach, partial
+# reload), daemon-restart (SIGKILL and restart through the fd store vs a
+# full load), peers, peer-seed (a second daemon
+# seeded over UCX on loopback TCP vs a TCP stream and cold storage). Builds into
 # $WEIGHTD_BENCH_BUILD (default build-bench/), writes checkpoints under it,
 # and installs the peers (safetensors, runai-model-streamer, fastsafetensors,
 # with torch) into a venv there from PyPI on the first run; WEIGHTD_BENCH_NO_PEERS=1 skips that. Raw numbers:
@@ -25,7 +30,7 @@ while [ $# -gt 0 ]; do
     --full|--hugepages) args+=("$1") ;;
     --only) only=${2:-}; [ -n "$only" ] || { echo "$0: --only needs a list" >&2; exit 2; }
             args+=(--only "$only"); shift ;;
-    *) echo "usage: $0 [--quick|--full] [--hugepages] [--only catalog,load,attach,writer,peers,peer-seed]" >&2; exit 2 ;;
+    *) echo "usage: $0 [--quick|--full] [--hugepages] [--only catalog,load,fill,attach,attach-scale,writer,daemon-restart,peers,peer-seed]" >&2; exit 2 ;;
   esac
   shift
 done
@@ -37,7 +42,10 @@ if [ ! -f "$build/build.ninja" ]; then
   cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release >&2
 fi
 say "building"
-ninja -C "$build" weightd weightctl weightd_bench >&2
+targets=(weightd weightctl weightd_bench)
+# The Python client's attach rows need its package (skipped, with the reason, without pybind11).
+if ninja -C "$build" -t targets all 2>/dev/null | grep -q '^weightd_python:'; then targets+=(weightd_python); fi
+ninja -C "$build" "${targets[@]}" >&2
 
 # The peers: one venv under the build dir; a peer that does not install or
 # import gets its reason printed in its row.

@@ -14,6 +14,7 @@ int AttachCommand(const Flags& flags);
 int SelfMapCommand(const Flags& flags);
 int ConcurrentCommand(const Flags& flags);
 int HoldCommand(const Flags& flags);
+int TouchCommand(const Flags& flags);
 int RestartCommand(const Flags& flags);
 int MakeCheckpointCommand(const Flags& flags);
 int CatalogCommand(const Flags& flags);
@@ -21,6 +22,7 @@ int PublishCommand(const Flags& flags);
 int ShmCopyCommand(const Flags& flags);
 int ReloadCommand(const Flags& flags);
 int PublishWatchCommand(const Flags& flags);
+int FillFilesCommand(const Flags& flags);
 
 }  // namespace weightd::bench
 

@@ -137,7 +137,7 @@ TEST(Weightctl, UsageLinesFollowTheDesignContract) {
                            "[--devices LIST] [--peer HOST:PORT ...] [--json]");
   EXPECT_EQ(usage["ls"], "ls [--json]");
   EXPECT_EQ(usage["manifest"], "manifest NAME [--rank R] [--json]");
-  EXPECT_EQ(usage["attach"], "attach NAME [--rank R] [--verify CHECKPOINT_DIR] [--hold SECONDS] [--json]");
+  EXPECT_EQ(usage["attach"], "attach NAME [--rank R] [--verify CHECKPOINT_DIR] [--hold SECONDS] [--prefault] [--json]");
   EXPECT_EQ(usage["unload"], "unload NAME [--force]");
   EXPECT_EQ(usage["health"], "health [MODEL] [--json]");
   EXPECT_EQ(usage["inspect"], "inspect PATH [--json]");

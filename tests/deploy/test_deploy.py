@@ -266,6 +266,19 @@ def check_weightd_container(label, obj, container_field_expected):
         expect("nvidia.com/gpu" not in (res.get("limits") or {}),
                "weightd must not request GPUs (it would take them from the inference ranks)")
 
+    @check("%s: weightd requests 2 MiB huge pages (hugepages-2Mi), request equal to limit" % label)
+    def _():
+        res = c.get("resources") or {}
+        req = (res.get("requests") or {}).get("hugepages-2Mi")
+        lim = (res.get("limits") or {}).get("hugepages-2Mi")
+        expect(req is not None and lim is not None,
+               "hugepages-2Mi requests and limits must both be set (the host tables' hugetlb pool; "
+               "docs/operations.md \"Huge pages\")")
+        expect(quantity_bytes(req) == quantity_bytes(lim),
+               "hugepages-2Mi request %s != limit %s (Kubernetes requires them equal)" % (req, lim))
+        expect(quantity_bytes(lim) % 2**21 == 0, "hugepages-2Mi %s is not a whole number of 2 MiB pages" % lim)
+        expect(quantity_bytes(lim) >= 2**30, "hugepages-2Mi %s is too small for host-resident tables" % lim)
+
     @check("%s: socket directory at %s and read-only models at %s" % (label, RUN_DIR, MODELS_MOUNT))
     def _():
         mounts = mounts_by_path(c)
@@ -499,6 +512,15 @@ def _():
     wd = seconds(s.get("WatchdogSec", ""))
     expect(0 < wd <= 120, "WatchdogSec=%s should be between 1 s and 2 min" % wd)
     expect(read_unit()["Install"].get("WantedBy") == "multi-user.target", "WantedBy=multi-user.target missing")
+
+
+@check("systemd: the fd store keeps models across restarts and reload is an in-place upgrade")
+def _():
+    s = read_unit()["Service"]
+    store_max = int(s.get("FileDescriptorStoreMax", "0") or 0)
+    expect(1024 <= store_max <= int(s.get("LimitNOFILE", "0") or 0),
+           "FileDescriptorStoreMax=%r: needs >= 1024 and <= LimitNOFILE=%r" % (store_max, s.get("LimitNOFILE")))
+    expect(s.get("ExecReload") == "/bin/kill -HUP $MAINPID", "ExecReload=%r, expected SIGHUP" % s.get("ExecReload"))
 
 
 @check("systemd: ExecStart runs %s --config /etc/weightd/config.json" % BINARY)

@@ -277,7 +277,8 @@ TEST(DaemonConfig, ConfigToJsonRoundTripsThroughConfigFile) {
                        "--grpc-tls-cert", "/t/s.pem", "--grpc-tls-key", "/t/s.key", "--grpc-tls-client-ca", "/t/ca.pem",
                        "--grpc-tcp-admin", "true", "--model-root", "/a", "--model-root", "/b", "--metrics-address", "", "--health-address", ":8081",
                        "--device-backend", "emulated", "--preload", "x=/a/x", "--preload", "y=/b/y", "--allowed-gid", "5",
-                       "--lease-claim-timeout-seconds", "0.25", "--load-threads", "6", "--direct-io", "on", "--mlock", "false"}));
+                       "--lease-claim-timeout-seconds", "0.25", "--load-threads", "6", "--direct-io", "on", "--mlock", "false",
+                       "--huge-pages", "false"}));
   TempDir dir;
   const nlohmann::json json = ConfigToJson(original.config);
   WriteFile(dir.Join("round.json"), json.dump(2));
@@ -288,7 +289,8 @@ TEST(DaemonConfig, ConfigToJsonRoundTripsThroughConfigFile) {
   EXPECT_EQ(reread.config.direct_io, "on");
   EXPECT_TRUE(reread.config.grpc_tcp_admin);
   EXPECT_EQ(reread.config.grpc_tls_client_ca, "/t/ca.pem");
-  EXPECT_EQ(json.size(), 30u);  // every DaemonConfig field, so a new one cannot be forgotten silently
+  EXPECT_FALSE(reread.config.huge_pages);
+  EXPECT_EQ(json.size(), 31u);  // every DaemonConfig field, so a new one cannot be forgotten silently
 }
 
 }  // namespace

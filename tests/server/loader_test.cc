@@ -7,8 +7,10 @@
 #include <xxhash.h>
 
 #include <fstream>
+#include <limits>
 #include <sstream>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "gtest/gtest.h"
 #include "tests/testing/checkpoint_builder.h"
@@ -55,10 +57,20 @@ LoadRequest Request() {
   return request;
 }
 
+// 4 KiB pages whatever this machine allows, so sizes are exact; the
+// huge-page branches have tests of their own (ForcedPages below).
 LoaderOptions Options(int threads) {
   LoaderOptions options;
   options.threads = threads;
   options.mlock = false;
+  options.huge_page_probe = [] { return HugePageSystem{}; };
+  return options;
+}
+
+// Options whose page choice sees `system` instead of this machine's.
+LoaderOptions ForcedPages(HugePageSystem system) {
+  LoaderOptions options = Options(2);
+  options.huge_page_probe = [system] { return system; };
   return options;
 }
 
@@ -266,6 +278,101 @@ TEST_F(LoaderTest, SlowProgressCallbackStillSeesCompleteRead) {
                                               .Build());
   WEIGHTD_ASSERT_OK_AND_ASSIGN(Catalog catalog, BuildCatalog(dir_.Join("two.safetensors")));
   ExpectOrderedAndComplete(LoadWithProgress(catalog, 2, 300), catalog);
+}
+
+// Every page choice, forced through the probe whatever this machine
+// allows, fills the same bytes with the same hashes as 4 KiB pages, and
+// says so: THP segments through their mapping, a hugetlb request on the
+// pool when it has room and else on the fall-back.
+TEST_F(LoaderTest, EveryForcedPageChoiceFillsTheSameBytes) {
+  const std::string path = WriteManyTensors();
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(Catalog catalog, BuildCatalog(path));
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto small, LoadGeneration(catalog, Request(), ForcedPages({0, "never"}), nullptr));
+  ASSERT_EQ(small->host_segments.size(), 1u);
+  EXPECT_EQ(small->host_segments[0]->page_kind(), PageKind::kSmall);
+  EXPECT_EQ(small->huge_page_bytes, 0u);
+  EXPECT_EQ(small->host_pages,
+            "load of 'loader-test': host pages 4 KiB (hugetlb pool has 0 MiB free of the 34 MiB needed; "
+            "shmem_enabled is never (allow huge pages: sysctl vm.nr_hugepages, or shmem_enabled advise)): "
+            "0 of 32 MiB on 2 MiB pages");
+  const std::string want(small->host_segments[0]->data(), small->host_segments[0]->size());
+  const HugePageSystem machine = ReadHugePageSystem();
+  const bool machine_thp = machine.shmem_thp != "never" && machine.shmem_thp != "deny" && !machine.shmem_thp.empty();
+  const bool pool_has_room = machine.hugetlb_free_bytes >= 32ull << 20;
+  struct Case {
+    HugePageSystem system;
+    PageKind kind;
+  };
+  for (const Case& c : {Case{{0, "advise"}, PageKind::kShmemThp}, Case{{0, "within_size"}, PageKind::kShmemThp},
+                        Case{{1ull << 40, "advise"}, pool_has_room ? PageKind::kHugetlb : PageKind::kShmemThp}}) {
+    SCOPED_TRACE(c.system.shmem_thp + (c.system.hugetlb_free_bytes ? " with a pool" : ""));
+    WEIGHTD_ASSERT_OK_AND_ASSIGN(auto gen, LoadGeneration(catalog, Request(), ForcedPages(c.system), nullptr));
+    ASSERT_EQ(gen->host_segments.size(), 1u);
+    const HostSegment& segment = *gen->host_segments[0];
+    EXPECT_EQ(segment.page_kind(), c.kind);
+    EXPECT_EQ(gen->fingerprint, small->fingerprint);
+    EXPECT_EQ(std::string(segment.data(), want.size()), want);
+    for (size_t i = 0; i < gen->ranks[0].tensors.size(); ++i) {
+      EXPECT_EQ(gen->ranks[0].tensors[i].content_hash, small->ranks[0].tensors[i].content_hash);
+    }
+    if (c.kind == PageKind::kHugetlb) EXPECT_EQ(gen->huge_page_bytes, segment.size());
+    if (c.kind == PageKind::kShmemThp && !machine_thp) EXPECT_EQ(gen->huge_page_bytes, 0u);  // the kernel gave none
+    EXPECT_LE(gen->huge_page_bytes, segment.size());
+    EXPECT_NE(gen->host_pages.find(absl::StrCat("host pages ", PageKindName(c.system.hugetlb_free_bytes
+                                                                               ? PageKind::kHugetlb
+                                                                               : PageKind::kShmemThp))),
+              std::string::npos)
+        << gen->host_pages;
+  }
+}
+
+// A THP fill whose populates run under the floor falls back to 4 KiB pages
+// for the rest of the load, says so, and still fills the same bytes. The
+// floor is forced to infinity: the first populate (of the first tensor,
+// layers.00.weight, 6 bytes) is the stall.
+TEST_F(LoaderTest, CompactionStallFallsBackToSmallPagesForTheRest) {
+  const std::string path = WriteManyTensors();
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(Catalog catalog, BuildCatalog(path));
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto small, LoadGeneration(catalog, Request(), ForcedPages({0, "never"}), nullptr));
+  LoaderOptions options = ForcedPages({0, "advise"});
+  options.huge_fill_budget = {std::numeric_limits<double>::infinity(), 1, 0};
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto gen, LoadGeneration(catalog, Request(), options, nullptr));
+  ASSERT_EQ(gen->host_segments.size(), 1u);
+  const std::string note = gen->host_pages;
+  EXPECT_NE(note.find("host pages 2 MiB shmem THP (hugetlb pool has 0 MiB free of the 34 MiB needed; shmem_enabled is "
+                      "advise)"),
+            std::string::npos)
+      << note;
+  EXPECT_NE(note.find("; fell back to 4 KiB pages after 0 MiB on huge pages: populating 2048 KiB of 2 MiB pages took "),
+            std::string::npos)
+      << note;
+  EXPECT_NE(note.find("under the inf GB/s floor 1 times in a row (compaction stall)"), std::string::npos) << note;
+  EXPECT_EQ(gen->fingerprint, small->fingerprint);
+  EXPECT_EQ(std::string(gen->host_segments[0]->data(), gen->host_segments[0]->size()),
+            std::string(small->host_segments[0]->data(), small->host_segments[0]->size()));
+}
+
+// The default floor does not fire on a fill that keeps up, and no stall is reported.
+TEST_F(LoaderTest, ThpFillWithoutStallSaysNothingOfAFallBack) {
+  const std::string path = WriteManyTensors();
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(Catalog catalog, BuildCatalog(path));
+  LoaderOptions options = ForcedPages({0, "advise"});
+  options.huge_fill_budget = {0, 1, 0};  // a floor of 0 bytes/s: nothing is slow
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto gen, LoadGeneration(catalog, Request(), options, nullptr));
+  EXPECT_EQ(gen->host_pages.find("fell back"), std::string::npos) << gen->host_pages;
+}
+
+// Huge pages turned off (--huge-pages false): 4 KiB whatever the kernel offers.
+TEST_F(LoaderTest, HugePagesTurnedOffGivesSmallPages) {
+  const std::string path = WriteManyTensors();
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(Catalog catalog, BuildCatalog(path));
+  LoaderOptions options = ForcedPages({1ull << 40, "always"});
+  options.huge_pages = false;
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto gen, LoadGeneration(catalog, Request(), options, nullptr));
+  EXPECT_EQ(gen->host_segments[0]->page_kind(), PageKind::kSmall);
+  EXPECT_EQ(gen->huge_page_bytes, 0u);
+  EXPECT_NE(gen->host_pages.find("host pages 4 KiB (huge pages are turned off (--huge-pages false))"), std::string::npos)
+      << gen->host_pages;
 }
 
 }  // namespace

@@ -188,6 +188,22 @@ std::unique_ptr<PrometheusMetrics> Prometheus(ModelsSampler sampler = nullptr) {
   return m.ok() ? std::move(*m) : nullptr;
 }
 
+// Huge-page bytes are the READY generation's, per model; a draining one
+// (the model's previous generation) does not add to them.
+TEST(SampleModels, HugePageBytesOfEachReadyModel) {
+  auto ready = Generation("llama", ModelState::kReady, 0);
+  ready->huge_page_bytes = 6 << 20;
+  auto draining = Generation("llama", ModelState::kDraining, 1);
+  draining->huge_page_bytes = 4 << 20;
+  auto small = Generation("engram", ModelState::kReady, 0);
+  ModelsSample s = SampleModels({ready, draining, small});
+  EXPECT_THAT(s.huge_page_bytes, ElementsAre(Pair("engram", 0), Pair("llama", 6 << 20)));
+  auto metrics = Prometheus([s] { return s; });
+  std::string text = metrics->Exposition();
+  EXPECT_EQ(SampleValue(text, R"(weightd_host_huge_page_bytes{model="llama"})"), 6 << 20);
+  EXPECT_EQ(SampleValue(text, R"(weightd_host_huge_page_bytes{model="engram"})"), 0);
+}
+
 TEST(PrometheusMetrics, ExposesEveryEventWithItsValue) {
   auto metrics = Prometheus([] { return SampleModels({Generation("llama", ModelState::kReady, 2, {{"GPU-a", 64}})}); });
   metrics->LoadFinished(3000, 2.0);

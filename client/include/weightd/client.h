@@ -9,6 +9,10 @@
 //
 // Errors are absl::Status with the daemon's gRPC code and message
 // (UNAVAILABLE when the daemon cannot be reached).
+// Across a daemon restart (or an in-place upgrade), mappings stay valid,
+// leases of the old daemon are gone, and a Client reconnects on its next
+// call once the daemon is back (a call while it is down: UNAVAILABLE).
+//
 // Thread-safety: a Client may be used from many threads at once; a
 // MappedModel is immutable and may be read from any thread.
 #ifndef WEIGHTD_CLIENT_INCLUDE_WEIGHTD_CLIENT_H_
@@ -88,7 +92,8 @@ struct ModelSummary {
   std::string checkpoint_path;
   uint64_t checkpoint_bytes = 0;  // tensor bytes read from the checkpoint
   uint64_t host_bytes = 0;
-  uint64_t locked_bytes = 0;
+  uint64_t locked_bytes = 0;     // of host_bytes, mlock()ed (0 until the daemon has pinned them)
+  uint64_t huge_page_bytes = 0;  // of host_bytes, on 2 MiB pages
   std::map<std::string, uint64_t> device_bytes;  // by GPU UUID
   uint32_t leases = 0;
   std::string fingerprint;
@@ -105,6 +110,13 @@ struct ModelSummary {
   uint64_t bytes_shared = 0;
   std::string version_label;  // a writer's tag of the generation (e.g. "step-1200"); "" for loads from disk
   std::string source;         // where its bytes came from: "storage", "writer", or "peer HOST:PORT"
+};
+
+// What UpgradeDaemon started.
+struct UpgradeInfo {
+  std::string binary;           // the path the daemon re-executes
+  std::string daemon_instance;  // the instance that is stopping
+  uint32_t models = 0;          // READY models it hands over
 };
 
 struct LoadOptions {
@@ -128,6 +140,22 @@ struct AttachOptions {
   // and emulated arenas only: a CUDA arena makes Attach fail with
   // FAILED_PRECONDITION (copy those tensors instead).
   bool copy_on_write = false;
+  // Populate this process's page tables for every host segment during
+  // Attach (madvise MADV_POPULATE_READ, or a read of each page on kernels
+  // before 5.14; common/memory/host_segment.h PrefaultMapping), so the
+  // first pass over the weights takes no page fault. Attach then costs about
+  // what those faults would (measured in docs/performance.md, "Attach");
+  // reading only, so a copy-on-write mapping still shares every page.
+  // Device arenas are not affected. Errors: RESOURCE_EXHAUSTED when the
+  // kernel cannot map the pages.
+  bool prefault = false;
+  // Ask for the packed tensor table (AttachRequest.manifest_encoding
+  // PACKED_TABLE_V1, docs/api.md): one byte string per rank, decoded without
+  // a message per tensor. false asks for one TensorEntry per tensor, as
+  // clients before it did; for comparisons only, the result is the same.
+  // A daemon that predates the table answers with TensorEntry messages
+  // either way.
+  bool packed_manifest = true;
 };
 
 struct LoadProgressInfo {
@@ -154,7 +182,8 @@ class MappedModel {
 
   const Manifest& manifest() const;
   const std::vector<TensorView>& tensors() const;  // in manifest (checkpoint) order
-  // nullptr when the rank holds no tensor called `name`. O(1).
+  // nullptr when the rank holds no tensor called `name`. O(1); the first
+  // call builds the name index (about 0.1 us per tensor, docs/performance.md).
   const TensorView* Find(absl::string_view name) const;
   const std::string& fingerprint() const { return manifest().fingerprint; }
   double attach_seconds() const;  // Attach RPC to all views ready
@@ -318,7 +347,10 @@ class Client {
   absl::StatusOr<Updater> BeginUpdate(const std::string& name, const std::vector<std::string>& tensors = {});
   absl::StatusOr<Manifest> GetManifest(const std::string& name, uint32_t rank);
   // Takes a lease, receives the segment fds and maps them lazily (pages fault
-  // in on first use): read-only, or copy-on-write (see AttachOptions).
+  // in on first use) or prefaulted: read-only, or copy-on-write (see
+  // AttachOptions). DATA_LOSS when the daemon's packed tensor table is
+  // malformed (naming the field), INTERNAL when a tensor lies outside its
+  // segment.
   absl::StatusOr<MappedModel> Attach(const std::string& name, uint32_t rank, const AttachOptions& options = {});
   // Returns the model as it was when unloaded; `freed` is false while
   // leases keep it DRAINING. `force` ends the leases at once, except claimed
@@ -337,6 +369,15 @@ class Client {
   // "SERVING", "NOT_SERVING" or "SERVICE_UNKNOWN" (a name never loaded);
   // UNAVAILABLE when the daemon cannot be reached.
   absl::StatusOr<std::string> Health(const std::string& service);
+  // Asks the daemon to upgrade in place (UpgradeDaemon in the proto): it
+  // re-executes its binary and serves every READY model again without
+  // reading a checkpoint. Returns before the daemon stops; it is back when
+  // DaemonInstance() answers with another value. FAILED_PRECONDITION when
+  // the binary cannot be executed, PERMISSION_DENIED over TCP.
+  absl::StatusOr<UpgradeInfo> UpgradeDaemon();
+  // The daemon's instance: random per daemon process image, so it changes
+  // when the daemon restarts or upgrades (its leases are then gone).
+  absl::StatusOr<std::string> DaemonInstance();
 
   struct Impl;
 

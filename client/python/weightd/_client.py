@@ -6,8 +6,8 @@ import grpc
 
 from . import _fdsock
 from ._errors import WeightdError
-from ._model import Model, _Lease
-from ._native import Segment
+from ._model import EntryTable, Model, _Lease
+from ._native import PackedTable, Segment
 from ._types import LoadProgress, LoadResult, Manifest, ModelInfo, SegmentInfo, TensorInfo, UnloadResult
 from ._update import Update
 from ._watch import Watch
@@ -31,13 +31,24 @@ def _target(socket_path):
     return "unix://" + socket_path if socket_path.startswith("/") else socket_path
 
 
+# Manifests of 100,000+ tensors exceed grpc's 4 MiB default. Reconnect
+# backoff capped at 1 s (gRPC's default grows to 120 s).
+_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.initial_reconnect_backoff_ms", 100),
+                    ("grpc.min_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
+
+
 class Client:
-    """A connection to one daemon. Safe to use from many threads."""
+    """A connection to one daemon. Safe to use from many threads.
+
+    Across a daemon restart or in-place upgrade, attached models stay
+    valid (their leases are gone), a call while the daemon is down raises
+    WeightdError(UNAVAILABLE), and a call once it is back reconnects (the
+    channel's reconnect backoff is capped at 1 s; tests/python/test_restart.py).
+    """
 
     def __init__(self, socket_path):
         self.target = _target(socket_path)
-        # Manifests of 100,000+ tensors exceed grpc's 4 MiB default.
-        self._channel = grpc.insecure_channel(self.target, options=[("grpc.max_receive_message_length", -1)])
+        self._channel = grpc.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
         self._stub = pb_grpc.WeightdStub(self._channel)
 
     def close(self):
@@ -162,8 +173,15 @@ class Client:
                                f"fd socket: {len(fds)} fds for {len(response.segments)} staged segments")
         return Update(self._stub, response, connection, fds, version_label)
 
-    def attach(self, model, rank=0, *, private=False):
-        """Takes a lease on `model` and maps rank `rank` lazily; returns a Model.
+    def attach(self, model, rank=0, *, private=False, prefault=False, _packed=True):
+        """Takes a lease on `model` and maps rank `rank`; returns a Model.
+
+        prefault=False (default): pages are mapped lazily, each faulting in on
+        first use. prefault=True: every page of the host segments is mapped
+        during attach (MADV_POPULATE_READ), so the first pass over the weights
+        takes no page fault; attach then costs about what those faults would
+        (docs/performance.md, "Attach"). Reading only: with private=True the
+        pages stay shared until written.
 
         private=False (default): segments are mapped shared and read-only;
         writing through a tensor kills this process with SIGSEGV.
@@ -181,22 +199,26 @@ class Client:
         process's view).
         """
         start = time.monotonic()
-        response = self._call(self._stub.Attach, pb.AttachRequest(name=model, rank=rank))
+        # _packed=False asks for one TensorEntry per tensor, as clients before the
+        # packed table did (for benchmarks); a daemon that predates it answers so anyway.
+        encoding = pb.AttachRequest.PACKED_TABLE_V1 if _packed else pb.AttachRequest.TENSOR_ENTRIES
+        response = self._call(self._stub.Attach, pb.AttachRequest(name=model, rank=rank, manifest_encoding=encoding))
         fd_socket = os.environ.get("WEIGHTD_FD_SOCKET") or response.fd_socket
         try:
+            table = _tensor_table(response)
             connection, fds = _fdsock.claim(fd_socket, response.lease_id, response.claim_timeout_seconds)
         except WeightdError:
             self._detach_quietly(response.lease_id)
             raise
         try:
-            lease = _Lease(response.lease_id, connection, _map_segments(response, fds, private))
+            lease = _Lease(response.lease_id, connection, _map_segments(response, fds, private, prefault, table))
         except BaseException:
             connection.close()
             raise
         finally:
             for fd in fds:
                 os.close(fd)
-        return Model(response, lease, time.monotonic() - start, private)
+        return Model(response, lease, time.monotonic() - start, private, table)
 
     def _call(self, method, request):
         try:
@@ -221,11 +243,28 @@ def _fd_attached(descriptor):
     return descriptor.export_kind == pb.SegmentDescriptor.EXPORT_FD
 
 
-def _map_segments(response, fds, private):
+def _tensor_table(response):
+    """The response's tensors as a table (len, index(), info(i), first_outside(sizes)):
+    the native decoder of the packed table, or the TensorEntry messages of a
+    daemon that predates it. WeightdError DATA_LOSS for a malformed table."""
+    packed = response.packed_tensors  # each read of a bytes field copies it: once
+    if not packed:
+        return EntryTable(response.tensors)
+    if len(response.tensors):
+        raise WeightdError(grpc.StatusCode.DATA_LOSS,
+                           "the daemon's Attach reply carries both packed_tensors and TensorEntry messages")
+    try:
+        return PackedTable(packed)
+    except RuntimeError as e:
+        raise WeightdError.from_number(getattr(e, "code", 15), str(e)) from None
+
+
+def _map_segments(response, fds, private, prefault, table):
     """Maps each segment: host segments with mmap (read-only, or copy-on-write
-    when `private`), device arenas imported with the backend that exported
-    them. `fds` come in segment order, one per segment whose export_kind is
-    EXPORT_FD."""
+    when `private`; populated now when `prefault`), device arenas imported
+    with the backend that exported them. `fds` come in segment order, one per
+    segment whose export_kind is EXPORT_FD. Checks that every tensor of
+    `table` lies inside its segment."""
     with_fd = [d for d in response.segments if _fd_attached(d)]
     if len(fds) != len(with_fd):
         raise WeightdError(grpc.StatusCode.INTERNAL,
@@ -236,7 +275,7 @@ def _map_segments(response, fds, private):
             try:
                 fd = next(next_fd) if _fd_attached(d) else -1
                 if d.placement != pb.DEVICE:
-                    segments.append(Segment(fd, d.size, private))
+                    segments.append(Segment(fd, d.size, private, prefault))
                 else:
                     segments.append(Segment.import_device(d.backend, d.gpu_uuid, d.size, d.ipc_handle, fd, private))
             except RuntimeError as e:
@@ -245,9 +284,9 @@ def _map_segments(response, fds, private):
                 code = 9 if getattr(e, "code", None) == 9 else 14
                 raise WeightdError.from_number(
                     code, f"segment {i} of model {response.model!r} ({d.backend} on {d.gpu_uuid}): {e}") from None
-        for t in response.tensors:
-            if t.segment >= len(segments) or t.offset + t.nbytes > segments[t.segment].size:
-                raise WeightdError(grpc.StatusCode.INTERNAL, f"tensor {t.name!r} lies outside its segment")
+        outside = table.first_outside([s.size for s in segments])
+        if outside >= 0:
+            raise WeightdError(grpc.StatusCode.INTERNAL, f"tensor {table.info(outside)[0]!r} lies outside its segment")
     except BaseException:
         # Unmapped before the caller closes the connection (the lease), not
         # whenever the traceback lets go of them.

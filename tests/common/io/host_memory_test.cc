@@ -62,6 +62,23 @@ TEST(ProcFiles, MeminfoValuesAreBytesForKbAndCountsOtherwise) {
   EXPECT_EQ(values["HugePages_Free"], 7u);
 }
 
+TEST(ProcFiles, SmapsFieldIsBytesByMappingStart) {
+  constexpr char kSmaps[] =
+      "7f0000000000-7f0004000000 rw-s 00000000 00:01 12 /memfd:weightd:m:host0 (deleted)\n"
+      "Size:              65536 kB\n"
+      "ShmemPmdMapped:    63488 kB\n"
+      "VmFlags: rd wr sh mr mw me ms hg\n"
+      "7f0004000000-7f0004001000 r--p 00000000 08:01 99 /usr/lib/libc.so.6\n"
+      "Size:                  4 kB\n"
+      "ShmemPmdMapped:        0 kB\n"
+      "55d000000000-55d000001000 rw-p 00000000 00:00 0 [heap]\n"
+      "Size:                  4 kB\n";
+  std::map<uint64_t, uint64_t> pmd = ParseSmapsField(kSmaps, "ShmemPmdMapped");
+  EXPECT_EQ(pmd, (std::map<uint64_t, uint64_t>{{0x7f0000000000, 63488ull * 1024}, {0x7f0004000000, 0}}));
+  EXPECT_EQ(ParseSmapsField(kSmaps, "Size").at(0x55d000000000), 4096u);
+  EXPECT_TRUE(ParseSmapsField("ShmemPmdMapped: 4 kB\n", "ShmemPmdMapped").empty());  // no mapping line before it
+}
+
 TEST(ProcFiles, PseudoFileLargerThanItsBoundIsRefused) {
   testing::TempDir dir;
   testing::WriteFile(dir.Join("f"), std::string(5000, 'x'));

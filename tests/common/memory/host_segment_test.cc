@@ -194,33 +194,79 @@ TEST(HostSegment, WritePastTheEndOrAfterSealIsRefused) {
   EXPECT_THAT(segment->Write(0, "a", 1), StatusIs(absl::StatusCode::kFailedPrecondition, "already sealed"));
 }
 
-// Locking ranges while filling keeps a read-only mapping alive across the
-// seal; F_SEAL_WRITE must still take, and the lock must cover everything.
-TEST(HostSegment, LockWhileFillingThenSealLocksOrReportsWhyNot) {
-  WEIGHTD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<HostSegment> segment, HostSegment::Create("lock-fill", kSize));
-  std::string pattern(kSize, '\0');
-  for (uint64_t i = 0; i < kSize; ++i) pattern[i] = Pattern(i);
-  for (uint64_t at = 0; at < kSize; at += 3000) {
-    uint64_t n = std::min<uint64_t>(3000, kSize - at);
-    WEIGHTD_ASSERT_OK(segment->Write(at, pattern.data() + at, n));
-    segment->Lock(at, n);
-  }
-  WEIGHTD_ASSERT_OK(segment->Seal(/*lock=*/true));
-  EXPECT_EQ(fcntl(segment->fd(), F_GET_SEALS), F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL);
-  EXPECT_EQ(std::string(segment->data(), kSize), pattern);
-  EXPECT_NE(segment->locked(), segment->lock_errno() != 0);
-}
-
-// Without a huge page pool (or with one) the segment works the same; with
-// huge pages its size is rounded up to whole 2 MiB pages.
-TEST(HostSegment, HugePagesWhenPoolAllowsFallsBackCleanly) {
+// Asked for pool pages, a segment gets them when the pool grants them
+// (size rounded up to whole 2 MiB pages), else the choice's fall-back; it
+// works the same either way.
+TEST(HostSegment, HugetlbWhenThePoolGrantsItElseTheFallback) {
   const uint64_t size = kHugeSegmentMinBytes + 4096 + 3;
-  WEIGHTD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<HostSegment> segment,
-                               HostSegment::Create("huge", size, HugePages::kWhenPoolAllows));
-  EXPECT_EQ(segment->size(), segment->huge_pages() ? (size + (2u << 20) - 1) / (2u << 20) * (2u << 20) : size);
+  const bool pool_has_room = ReadHugePageSystem().hugetlb_free_bytes >= 2 * kHugePageBytes;
+  PageChoice pages{PageKind::kHugetlb, PageKind::kSmall, false, ""};
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<HostSegment> segment, HostSegment::Create("huge", size, pages));
+  if (segment->page_kind() == PageKind::kHugetlb) {
+    EXPECT_EQ(segment->size(), 2 * kHugePageBytes);
+    EXPECT_EQ(segment->huge_bytes(), 2 * kHugePageBytes);
+  } else {
+    EXPECT_FALSE(pool_has_room) << "the pool had room but the segment did not get it";
+    EXPECT_EQ(segment->page_kind(), PageKind::kSmall);
+    EXPECT_EQ(segment->size(), size);
+    EXPECT_EQ(segment->huge_bytes(), 0u);
+  }
   WEIGHTD_ASSERT_OK(segment->Write(size - 3, "xyz", 3));
   WEIGHTD_ASSERT_OK(segment->Seal(/*lock=*/false));
   EXPECT_EQ(std::string(segment->data() + size - 3, 3), "xyz");
+}
+
+// A THP segment is filled through its mapping: populated, then written in
+// place. Whether the pages come out huge is the kernel's (shmem_enabled);
+// the bytes are the same either way.
+TEST(HostSegment, ThpSegmentIsPopulatedAndFilledThroughItsMapping) {
+  const uint64_t size = 2 * kHugePageBytes + 4096 + 5;
+  PageChoice pages{PageKind::kShmemThp, PageKind::kShmemThp, true, ""};
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<HostSegment> segment, HostSegment::Create("thp", size, pages));
+  EXPECT_EQ(segment->page_kind(), PageKind::kShmemThp);
+  EXPECT_EQ(segment->size(), size);  // THP does not round the memfd
+  absl::StatusOr<uint64_t> populated = segment->Populate(kHugePageBytes - 1, kHugePageBytes + 2);
+  if (!absl::IsUnimplemented(populated.status())) {  // kernels before 5.14 lack it
+    WEIGHTD_ASSERT_OK(populated.status());
+    EXPECT_EQ(*populated, 2 * kHugePageBytes + 8192);  // the whole 2 MiB pages it touched, clamped to the end
+  }
+  for (uint64_t i = 0; i < size; ++i) segment->writable()[i] = Pattern(i);
+  segment->AvoidHugePages();  // the stall fall-back: later pages small; the bytes stay
+  WEIGHTD_ASSERT_OK(segment->Write(size - 2, "ok", 2));
+  WEIGHTD_ASSERT_OK(segment->Seal(/*lock=*/false));
+  std::string expected(size, '\0');
+  for (uint64_t i = 0; i < size; ++i) expected[i] = Pattern(i);
+  expected.replace(size - 2, 2, "ok");
+  EXPECT_EQ(std::string(segment->data(), size), expected);
+  EXPECT_EQ(segment->huge_bytes(), 0u);  // nobody measured it (the loader does, from smaps)
+}
+
+TEST(HostSegment, PopulatePastTheEndOrAfterSealIsRefused) {
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<HostSegment> segment, HostSegment::Create("populate", kSize));
+  EXPECT_THAT(segment->Populate(kSize - 1, 2).status(),
+              StatusIs(absl::StatusCode::kOutOfRange, "populate of 2 bytes at 12304 past a 12305-byte segment"));
+  WEIGHTD_ASSERT_OK(segment->Seal(/*lock=*/false));
+  EXPECT_THAT(segment->Populate(0, 1).status(), StatusIs(absl::StatusCode::kFailedPrecondition, "already sealed"));
+}
+
+// Pinning after the seal, as the registry's pinning thread does: it takes
+// or keeps its errno, once, and the bytes stay.
+TEST(HostSegment, PinAfterSealLocksOnceOrReportsWhyNot) {
+  std::unique_ptr<HostSegment> segment = SealedSegment(/*lock=*/false);
+  ASSERT_NE(segment, nullptr);
+  EXPECT_FALSE(segment->locked());
+  bool pinned = segment->Pin();
+  EXPECT_EQ(pinned, segment->locked());
+  EXPECT_NE(segment->locked(), segment->lock_errno() != 0);
+  EXPECT_EQ(segment->Pin(), pinned);  // idempotent
+  for (uint64_t i = 0; i < kSize; ++i) ASSERT_EQ(segment->data()[i], Pattern(i)) << i;
+}
+
+TEST(HostSegment, PinBeforeSealDoesNothing) {
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<HostSegment> segment, HostSegment::Create("early", kSize));
+  EXPECT_FALSE(segment->Pin());
+  EXPECT_FALSE(segment->locked());
+  EXPECT_EQ(segment->lock_errno(), 0);
 }
 
 }  // namespace

@@ -1,0 +1,134 @@
+"""Benchmark row of issue 15: a daemon restarted through the fd store serves
+its model again, against a full load of the same checkpoint in the same run.
+
+The service manager is played by a small stand-in here (as in
+tests/testing/fd_store_standin.h): it receives the daemon's FDSTORE=1
+datagrams on its NOTIFY_SOCKET and starts the daemon again with the stored
+fds at 3, 4, ... and LISTEN_FDS, LISTEN_FDNAMES, LISTEN_PID (sd_listen_fds(3)).
+"""
+import fcntl
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import threading
+import time
+
+
+class StandIn:
+    """An fd store on a datagram socket; start() runs the daemon the way systemd would."""
+
+    def __init__(self, path):
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(path)
+        self.sock.settimeout(0.05)
+        self.store = []  # [(name, fd)] in store order
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._receive, daemon=True)
+        self.thread.start()
+
+    def _receive(self):
+        while not self.stop.is_set():
+            try:
+                data, fds, _, _ = socket.recv_fds(self.sock, 65536, 253)
+            except socket.timeout:
+                continue
+            fields = dict(line.split("=", 1) for line in data.decode().splitlines() if "=" in line)
+            with self.lock:
+                if fields.get("FDSTORE") == "1":
+                    for fd in fds:
+                        os.set_inheritable(fd, False)
+                        self.store.append((fields.get("FDNAME", "stored"), fd))
+                    continue
+                if fields.get("FDSTOREREMOVE") == "1":
+                    for name, fd in [e for e in self.store if e[0] == fields.get("FDNAME")]:
+                        os.close(fd)
+                    self.store = [e for e in self.store if e[0] != fields.get("FDNAME")]
+            for fd in fds:
+                os.close(fd)
+
+    def records(self):
+        with self.lock:
+            return sum(1 for name, _ in self.store if name.startswith("wd-rec-"))
+
+    def start(self, argv, log_path):
+        self.stop.set()  # no receiving thread while forking with a preexec_fn
+        self.thread.join()
+        with self.lock:
+            names = [n for n, _ in self.store]
+            fds = [fd for _, fd in self.store]
+        n = len(fds)
+
+        def child():
+            high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 3 + n + 16) for fd in fds]
+            for i, fd in enumerate(high):
+                os.dup2(fd, 3 + i, inheritable=True)
+            os.environ["NOTIFY_SOCKET"] = self.path
+            if n:
+                os.environ["LISTEN_FDS"] = str(n)
+                os.environ["LISTEN_FDNAMES"] = ":".join(names)
+                os.environ["LISTEN_PID"] = str(os.getpid())
+
+        return subprocess.Popen(argv, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, close_fds=False,
+                                preexec_fn=child)
+
+
+def wait_ready(weightctl, sock, model, timeout=120):
+    deadline = time.perf_counter() + timeout
+    while time.perf_counter() < deadline:
+        out = subprocess.run([weightctl, "--socket", sock, "ls", "--json"], capture_output=True, text=True)
+        if out.returncode == 0 and any(m["name"] == model and m["state"] == "READY"
+                                       for m in json.loads(out.stdout)["models"]):
+            return time.perf_counter()
+        time.sleep(0.005)
+    raise RuntimeError(f"{model} not READY within {timeout} s")
+
+
+def measure(ctx, reps):
+    """{load_s, restart_s, restore_ms} medians over `reps` kill-and-restart rounds."""
+    run = os.path.join(ctx.run_dir, "restart")
+    os.makedirs(run, exist_ok=True)
+    sock = os.path.join(run, "w.sock")
+    argv = [ctx.weightd, "--socket", sock, "--model-root", ctx.data_dir, "--metrics-address", "",
+            "--device-backend", "none"]
+    store = StandIn(os.path.join(run, "notify.sock"))
+    daemon = store.start(argv, os.path.join(run, "first.log"))
+    load_s, restart_s, restore_ms = [], [], []
+    try:
+        wait_for_socket(ctx.weightctl, sock)
+        for i in range(reps):
+            out = subprocess.run([ctx.weightctl, "--socket", sock, "load", f"m{i}", ctx.ckpt, "--json"],
+                                 capture_output=True, text=True, check=True)
+            load_s.append(json.loads(out.stdout)["seconds"])
+        deadline = time.time() + 30
+        while store.records() < reps and time.time() < deadline:
+            time.sleep(0.01)
+        for i in range(reps):
+            daemon.send_signal(signal.SIGKILL)
+            daemon.wait()
+            log_path = os.path.join(run, f"restart-{i}.log")
+            t0 = time.perf_counter()
+            daemon = store.start(argv, log_path)
+            restart_s.append(wait_ready(ctx.weightctl, sock, f"m{reps - 1}") - t0)
+            m = re.search(r"(\d+) models restored, \d+ records dropped, in ([0-9.]+) ms", open(log_path).read())
+            if not m or int(m.group(1)) != reps:
+                raise RuntimeError(f"restart {i} restored {m.group(1) if m else 0} of {reps} models: see {log_path}")
+            restore_ms.append(float(m.group(2)))
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        daemon.wait(timeout=30)
+    med = lambda xs: sorted(xs)[len(xs) // 2]
+    return {"load_s": load_s, "restart_s": restart_s, "restore_ms": restore_ms,
+            "load_p50": med(load_s), "restart_p50": med(restart_s), "restore_ms_p50": med(restore_ms)}
+
+
+def wait_for_socket(weightctl, sock, timeout=30):
+    deadline = time.perf_counter() + timeout
+    while subprocess.run([weightctl, "--socket", sock, "ls"], capture_output=True).returncode != 0:
+        if time.perf_counter() > deadline:
+            raise RuntimeError("weightd did not start")
+        time.sleep(0.02)
