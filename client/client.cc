@@ -78,6 +78,7 @@ ModelSummary FromProto(const v1::ModelInfo& m) {
   s.bytes_read = m.bytes_read();
   s.bytes_shared = m.bytes_shared();
   s.version_label = m.version_label();
+  s.source = m.source();
   return s;
 }
 
@@ -515,6 +516,7 @@ absl::StatusOr<LoadResult> Client::Load(const std::string& name, const std::stri
     rule->set_dim(dim);
   }
   for (const std::string& d : options.devices) request.add_devices(d);
+  for (const std::string& p : options.peers) request.add_peers(p);
   grpc::ClientContext context;
   return ReadLoadStream(*impl_->stub->LoadModel(&context, request), progress);
 }

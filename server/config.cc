@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/io/env.h"
 #include "common/base/status.h"
+#include "server/peer_join.h"
 #include "server/reader.h"
 
 namespace weightd {
@@ -42,6 +43,11 @@ void ForEachField(Config& c, F&& f) {
   f("grpc_first_bytes_timeout_seconds", c.grpc_first_bytes_timeout_seconds);
   f("max_watchers", c.max_watchers);
   f("watch_queue_events", c.watch_queue_events);
+  f("peer_address", c.peer_address);
+  f("peers", c.peers);
+  f("peer_max_joiners", c.peer_max_joiners);
+  f("peer_deadline_seconds", c.peer_deadline_seconds);
+  f("peer_test_fault", c.peer_test_fault);
 }
 
 // How a flag's text becomes a field's JSON value, by the field's type.
@@ -139,6 +145,29 @@ absl::Status ValidateTcp(const DaemonConfig& c) {
   return absl::OkStatus();
 }
 
+absl::Status ValidatePeers(const DaemonConfig& c) {
+  WEIGHTD_RETURN_IF_ERROR(ValidatePeerList(c.peers, "--peers"));
+  if (size_t colon = c.peer_address.rfind(':'); !c.peer_address.empty()) {
+    uint32_t port = 0;
+    if (colon == std::string::npos || !absl::SimpleAtoi(c.peer_address.substr(colon + 1), &port) || port > 65535) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--peer-address must be HOST:PORT (port 0 picks one), got '", c.peer_address, "'"));
+    }
+  }
+  if (c.peer_max_joiners < 1 || c.peer_max_joiners > 1024) {
+    return absl::InvalidArgumentError(absl::StrCat("--peer-max-joiners must be in [1, 1024], got ", c.peer_max_joiners));
+  }
+  if (!(c.peer_deadline_seconds > 0 && c.peer_deadline_seconds <= 86400)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--peer-deadline-seconds must be in (0, 86400], got ", c.peer_deadline_seconds));
+  }
+  if (!c.peer_test_fault.empty() && c.peer_test_fault != "corrupt" && c.peer_test_fault != "stall") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--peer-test-fault must be corrupt or stall (tests only), got '", c.peer_test_fault, "'"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Validate(DaemonConfig& c) {
   static const char* kBackends[] = {"auto", "cuda", "cuda-legacy-ipc", "emulated", "none"};
   if (std::find(std::begin(kBackends), std::end(kBackends), c.device_backend) == std::end(kBackends)) {
@@ -185,6 +214,7 @@ absl::Status Validate(DaemonConfig& c) {
   if (!ParseDirectIo(c.direct_io).ok()) {
     return absl::InvalidArgumentError(absl::StrCat("--direct-io must be auto, on or off, got '", c.direct_io, "'"));
   }
+  WEIGHTD_RETURN_IF_ERROR(ValidatePeers(c));
   if (c.socket.empty()) return absl::InvalidArgumentError("--socket must not be empty");
   WEIGHTD_RETURN_IF_ERROR(ValidateTcp(c));
   if (c.fd_socket.empty()) {
@@ -207,7 +237,8 @@ std::string DaemonUsage() {
          "               [--fd-socket-max-connections N] [--grpc-max-connections N] [--grpc-max-threads N]\n"
          "               [--grpc-max-streams-per-connection N] [--grpc-first-bytes-timeout-seconds S]\n"
          "               [--self-check-interval-seconds S] [--max-watchers N] [--watch-queue-events N]\n"
-         "               [--print-config] [--version]\n";
+         "               [--peer-address HOST:PORT] [--peers HOST:PORT ...] [--peer-max-joiners N]\n"
+         "               [--peer-deadline-seconds S] [--print-config] [--version]\n";
 }
 
 absl::StatusOr<ParsedArgs> ParseDaemonArgs(const std::vector<std::string>& argv) {
@@ -247,6 +278,7 @@ absl::StatusOr<ParsedArgs> ParseDaemonArgs(const std::vector<std::string>& argv)
     std::string key = name;
     std::replace(key.begin(), key.end(), '-', '_');
     if (key == "allowed_gid") key = "allowed_gids";
+    if (key == "peer") key = "peers";
     auto kind = Keys().find(key);
     if (kind == Keys().end()) return absl::InvalidArgumentError(absl::StrCat("unknown flag --", name));
     WEIGHTD_RETURN_IF_ERROR(AddFlag(patch, name, key, kind->second, value));

@@ -44,6 +44,12 @@ struct DaemonConfig {
   double self_check_interval_seconds = 5;            // probe every listener; WATCHDOG=1 only while all answer
   int max_watchers = 256;                            // WatchModel streams open at once, all listeners
   int watch_queue_events = 1024;                     // events a watch stream may fall behind before it is dropped
+  // Peer seeding (docs/operations.md "Peer seeding").
+  std::string peer_address;                          // HOST:PORT: serve weightd.v1.Peer + UCX to other nodes; "" = off
+  std::vector<std::string> peers;                    // HOST:PORT peers every load asks before storage
+  int peer_max_joiners = 4;                          // transfer sessions a seed serves at once; more get UNAVAILABLE
+  double peer_deadline_seconds = 600;                // joiner: per peer, ask to READY; seed: session limit
+  std::string peer_test_fault;                       // tests only: "corrupt" or "stall" (server/peer_seed.h)
 };
 
 struct ParsedArgs {

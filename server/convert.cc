@@ -22,6 +22,7 @@ LoadRequest FromProto(const v1::LoadModelRequest& r) {
   out.tp_size = r.tp_size() == 0 ? 1 : r.tp_size();
   for (const v1::TpRule& rule : r.tp_rules()) out.tp_rules.push_back({rule.pattern(), rule.dim()});
   out.devices.assign(r.devices().begin(), r.devices().end());
+  out.peers.assign(r.peers().begin(), r.peers().end());
   return out;
 }
 
@@ -68,6 +69,7 @@ void ToProto(const ModelGeneration& m, v1::ModelInfo* out) {
   out->set_bytes_done(m.bytes_done.load());
   out->set_bytes_total(m.bytes_total.load());
   out->set_version_label(m.version_label);
+  out->set_source(m.source);
 }
 
 void ToProto(const TensorRecord& t, v1::TensorEntry* out) {

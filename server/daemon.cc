@@ -30,6 +30,9 @@
 #include "server/health_port.h"
 #include "server/metrics_listener.h"
 #include "server/path_lock.h"
+#include "server/peer_join.h"
+#include "server/peer_seed.h"
+#include "server/peer_service.h"
 #include "server/registry.h"
 #include "server/rpc_metrics.h"
 #include "server/self_check.h"
@@ -174,6 +177,8 @@ class DaemonImpl final : public Daemon {
     options.claim_timeout = std::chrono::milliseconds(static_cast<int64_t>(config_.lease_claim_timeout_seconds * 1000));
     options.watch.max_watchers = static_cast<size_t>(config_.max_watchers);
     options.watch.queue_events = static_cast<size_t>(config_.watch_queue_events);
+    WEIGHTD_RETURN_IF_ERROR(StartPeerTransport());
+    options.peers = peer_joiner_.get();
     registry_ = std::make_unique<ModelRegistry>(options, &listeners_);
     if (absl::StatusOr<HostMemoryBudget> budget = ReadHostMemoryBudget(); budget.ok()) {
       LogInfo(absl::StrCat("host memory for loads: ", budget->available, " bytes, bounded by ", budget->source));
@@ -198,6 +203,7 @@ class DaemonImpl final : public Daemon {
     LogInfo(absl::StrCat("listening on unix:", config_.socket, " (fd socket ", config_.fd_socket, ")"));
     WEIGHTD_RETURN_IF_ERROR(StartTcpListener());
     WEIGHTD_RETURN_IF_ERROR(StartHealthPort());
+    WEIGHTD_RETURN_IF_ERROR(StartPeerListener());
     sd_notify(0, "READY=1\nSTATUS=listening");
     StartSelfCheck();
     preload_thread_ = std::thread([this] { Preload(); });
@@ -222,6 +228,7 @@ class DaemonImpl final : public Daemon {
     if (tcp_listener_) tcp_listener_->Shutdown(std::chrono::seconds(10));
     if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(10));
     if (health_port_) health_port_->Shutdown();
+    if (peer_listener_) peer_listener_->Shutdown();  // sessions end, leases go back
     if (preload_thread_.joinable()) preload_thread_.join();
     fd_channel_.reset();
     if (owns_socket_) unlink(config_.socket.c_str());
@@ -320,6 +327,44 @@ class DaemonImpl final : public Daemon {
     return absl::OkStatus();
   }
 
+  // The joiner always (its transport is made on the first load that names
+  // peers); the transport at once when this daemon seeds (--peer-address).
+  absl::Status StartPeerTransport() {
+    PeerJoinOptions join;
+    join.peers = config_.peers;
+    join.deadline = std::chrono::milliseconds(static_cast<int64_t>(config_.peer_deadline_seconds * 1000));
+    join.transport = [this]() -> absl::StatusOr<PeerTransport*> { return PeerTransportOnce(); };
+    peer_joiner_ = std::make_unique<PeerJoiner>(std::move(join));
+    if (config_.peer_address.empty()) return absl::OkStatus();
+    return PeerTransportOnce().status();
+  }
+
+  absl::StatusOr<PeerTransport*> PeerTransportOnce() {
+    absl::MutexLock lock(&peer_mu_);
+    if (peer_transport_ == nullptr) {
+      WEIGHTD_ASSIGN_OR_RETURN(peer_transport_, MakeUcxTransport());
+      LogInfo("peer transport: UCX (UCP) worker started");
+    }
+    return peer_transport_.get();
+  }
+
+  absl::Status StartPeerListener() {
+    peer_joiner_->set_metrics(metrics_.get());
+    if (config_.peer_address.empty()) return absl::OkStatus();
+    PeerSeedOptions seed;
+    seed.max_joiners = config_.peer_max_joiners;
+    seed.session_limit = std::chrono::milliseconds(static_cast<int64_t>(config_.peer_deadline_seconds * 1000));
+    seed.test_fault = config_.peer_test_fault;
+    WEIGHTD_ASSIGN_OR_RETURN(PeerTransport * transport, PeerTransportOnce());
+    peer_seed_ = std::make_unique<PeerSeed>(registry_.get(), transport, seed, metrics_.get());
+    WEIGHTD_ASSIGN_OR_RETURN(peer_listener_, PeerListener::Start(config_, peer_seed_.get(), metrics_.get()));
+    listener_.AddServer(peer_listener_->server());
+    LogInfo(absl::StrCat("peer listener on ", BoundAddress(config_.peer_address, peer_listener_->port()),
+                         " (weightd.v1.Peer, read-only; at most ", config_.peer_max_joiners, " joiners)",
+                         config_.peer_test_fault.empty() ? "" : absl::StrCat("; TEST FAULT '", config_.peer_test_fault, "'")));
+    return absl::OkStatus();
+  }
+
   void Preload() {
     for (const auto& [name, path] : config_.preload) {
       if (Stopping()) return;
@@ -343,6 +388,7 @@ class DaemonImpl final : public Daemon {
     if (watchdog) interval = std::min(interval, std::chrono::duration<double>(usec / 2e6));
     SelfCheckTargets targets{config_.socket, config_.fd_socket, {}};
     if (tcp_listener_) targets.accepting.push_back(LocalTarget(config_.grpc_address, tcp_listener_->port()));
+    if (peer_listener_) targets.accepting.push_back(LocalTarget(config_.peer_address, peer_listener_->port()));
     if (health_port_) {
       targets.grpc_targets.push_back(LocalTarget(config_.health_address, health_port_->port()));
       targets.accepting.push_back(LocalTarget(config_.health_address, health_port_->port()));
@@ -380,6 +426,9 @@ class DaemonImpl final : public Daemon {
   ListenerFanOut listeners_;
   std::unique_ptr<DeviceBackend> device_backend_;  // outlives the registry's generations
   std::unique_ptr<FdStoreKeeper> fd_store_;         // outlives the registry, which calls it
+  absl::Mutex peer_mu_;
+  std::unique_ptr<PeerTransport> peer_transport_ ABSL_GUARDED_BY(peer_mu_);  // outlives peer sessions and loads
+  std::unique_ptr<PeerJoiner> peer_joiner_;
   std::unique_ptr<ModelRegistry> registry_;
   std::unique_ptr<PrometheusMetrics> metrics_;  // destroyed before registry_, which it samples on each scrape
   std::unique_ptr<MetricsListener> metrics_listener_;
@@ -389,6 +438,8 @@ class DaemonImpl final : public Daemon {
   std::unique_ptr<GrpcAcceptor> acceptor_;  // destroyed before server_
   std::unique_ptr<TcpListener> tcp_listener_;
   std::unique_ptr<HealthPort> health_port_;
+  std::unique_ptr<PeerSeed> peer_seed_;
+  std::unique_ptr<PeerListener> peer_listener_;  // destroyed first: its sessions use the seed, registry, transport
   std::thread preload_thread_, self_check_thread_;
   absl::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;

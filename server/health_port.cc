@@ -22,6 +22,8 @@ class WithoutReflection final : public grpc::ServerBuilderOption {
 
 }  // namespace
 
+std::unique_ptr<grpc::ServerBuilderOption> WithoutReflectionOption() { return std::make_unique<WithoutReflection>(); }
+
 // Answers every method but the health service's, naming what the port
 // serves. gRPC also refuses to build a server whose only service is the
 // default health service.

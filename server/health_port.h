@@ -19,6 +19,10 @@
 
 namespace weightd {
 
+// A builder option that keeps gRPC server reflection off one server (its
+// plugin registers itself for every builder of the process once linked in).
+std::unique_ptr<grpc::ServerBuilderOption> WithoutReflectionOption();
+
 class HealthPort {
  public:
   // Listens on `address` ("HOST:PORT"; port 0 picks one) and counts every

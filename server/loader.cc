@@ -301,6 +301,7 @@ class ReadJob {
   }
 
   void set_cancel(const std::atomic<bool>* cancel) { cancel_ = cancel; }
+  void set_source(HostSource* source) { source_ = source; }
 
  private:
   // A worker returned `status`; the first error is the job's.
@@ -336,7 +337,9 @@ class ReadJob {
         const TensorPlan& tp = plan_.tensors[task.tensor];
         auto where = [&] { return absl::StrCat(ElideName(catalog_.files[t.file].name), ": tensor ", QuoteName(t.name)); };
         absl::StatusOr<uint64_t> hash;
-        if (tp.placement == Placement::kHost) {
+        if (tp.placement == Placement::kHost && source_ != nullptr) {
+          hash = FillFromSource(task, tp, *alloc_.host[tp.host_segment].fresh, thread);
+        } else if (tp.placement == Placement::kHost) {
           hash = fill_.FillBlock(t.file, t.offset + task.start, task.n, *alloc_.host[tp.host_segment].fresh,
                                  tp.host_offset + task.start, thread);
         } else {
@@ -362,6 +365,21 @@ class ReadJob {
     return absl::OkStatus();
   }
 
+  // Fills one block of a host tensor from the HostSource and returns the
+  // XXH3-64 of what arrived: on 4 KiB pages through the thread's bounce
+  // buffer and pwrite(2) (as storage reads), on huge pages straight into
+  // the segment's mapping.
+  absl::StatusOr<uint64_t> FillFromSource(const ReadTask& task, const TensorPlan& tp, HostSegment& host,
+                                          FillThread& thread) {
+    uint64_t offset = tp.host_offset + task.start;
+    bool small = host.page_kind() == PageKind::kSmall;
+    char* dst = small ? thread.scratch.Get(task.n, 64) : host.writable() + offset;
+    WEIGHTD_RETURN_IF_ERROR(source_->Read(tp.host_segment, offset, task.n, dst));
+    uint64_t hash = XXH3_64bits(dst, task.n);
+    if (small) WEIGHTD_RETURN_IF_ERROR(host.Write(offset, dst, task.n));
+    return hash;
+  }
+
   void Done(const ReadTask& task, const CatalogTensor& t) {
     bytes_done_.fetch_add(task.n);
     if (file_remaining_[t.file].fetch_sub(task.n) == task.n) files_done_.fetch_add(1);
@@ -384,6 +402,7 @@ class ReadJob {
   std::atomic<uint64_t> bytes_done_{0};
   std::atomic<uint32_t> files_done_{0};
   const std::atomic<bool>* cancel_ = nullptr;
+  HostSource* source_ = nullptr;
   std::atomic<bool> failed_{false};
   int threads_ = 0;  // set before the workers start
   absl::Mutex mu_;
@@ -520,6 +539,9 @@ absl::StatusOr<std::unique_ptr<ModelGeneration>> LoadGeneration(const Catalog& c
                                                                  const ProgressFn& progress,
                                                                  const ModelGeneration* previous) {
   static_assert(kReadBlockBytes == kHashBlockBytes, "a read block is a hash block");
+  if (options.host_source != nullptr && previous != nullptr) {
+    return absl::InternalError("a load from a host source shares nothing with the generation before");
+  }
   auto start = std::chrono::steady_clock::now();
   LoadProgress p;
   p.files_total = static_cast<uint32_t>(catalog.files.size());
@@ -561,6 +583,7 @@ absl::StatusOr<std::unique_ptr<ModelGeneration>> LoadGeneration(const Catalog& c
   HostFill fill(*reader, options.huge_fill_budget);
   ReadJob job(catalog, plan, tasks, units, fill, alloc, block_hashes);
   job.set_cancel(options.cancel);
+  job.set_source(options.host_source);
   WEIGHTD_RETURN_IF_ERROR(job.Run(threads, options.device_backend, [&](uint64_t bytes, uint32_t files_done) {
     p.bytes_done = bytes;
     p.files_done = files_done;
@@ -594,6 +617,7 @@ absl::StatusOr<std::unique_ptr<ModelGeneration>> LoadGeneration(const Catalog& c
   gen->tensor_count = catalog.tensors.size();
   gen->checkpoint_bytes = catalog.total_bytes();
   gen->bytes_read = p.bytes_total;
+  gen->source = "storage";
   gen->load_seconds = SecondsSince(start);
   return gen;
 }

@@ -60,6 +60,18 @@ struct LoadProgress {
 };
 using ProgressFn = std::function<void(const LoadProgress&)>;
 
+// Where a load's host-resident tensor bytes come from instead of the
+// checkpoint's files (peer seeding, server/peer_join.h). Read() fills bytes
+// [offset, offset + n) of the plan's host segment `segment` (an index into
+// LoadPlan::host_segments; n <= kReadBlockBytes) into `dst`, which the
+// caller owns; it is called from every load thread at once. The loader
+// hashes what it returns exactly as it hashes bytes read from storage.
+class HostSource {
+ public:
+  virtual ~HostSource() = default;
+  virtual absl::Status Read(uint32_t segment, uint64_t offset, uint64_t n, char* dst) = 0;
+};
+
 struct LoaderOptions {
   int threads = 0;     // 0: one per core
   // Pin host segments (mlock, when RLIMIT_MEMLOCK allows) once published;
@@ -84,6 +96,9 @@ struct LoaderOptions {
   // When set and true, the load stops at the next block with UNAVAILABLE
   // (daemon shutdown). Not owned.
   const std::atomic<bool>* cancel = nullptr;
+  // When set, host tensors are filled from it, device tensors still from
+  // storage; `previous` must then be null. Not owned.
+  HostSource* host_source = nullptr;
 };
 
 // Loads `catalog` (already validated) into a new generation placed per

@@ -1,5 +1,6 @@
 #include "server/metrics.h"
 
+#include "server/peer_join.h"
 #include "server/registry.h"
 
 #include <prometheus/collectable.h>
@@ -159,6 +160,14 @@ struct PrometheusMetrics::State {
   prometheus::Gauge* restored_models;
   prometheus::Gauge* restore_seconds;
   prometheus::Family<prometheus::Counter>* restore_dropped;
+  // Peer seeding.
+  prometheus::Gauge* peer_joiners;
+  prometheus::Family<prometheus::Counter>* peer_bytes_sent;
+  prometheus::Family<prometheus::Counter>* peer_bytes_received;
+  prometheus::Histogram* peer_seed_duration;
+  prometheus::Gauge* peer_seed_throughput;
+  prometheus::Family<prometheus::Counter>* peer_fallbacks;
+  void RegisterPeerMetrics();
 
   explicit State(const PrometheusOptions& o) : sampled(std::make_shared<SampledGauges>(o.sampler)) {
     using prometheus::BuildCounter, prometheus::BuildGauge, prometheus::BuildHistogram;
@@ -208,6 +217,7 @@ struct PrometheusMetrics::State {
     restore_dropped = &BuildCounter().Name("weightd_fd_store_records_dropped_total")
                            .Help("State records in the fd store dropped at start instead of restored, by reason.").Register(r);
     for (const char* reason : kRestoreDropReasons) restore_dropped->Add({{"reason", reason}});
+    RegisterPeerMetrics();
     BuildGauge().Name("weightd_build_info").Help("Always 1; the version of this weightd binary.").Register(r)
         .Add({{"version", o.version}}).Set(1);
   }
@@ -290,6 +300,49 @@ void PrometheusMetrics::RpcFinished(absl::string_view method, absl::string_view 
   std::string m(method);
   state_->rpc_requests->Add({{"method", m}, {"code", std::string(code)}}).Increment();
   state_->rpc_duration->Add({{"method", m}}, RpcBuckets()).Observe(seconds);
+}
+
+// ---------------------------------------------------------------- peer seeding
+
+void PrometheusMetrics::State::RegisterPeerMetrics() {
+  using prometheus::BuildCounter, prometheus::BuildGauge, prometheus::BuildHistogram;
+  auto& r = *registry;
+  peer_joiners = &BuildGauge().Name("weightd_peer_joiners")
+                      .Help("Peer transfer sessions this seed serves now.").Register(r).Add({});
+  peer_bytes_sent = &BuildCounter().Name("weightd_peer_bytes_sent_total")
+                         .Help("Bytes joiners reported reading from this seed, by joiner address.").Register(r);
+  peer_bytes_received = &BuildCounter().Name("weightd_peer_bytes_received_total")
+                             .Help("Bytes received from seeds, by peer address (failed transfers included).")
+                             .Register(r);
+  peer_seed_duration = &BuildHistogram().Name("weightd_peer_seed_duration_seconds")
+                            .Help("Duration of verified seedings from a peer, from the request to READY.")
+                            .Register(r).Add({}, LoadBuckets());
+  peer_seed_throughput = &BuildGauge().Name("weightd_peer_seed_throughput_bytes_per_second")
+                              .Help("Host bytes per second of the last verified seeding from a peer.").Register(r)
+                              .Add({});
+  peer_fallbacks = &BuildCounter().Name("weightd_peer_fallbacks_total")
+                        .Help("Peers given up during a load, by reason (then the next peer, then storage).")
+                        .Register(r);
+  for (const char* reason : kPeerFallbackReasons) peer_fallbacks->Add({{"reason", reason}});
+}
+
+void PrometheusMetrics::PeerJoiners(int open) { state_->peer_joiners->Set(open); }
+
+void PrometheusMetrics::PeerBytesSent(absl::string_view peer, uint64_t bytes) {
+  state_->peer_bytes_sent->Add({{"peer", std::string(peer)}}).Increment(static_cast<double>(bytes));
+}
+
+void PrometheusMetrics::PeerBytesReceived(absl::string_view peer, uint64_t bytes) {
+  state_->peer_bytes_received->Add({{"peer", std::string(peer)}}).Increment(static_cast<double>(bytes));
+}
+
+void PrometheusMetrics::PeerSeeded(absl::string_view, uint64_t bytes, double seconds) {
+  state_->peer_seed_duration->Observe(seconds);
+  if (seconds > 0) state_->peer_seed_throughput->Set(static_cast<double>(bytes) / seconds);
+}
+
+void PrometheusMetrics::PeerFallback(absl::string_view reason) {
+  state_->peer_fallbacks->Add({{"reason", std::string(reason)}}).Increment();
 }
 
 }  // namespace weightd

@@ -50,6 +50,16 @@ class Metrics {
   // `reason` (one of kRestoreDropReasons).
   virtual void ModelsRestored(int models, double seconds) {}
   virtual void RestoreRecordDropped(absl::string_view reason) {}
+  // Peer seeding (server/peer_seed.h, server/peer_join.h). Seed side: the
+  // transfer sessions open now; a joiner's report of `bytes` it read.
+  // Joiner side: `bytes` received from `peer` (as they arrive); a verified
+  // seeding of `bytes` from `peer` in `seconds`; a fall-back away from a
+  // peer for `reason` (one of kPeerFallbackReasons, server/peer_join.h).
+  virtual void PeerJoiners(int open) {}
+  virtual void PeerBytesSent(absl::string_view peer, uint64_t bytes) {}
+  virtual void PeerBytesReceived(absl::string_view peer, uint64_t bytes) {}
+  virtual void PeerSeeded(absl::string_view peer, uint64_t bytes, double seconds) {}
+  virtual void PeerFallback(absl::string_view reason) {}
 };
 
 // The models held, as the registry lists them at one moment.
@@ -107,6 +117,11 @@ class PrometheusMetrics : public Metrics {
   void UpdateAborted(absl::string_view reason) override;
   void ModelsRestored(int models, double seconds) override;
   void RestoreRecordDropped(absl::string_view reason) override;
+  void PeerJoiners(int open) override;
+  void PeerBytesSent(absl::string_view peer, uint64_t bytes) override;
+  void PeerBytesReceived(absl::string_view peer, uint64_t bytes) override;
+  void PeerSeeded(absl::string_view peer, uint64_t bytes, double seconds) override;
+  void PeerFallback(absl::string_view reason) override;
 
   struct State;
 

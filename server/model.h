@@ -43,6 +43,9 @@ struct LoadRequest {
   uint32_t tp_size = 1;
   std::vector<TpRule> tp_rules;
   std::vector<std::string> devices;
+  // Peers (HOST:PORT) to seed from before storage (server/peer_join.h);
+  // not part of the plan.
+  std::vector<std::string> peers;
   // Same placement and TP plan (patterns, tp_size, rules, devices), whatever
   // the checkpoint path: a generation loaded with the same plan may share the
   // segments of unchanged files (see LoadGeneration).
@@ -139,6 +142,10 @@ class ModelGeneration {
   std::vector<RankManifest> ranks;  // tp_size entries
   std::string fingerprint;          // 32 hex digits
   std::string version_label;        // set by a writer's commit (e.g. "step-1200"); empty for loads from disk
+  // Where its bytes came from: "storage", "writer" (a commit),
+  // "peer HOST:PORT" (seeded from that peer; see server/peer_join.h), or
+  // "fd store" (restored by a restarted daemon, server/restore.h).
+  std::string source;
   double load_seconds = 0;
   uint64_t checkpoint_bytes = 0;  // tensor bytes of the checkpoint
   uint64_t host_bytes = 0;     // bytes of its host segments, shared ones included

@@ -1,5 +1,7 @@
 #include "server/registry.h"
 
+#include "server/peer_join.h"
+
 #include <algorithm>
 #include <cstring>
 #include <random>
@@ -231,8 +233,13 @@ absl::StatusOr<ModelRegistry::LoadResult> ModelRegistry::Load(LoadRequest reques
     record->bytes_done = p.bytes_done;
     if (progress) progress(p);
   };
-  absl::StatusOr<std::unique_ptr<ModelGeneration>> loaded =
-      LoadGeneration(*catalog, request, options_.loader, track, previous.get());
+  absl::StatusOr<std::unique_ptr<ModelGeneration>> loaded = absl::NotFoundError("not seeded from a peer");
+  // A READY generation with the same plan (a reload) shares its unchanged
+  // files instead: peers seed only names this node does not serve yet.
+  if (options_.peers != nullptr && previous == nullptr && !options_.peers->PeersFor(request).empty()) {
+    loaded = options_.peers->Load(*catalog, request, options_.loader, track);  // each failure logged there
+  }
+  if (!loaded.ok()) loaded = LoadGeneration(*catalog, request, options_.loader, track, previous.get());
   if (!loaded.ok()) return fail(loaded.status());
   LoadResult result = Publish(std::move(*loaded), *catalog);
   if (options_.loader.mlock) pinner_->Pin(result.model);

@@ -31,6 +31,8 @@
 
 namespace weightd {
 
+class PeerJoiner;
+
 // Told about state changes (health, metrics). Called with the registry lock
 // held: implementations must be quick, thread-safe, and never call back into
 // the registry.
@@ -75,6 +77,10 @@ struct RegistryOptions {
   std::function<std::chrono::steady_clock::time_point()> clock;
   // Bounds of the watch streams (Watch, --max-watchers).
   ModelEventHubOptions watch;
+  // Seeds loads that name peers (LoadRequest::peers or the config's) from
+  // other nodes before storage (server/peer_join.h); null: storage only.
+  // Not owned.
+  PeerJoiner* peers = nullptr;
 };
 
 class ModelRegistry {
@@ -89,7 +95,10 @@ class ModelRegistry {
   };
   // Validates the request, resolves the path under a model root (symlinks
   // included; PERMISSION_DENIED outside), catalogs, and loads a new
-  // generation; or reuses the READY one loaded from the same unchanged files
+  // generation (from the first peer that serves the same checkpoint and
+  // plan when peers are named and the name has no READY generation with
+  // the same plan, see server/peer_join.h; else, or when none does, from
+  // storage); or reuses the READY one loaded from the same unchanged files
   // with the same plan. ALREADY_EXISTS while another load of the name runs.
   //
   // While it runs, ListAll() shows a LOADING record of the load with its

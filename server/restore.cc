@@ -121,6 +121,7 @@ class Restorer {
   // Checks every segment of `record` and adopts them into its model.
   std::optional<Refusal> Adopt(StateRecord& record, RestoredModel& out) {
     ModelGeneration& m = *record.model;
+    m.source = "fd store";  // DESIGN.md "source": a restarted daemon's generation
     if (options_.model_roots == nullptr || !options_.model_roots->Contains(m.request.checkpoint_path)) {
       return Refusal{"outside_model_roots", absl::StrCat(m.request.checkpoint_path, " is under no --model-root (",
                                                          options_.model_roots ? options_.model_roots->Describe() : "", ")")};

@@ -10,6 +10,7 @@
 #include "server/attach_encoding.h"
 #include "server/convert.h"
 #include "server/manifest_pages.h"
+#include "server/peer_join.h"
 #include "server/watch_stream.h"
 
 namespace weightd {
@@ -24,7 +25,8 @@ absl::Status CheckLoadRequest(const v1::LoadModelRequest& r) {
   for (const auto& rule : r.tp_rules()) {
     if (rule.pattern().empty()) return absl::InvalidArgumentError("a TP rule has an empty pattern");
   }
-  return absl::OkStatus();
+  std::vector<std::string> peers(r.peers().begin(), r.peers().end());
+  return ValidatePeerList(peers, "peers");
 }
 
 grpc::Status AdminOnly(const char* method) {
@@ -72,7 +74,8 @@ grpc::Status WeightdService::FinishLoad(const absl::StatusOr<ModelRegistry::Load
   uint64_t read = result->reused ? 0 : model.bytes_read;
   done.set_bytes_done(read);
   done.set_bytes_total(read);
-  done.set_bytes_reused(model.checkpoint_bytes - read);
+  bool seeded = model.source.rfind("peer ", 0) == 0;  // from a peer's memory: nothing shared with a generation before
+  done.set_bytes_reused(seeded ? 0 : model.checkpoint_bytes - read);
   done.set_seconds(result->reused ? 0 : model.load_seconds);
   ToProto(model, done.mutable_model());
   writer->Write(done);

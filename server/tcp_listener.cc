@@ -38,17 +38,17 @@ std::string Mode(const DaemonConfig& c) {
   return absl::StrCat(transport, c.grpc_tcp_admin ? ", admin" : ", read-only");
 }
 
-// A TCP socket bound to "HOST:PORT" (IPv4, "[IPv6]", or a name; port 0
-// picks one) and listening; the bound port in *port.
-absl::StatusOr<ScopedFd> ListenTcp(const std::string& address, int* port) {
+}  // namespace
+
+absl::StatusOr<ScopedFd> ListenTcp(const std::string& address, int* port, const std::string& flag) {
   absl::StatusOr<AddrInfoPtr> resolved = ResolveTcpAddress(address, AI_PASSIVE);
-  if (!resolved.ok()) return Annotate(resolved.status(), "--grpc-address");
+  if (!resolved.ok()) return Annotate(resolved.status(), flag);
   const addrinfo* info = resolved->get();
   ScopedFd sock(socket(info->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
   int one = 1;
   if (!sock.valid() || setsockopt(sock.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one) != 0 ||
       bind(sock.get(), info->ai_addr, info->ai_addrlen) != 0 || listen(sock.get(), SOMAXCONN) != 0) {
-    return ErrnoToStatus(absl::StrCat("cannot listen on --grpc-address ", address), errno);
+    return ErrnoToStatus(absl::StrCat("cannot listen on ", flag, " ", address), errno);
   }
   sockaddr_storage bound{};
   socklen_t len = sizeof bound;
@@ -58,7 +58,6 @@ absl::StatusOr<ScopedFd> ListenTcp(const std::string& address, int* port) {
   return sock;
 }
 
-}  // namespace
 
 TcpListener::~TcpListener() { Shutdown(); }
 
@@ -78,7 +77,7 @@ absl::StatusOr<std::unique_ptr<TcpListener>> TcpListener::Start(const DaemonConf
   bool plain = config.grpc_tls_cert.empty();
   ScopedFd plain_listener;
   if (plain) {
-    WEIGHTD_ASSIGN_OR_RETURN(plain_listener, ListenTcp(config.grpc_address, &tcp->port_));
+    WEIGHTD_ASSIGN_OR_RETURN(plain_listener, ListenTcp(config.grpc_address, &tcp->port_, "--grpc-address"));
   } else {
     builder.AddListeningPort(config.grpc_address, credentials, &tcp->port_);
   }

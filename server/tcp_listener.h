@@ -29,6 +29,10 @@
 
 namespace weightd {
 
+// A TCP socket bound to "HOST:PORT" (IPv4, "[IPv6]", or a name; port 0
+// picks one) and listening; the bound port in *port. Errors name `flag`.
+absl::StatusOr<ScopedFd> ListenTcp(const std::string& address, int* port, const std::string& flag);
+
 class TcpListener {
  public:
   // Listens on config.grpc_address ("HOST:PORT"; port 0 picks one) with the

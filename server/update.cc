@@ -357,6 +357,7 @@ absl::StatusOr<CommitOutcome> SealAndVerify(StagedUpdate& update, const CommitOp
   gen->tensor_count = base.tensor_count;
   gen->checkpoint_bytes = base.checkpoint_bytes;
   gen->version_label = options.version_label;
+  gen->source = "writer";
   absl::flat_hash_set<uint32_t> replaced;  // segment ids whose memory is new
   for (const StagedSegment& s : update.segments) {
     if (s.base_id == kDeviceStaging) continue;  // uploaded below, then dropped with the update

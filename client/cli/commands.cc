@@ -21,6 +21,8 @@ const std::vector<Command>& Commands() {
          {"--tp-size", OptionKind::kInteger, "N", "the number of tensor-parallel ranks", "1", 1, 1024},
          {"--tp-rule", OptionKind::kTextList, "PATTERN:DIM", "split tensors whose name contains PATTERN along DIM"},
          {"--devices", OptionKind::kText, "LIST", "GPUs, one per rank: comma-separated UUIDs or ordinals"},
+         {"--peer", OptionKind::kTextList, "HOST:PORT",
+          "seed from this peer's memory (another node's weightd --peer-address) before storage; repeatable"},
          Json()}},
        RunLoad},
       {"reload", "load the next generation of model NAME with its plan, reading only the files that changed",

@@ -4,6 +4,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "client/cli/commands.h"
@@ -34,6 +35,7 @@ json SummaryJson(const ModelSummary& m) {
           {"leases", m.leases},
           {"fingerprint", m.fingerprint},
           {"version_label", m.version_label},
+          {"source", m.source},
           {"tensor_count", m.tensor_count},
           {"tp_size", m.tp_size},
           {"checkpoint_path", m.checkpoint_path},
@@ -52,6 +54,7 @@ absl::StatusOr<LoadOptions> ParseLoadOptions(const Args& args) {
     }
     options.tp_rules.emplace_back(rule.substr(0, colon), dim);
   }
+  options.peers = args.List("--peer");
   if (std::optional<std::string> devices = args.Text("--devices")) {
     for (absl::string_view d : absl::StrSplit(*devices, ',', absl::SkipEmpty())) options.devices.emplace_back(d);
   }
@@ -77,11 +80,18 @@ int ReportLoad(const absl::StatusOr<LoadResult>& result, bool as_json, const cha
                 {"reused", result->reused}, {"tensors", m.tensor_count}, {"host_bytes", m.host_bytes},
                 {"device_bytes", m.device_bytes}, {"locked_bytes", m.locked_bytes}, {"warnings", m.warnings},
                 {"bytes_read", result->bytes_read}, {"bytes_reused", result->bytes_reused},
-                {"bytes_shared", m.bytes_shared}};
+                {"bytes_shared", m.bytes_shared}, {"source", m.source}};
     ctx.out << doc.dump(2) << "\n";
   } else if (result->reused) {
     ctx.out << absl::StrFormat("'%s' generation %d is already loaded from the same files: reused (fingerprint %s)\n",
                                m.name, m.generation, m.fingerprint);
+  } else if (absl::StartsWith(m.source, "peer ")) {
+    ctx.out << absl::StrFormat("%s '%s' generation %d: %d tensors, %s in %.3f s (%.2f GB/s), fingerprint %s\n", verb,
+                               m.name, m.generation, m.tensor_count, HumanBytes(bytes), seconds,
+                               seconds > 0 ? static_cast<double>(m.host_bytes) / seconds / 1e9 : 0.0, m.fingerprint);
+    ctx.out << absl::StrFormat("  received %s (%d bytes) of host segments from %s, read %s (%d bytes) from storage\n",
+                               HumanBytes(m.host_bytes), m.host_bytes, m.source, HumanBytes(result->bytes_read),
+                               result->bytes_read);
   } else {
     uint64_t read = result->bytes_read;
     ctx.out << absl::StrFormat("%s '%s' generation %d: %d tensors, %s in %.3f s (%.2f GB/s), fingerprint %s\n", verb,
@@ -140,16 +150,17 @@ int RunList(const Args& args, Context& ctx) {
     ctx.out << json{{"models", list}}.dump(2) << "\n";
     return kExitOk;
   }
-  ctx.out << absl::StrFormat("%-24s %5s %-9s %12s %12s %12s %6s  %-16s %s\n", "NAME", "GEN", "STATE", "HOST",
-                             "HUGE PAGES", "DEVICE", "LEASES", "LABEL", "FINGERPRINT");
+  ctx.out << absl::StrFormat("%-24s %5s %-9s %12s %12s %12s %6s  %-16s %-24s %s\n", "NAME", "GEN", "STATE", "HOST",
+                             "HUGE PAGES", "DEVICE", "LEASES", "LABEL", "SOURCE", "FINGERPRINT");
   for (const ModelSummary& m : *models) {
     std::string last = m.fingerprint;  // a LOADING or FAILED entry has none: its progress or error instead
     if (m.state == "LOADING") last = absl::StrCat(HumanBytes(m.bytes_done), " of ", HumanBytes(m.bytes_total), " read");
     if (m.state == "FAILED") last = m.error;
     std::string label = m.version_label.empty() ? "-" : absl::CEscape(m.version_label);
-    ctx.out << absl::StrFormat("%-24s %5d %-9s %12s %12s %12s %6d  %-16s %s\n", m.name, m.generation, m.state,
+    std::string source = m.source.empty() ? "-" : absl::CEscape(m.source);
+    ctx.out << absl::StrFormat("%-24s %5d %-9s %12s %12s %12s %6d  %-16s %-24s %s\n", m.name, m.generation, m.state,
                                HumanBytes(m.host_bytes), HumanBytes(m.huge_page_bytes), HumanBytes(DeviceTotal(m)),
-                               m.leases, label, last);
+                               m.leases, label, source, last);
   }
   return kExitOk;
 }

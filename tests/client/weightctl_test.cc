@@ -134,7 +134,7 @@ TEST(Weightctl, UsageLinesFollowTheDesignContract) {
   std::map<std::string, std::string> usage;
   for (const Command& command : Commands()) usage[command.name] = Usage(command);
   EXPECT_EQ(usage["load"], "load NAME PATH [--host-resident PATTERN ...] [--tp-size N] [--tp-rule PATTERN:DIM ...] "
-                           "[--devices LIST] [--json]");
+                           "[--devices LIST] [--peer HOST:PORT ...] [--json]");
   EXPECT_EQ(usage["ls"], "ls [--json]");
   EXPECT_EQ(usage["manifest"], "manifest NAME [--rank R] [--json]");
   EXPECT_EQ(usage["attach"], "attach NAME [--rank R] [--verify CHECKPOINT_DIR] [--hold SECONDS] [--prefault] [--json]");

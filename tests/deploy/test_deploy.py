@@ -42,8 +42,9 @@ HEALTH_PORT = 9401
 MODELS_MOUNT = "/models"
 DEVICE_BACKENDS = {"auto", "cuda", "cuda-legacy-ipc", "emulated", "none"}
 VALUE_FLAGS = {"--socket", "--model-root", "--metrics-address", "--health-address",
-               "--device-backend", "--config", "--preload"}
-REPEATABLE_FLAGS = {"--model-root", "--preload"}
+               "--device-backend", "--config", "--preload", "--peer-address", "--peers"}
+REPEATABLE_FLAGS = {"--model-root", "--preload", "--peers"}
+PEER_PORT = 7400
 CONFIG_KEYS = {"socket", "fd_socket", "model_root", "metrics_address", "health_address",
                "device_backend", "preload", "allowed_gids", "lease_claim_timeout_seconds",
                "load_threads", "mlock"}
@@ -406,6 +407,27 @@ def daemonset_checks():
     @check("daemonset: hostIPC is explicitly false")
     def _():
         expect(spec.get("hostIPC") is False, "hostIPC is %r, expected false" % spec.get("hostIPC"))
+
+    @check("daemonset: peers on port %d, discovered through a headless Service that selects the pods" % PEER_PORT)
+    def _():
+        argv = list(c.get("command") or []) + list(c.get("args") or [])
+        flags = parse_flags(argv[1:])
+        expect(flags.get("--peer-address") == ["0.0.0.0:%d" % PEER_PORT], "--peer-address must be 0.0.0.0:%d" % PEER_PORT)
+        ports = {p["containerPort"]: p for p in c.get("ports") or []}
+        expect(PEER_PORT in ports and ports[PEER_PORT].get("name") == "peer", "containerPort %d named peer missing" % PEER_PORT)
+        services = [d for d in load_yaml_docs(path) if d.get("kind") == "Service"]
+        expect(len(services) == 1, "expected one Service beside the DaemonSet, found %d" % len(services))
+        svc = services[0]
+        expect(svc["spec"].get("clusterIP") == "None", "the peer Service must be headless (clusterIP: None)")
+        labels = pod_metadata(obj).get("labels") or {}
+        for k, v in (svc["spec"].get("selector") or {}).items():
+            expect(labels.get(k) == v, "Service selector %s=%s does not match the pods" % (k, v))
+        expect(svc["spec"].get("selector"), "the peer Service selects nothing")
+        svc_ports = {p["port"]: p for p in svc["spec"].get("ports") or []}
+        expect(PEER_PORT in svc_ports, "the peer Service does not expose port %d" % PEER_PORT)
+        name = svc["metadata"]["name"]
+        expect(any(p.split(":")[0] == name and port_of(p) == PEER_PORT for p in flags.get("--peers", [])),
+               "--peers must name the Service %s:%d" % (name, PEER_PORT))
 
     @check("daemonset: models hostPath is mounted read-only")
     def _():

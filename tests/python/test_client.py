@@ -510,3 +510,16 @@ def test_watch_ends_with_unavailable_when_the_daemon_stops(tmp_path):
     with pytest.raises(weightd.WeightdError) as e:
         next(watch)
     assert e.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_load_with_an_unreachable_peer_falls_back_to_storage(daemon, demo_small):
+    result = daemon.client.load("demo-peerless", demo_small, peers=["127.0.0.1:1"])
+    try:
+        assert result.model.state == "READY"
+        assert result.model.source == "storage"
+        listed = {m.name: m for m in daemon.client.list()}
+        assert listed["demo-peerless"].source == "storage"
+        assert listed["demo-peerless"].fingerprint == listed["demo-small"].fingerprint
+    finally:
+        daemon.client.unload("demo-peerless")
+    assert "peer 127.0.0.1:1 did not seed 'demo-peerless' (unavailable)" in daemon.log.read_text()

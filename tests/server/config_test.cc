@@ -185,6 +185,32 @@ TEST(DaemonConfig, WatchBoundsDefaultParseAndRefuseOutOfRange) {
   EXPECT_NE(DaemonUsage().find("[--max-watchers N]"), std::string::npos);
 }
 
+TEST(DaemonConfig, PeerKeysDefaultParseAndRefuseBadValues) {
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(ParsedArgs defaults, ParseDaemonArgs({}));
+  EXPECT_EQ(defaults.config.peer_address, "");
+  EXPECT_TRUE(defaults.config.peers.empty());
+  EXPECT_EQ(defaults.config.peer_max_joiners, 4);
+  EXPECT_EQ(defaults.config.peer_deadline_seconds, 600);
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(
+      ParsedArgs parsed, ParseDaemonArgs({"--peer-address", "0.0.0.0:0", "--peers", "node-a:7400", "--peer", "[::1]:7400",
+                                          "--peer-max-joiners", "2", "--peer-deadline-seconds", "30"}));
+  EXPECT_EQ(parsed.config.peer_address, "0.0.0.0:0");
+  EXPECT_EQ(parsed.config.peers, (std::vector<std::string>{"node-a:7400", "[::1]:7400"}));
+  EXPECT_EQ(parsed.config.peer_max_joiners, 2);
+  EXPECT_EQ(parsed.config.peer_deadline_seconds, 30);
+  EXPECT_THAT(ParseDaemonArgs({"--peers", "node-a"}),
+              StatusIs(Code::kInvalidArgument, "--peers: 'node-a' is not HOST:PORT"));
+  EXPECT_THAT(ParseDaemonArgs({"--peer-address", "node-a"}),
+              StatusIs(Code::kInvalidArgument, "--peer-address must be HOST:PORT (port 0 picks one), got 'node-a'"));
+  EXPECT_THAT(ParseDaemonArgs({"--peer-max-joiners", "0"}),
+              StatusIs(Code::kInvalidArgument, "--peer-max-joiners must be in [1, 1024], got 0"));
+  EXPECT_THAT(ParseDaemonArgs({"--peer-deadline-seconds", "0"}),
+              StatusIs(Code::kInvalidArgument, "--peer-deadline-seconds must be in (0, 86400], got 0"));
+  EXPECT_THAT(ParseDaemonArgs({"--peer-test-fault", "explode"}),
+              StatusIs(Code::kInvalidArgument, "--peer-test-fault must be corrupt or stall (tests only), got 'explode'"));
+  EXPECT_NE(DaemonUsage().find("[--peer-address HOST:PORT]"), std::string::npos);
+}
+
 TEST(DaemonConfig, ReliabilityBoundsParseAndRefuseOutOfRange) {
   WEIGHTD_ASSERT_OK_AND_ASSIGN(
       ParsedArgs parsed, ParseDaemonArgs({"--fd-socket-max-connections", "2", "--grpc-max-connections", "3", "--grpc-max-threads", "8",
@@ -264,7 +290,7 @@ TEST(DaemonConfig, ConfigToJsonRoundTripsThroughConfigFile) {
   EXPECT_TRUE(reread.config.grpc_tcp_admin);
   EXPECT_EQ(reread.config.grpc_tls_client_ca, "/t/ca.pem");
   EXPECT_FALSE(reread.config.huge_pages);
-  EXPECT_EQ(json.size(), 26u);  // every DaemonConfig field, so a new one cannot be forgotten silently
+  EXPECT_EQ(json.size(), 31u);  // every DaemonConfig field, so a new one cannot be forgotten silently
 }
 
 }  // namespace

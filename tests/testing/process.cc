@@ -126,6 +126,14 @@ int DaemonProcess::TcpListenerPort() {
   return std::stoi(m[1]);
 }
 
+int DaemonProcess::LoggedPort(const std::string& prefix) {
+  std::string log = process_->Stderr();
+  std::string needle = prefix + "127.0.0.1:";
+  size_t at = log.find(needle);
+  if (at == std::string::npos) return 0;
+  return std::atoi(log.c_str() + at + needle.size());
+}
+
 int DaemonProcess::Stop() {
   process_->Signal(SIGTERM);
   return process_->Wait();

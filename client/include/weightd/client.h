@@ -109,6 +109,7 @@ struct ModelSummary {
   uint64_t bytes_read = 0;
   uint64_t bytes_shared = 0;
   std::string version_label;  // a writer's tag of the generation (e.g. "step-1200"); "" for loads from disk
+  std::string source;         // where its bytes came from: "storage", "writer", or "peer HOST:PORT"
 };
 
 // What UpgradeDaemon started.
@@ -123,6 +124,10 @@ struct LoadOptions {
   uint32_t tp_size = 1;
   std::vector<std::pair<std::string, uint32_t>> tp_rules;  // {pattern, dim}
   std::vector<std::string> devices;                        // GPU UUIDs or ordinals, one per rank
+  // Other nodes' weightd peer addresses (HOST:PORT), asked in order to seed
+  // the model from their memory before storage is read (docs/operations.md
+  // "Peer seeding"); at most 64.
+  std::vector<std::string> peers;
 };
 
 struct AttachOptions {

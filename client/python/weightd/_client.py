@@ -61,15 +61,19 @@ class Client:
     def __exit__(self, *exc):
         self.close()
 
-    def load(self, name, checkpoint_path, *, host_resident=(), tp_size=1, tp_rules=(), devices=(), progress=None):
+    def load(self, name, checkpoint_path, *, host_resident=(), tp_size=1, tp_rules=(), devices=(), peers=(),
+             progress=None):
         """Loads (or reuses) `checkpoint_path` under `name`; returns a LoadResult.
 
-        tp_rules: (pattern, dim) pairs. progress: called with a LoadProgress
-        for each progress message.
+        tp_rules: (pattern, dim) pairs. peers: "HOST:PORT" of other nodes'
+        weightd --peer-address, asked in order to seed the model from their
+        memory before storage is read (ModelInfo.source says which served).
+        progress: called with a LoadProgress for each progress message.
         """
         request = pb.LoadModelRequest(
             name=name, checkpoint_path=os.fspath(checkpoint_path), host_resident_patterns=list(host_resident),
-            tp_size=tp_size, tp_rules=[pb.TpRule(pattern=p, dim=d) for p, d in tp_rules], devices=list(devices))
+            tp_size=tp_size, tp_rules=[pb.TpRule(pattern=p, dim=d) for p, d in tp_rules], devices=list(devices),
+            peers=list(peers))
         return self._load_stream(self._stub.LoadModel, request, progress)
 
     def reload(self, name, checkpoint_path=None, *, progress=None):

@@ -24,6 +24,7 @@ class ModelInfo:
     bytes_read: int = 0    # tensor bytes read from storage (or written by a writer)
     bytes_shared: int = 0  # segment bytes shared with the generation before
     version_label: str = ""  # a writer's tag of the generation (e.g. "step-1200"); "" for loads from disk
+    source: str = ""  # where its bytes came from: "storage", "writer" or "peer HOST:PORT"
 
     @classmethod
     def from_proto(cls, m):
@@ -33,7 +34,7 @@ class ModelInfo:
             device_bytes={d.gpu_uuid: d.bytes for d in m.device_bytes}, leases=m.leases,
             fingerprint=m.fingerprint, tensor_count=m.tensor_count, tp_size=m.tp_size,
             load_seconds=m.load_seconds, error=m.error, bytes_read=m.bytes_read, bytes_shared=m.bytes_shared,
-            version_label=m.version_label)
+            version_label=m.version_label, source=m.source)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,232 @@
+// End-to-end peer seeding (issue 16): real weightd processes on one
+// machine seed each other over real UCX, on loopback TCP only. The test
+// sets UCX_TLS=tcp and UCX_NET_DEVICES=lo for the daemons it starts, so
+// UCX takes the network path (not shared memory) as between two nodes.
+#include <grpcpp/grpcpp.h>
+#include <signal.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "tests/testing/process.h"
+#include "tests/testing/scrape.h"
+#include "weightd/v1/peer.grpc.pb.h"
+#include "weightd/v1/weightd.grpc.pb.h"
+
+namespace weightd {
+namespace {
+
+using json = nlohmann::json;
+using testing::CommandResult;
+using testing::DaemonProcess;
+
+constexpr char kModel[] = "m";
+
+class PeerE2e : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    setenv("UCX_TLS", "tcp", 1);  // inherited by the daemons this test starts
+    setenv("UCX_NET_DEVICES", "lo", 1);
+  }
+
+  // A daemon serving peers on a loopback port, with metrics, and the tiny
+  // demo checkpoint (identical bytes on every "node") under its model root.
+  std::unique_ptr<DaemonProcess> Node(std::vector<std::string> extra = {}) {
+    std::vector<std::string> args = {"--peer-address", "127.0.0.1:0", "--metrics-address", "127.0.0.1:0",
+                                     "--mlock", "false"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    auto d = std::make_unique<DaemonProcess>(args);
+    CommandResult demo = d->Ctl({"make-demo", d->models_dir() + "/demo", "--preset", "tiny"});
+    EXPECT_EQ(demo.code, 0) << demo.err;
+    return d;
+  }
+  static std::string PeerOf(DaemonProcess& d) {
+    int port = d.LoggedPort("peer listener on ");
+    EXPECT_GT(port, 0) << d.process().Stderr();
+    return absl::StrCat("127.0.0.1:", port);
+  }
+  static json Ls(DaemonProcess& d) {
+    CommandResult ls = d.Ctl({"ls", "--json"});
+    EXPECT_EQ(ls.code, 0) << ls.err;
+    return json::parse(ls.out)["models"][0];
+  }
+  static double Metric(DaemonProcess& d, const std::string& series) {
+    absl::StatusOr<std::string> body = testing::HttpGet(d.LoggedPort("metrics on http://"), "/metrics");
+    if (!body.ok()) return -1;
+    return testing::SampleValue(*body, series).value_or(-1);
+  }
+  // Polls until `series` of `d` reads `value` (20 s at most).
+  static bool AwaitMetric(DaemonProcess& d, const std::string& series, double value) {
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (std::chrono::steady_clock::now() < deadline) {
+      if (Metric(d, series) == value) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return false;
+  }
+  static void ExpectVerifies(DaemonProcess& d) {
+    CommandResult attach = d.Ctl({"attach", kModel, "--verify", d.models_dir() + "/demo", "--json"});
+    ASSERT_EQ(attach.code, 0) << attach.err;
+    EXPECT_EQ(json::parse(attach.out)["verified"], true);
+  }
+};
+
+TEST_F(PeerE2e, ChainSeedsEachNodeFromThePreviousAndVerifies) {
+  auto a = Node(), b = Node(), c = Node();
+  ASSERT_EQ(a->Ctl({"load", kModel, "demo"}).code, 0);
+  json from_storage = Ls(*a);
+  EXPECT_EQ(from_storage["source"], "storage");
+
+  CommandResult load_b = b->Ctl({"load", kModel, "demo", "--peer", PeerOf(*a), "--json"});
+  ASSERT_EQ(load_b.code, 0) << load_b.err << b->process().Stderr();
+  json seeded = Ls(*b);
+  EXPECT_EQ(seeded["state"], "READY");
+  EXPECT_EQ(seeded["source"], "peer " + PeerOf(*a));
+  EXPECT_EQ(seeded["fingerprint"], from_storage["fingerprint"]);
+  ExpectVerifies(*b);
+  uint64_t host_bytes = seeded["host_bytes"];
+  EXPECT_EQ(Metric(*b, absl::StrCat("weightd_peer_bytes_received_total{peer=\"", PeerOf(*a), "\"}")),
+            static_cast<double>(host_bytes));
+  EXPECT_TRUE(AwaitMetric(*a, "weightd_peer_joiners", 0));
+
+  // Fan-out: B, seeded, is a seed in turn.
+  CommandResult load_c = c->Ctl({"load", kModel, "demo", "--peer", PeerOf(*b)});
+  ASSERT_EQ(load_c.code, 0) << load_c.err << c->process().Stderr();
+  EXPECT_EQ(Ls(*c)["source"], "peer " + PeerOf(*b));
+  EXPECT_EQ(Ls(*c)["fingerprint"], from_storage["fingerprint"]);
+  ExpectVerifies(*c);
+}
+
+TEST_F(PeerE2e, SeedKilledMidTransferFallsBackToStorage) {
+  auto a = Node({"--peer-test-fault", "stall"}), b = Node();
+  ASSERT_EQ(a->Ctl({"load", kModel, "demo"}).code, 0);
+  std::string peer = PeerOf(*a);
+  testing::TempDir out;
+  testing::Process load(b->CtlArgv({"load", kModel, "demo", "--peer", peer}), out.path());
+  ASSERT_TRUE(AwaitMetric(*a, "weightd_peer_joiners", 1)) << a->process().Stderr();
+  a->process().Signal(SIGKILL);  // the seed dies with the transfer stalled half-way
+  ASSERT_EQ(load.Wait(), 0) << load.Stderr() << b->process().Stderr();
+  EXPECT_EQ(Ls(*b)["source"], "storage");
+  ExpectVerifies(*b);
+  EXPECT_NE(b->process().Stderr().find("peer " + peer + " did not seed 'm' (transfer_failed)"), std::string::npos)
+      << b->process().Stderr();
+  EXPECT_EQ(Metric(*b, "weightd_peer_fallbacks_total{reason=\"transfer_failed\"}"), 1);
+}
+
+TEST_F(PeerE2e, CorruptedByteIsCaughtByTheHashAndRefused) {
+  auto a = Node({"--peer-test-fault", "corrupt"}), b = Node();
+  ASSERT_EQ(a->Ctl({"load", kModel, "demo"}).code, 0);
+  std::string peer = PeerOf(*a);
+  CommandResult load = b->Ctl({"load", kModel, "demo", "--peer", peer});
+  ASSERT_EQ(load.code, 0) << load.err << b->process().Stderr();
+  EXPECT_EQ(Ls(*b)["source"], "storage");
+  EXPECT_EQ(Ls(*b)["fingerprint"], Ls(*a)["fingerprint"]);
+  ExpectVerifies(*b);
+  EXPECT_NE(b->process().Stderr().find("peer " + peer + " did not seed 'm' (hash_mismatch)"), std::string::npos)
+      << b->process().Stderr();
+  EXPECT_EQ(Metric(*b, "weightd_peer_fallbacks_total{reason=\"hash_mismatch\"}"), 1);
+  EXPECT_TRUE(AwaitMetric(*a, "weightd_peer_joiners", 0));
+  EXPECT_NE(a->process().Stderr().find("NOT verified"), std::string::npos) << a->process().Stderr();
+}
+
+TEST_F(PeerE2e, SeedAtItsJoinerLimitSendsTheJoinerToTheNextPeer) {
+  auto full = Node({"--peer-max-joiners", "1"}), other = Node(), b = Node();
+  ASSERT_EQ(full->Ctl({"load", kModel, "demo"}).code, 0);
+  ASSERT_EQ(other->Ctl({"load", kModel, "demo"}).code, 0);
+  // Another joiner holds the only session of `full`.
+  auto stub = v1::Peer::NewStub(grpc::CreateChannel(PeerOf(*full), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext holder;
+  auto stream = stub->Transfer(&holder);
+  v1::PeerTransferRequest ask;
+  ask.set_name(kModel);
+  v1::PeerTransferReply reply;
+  ASSERT_TRUE(stream->Write(ask) && stream->Read(&reply));
+  EXPECT_EQ(reply.model(), kModel);
+  EXPECT_EQ(Metric(*full, "weightd_peer_joiners"), 1);
+
+  CommandResult load = b->Ctl({"load", kModel, "demo", "--peer", PeerOf(*full), "--peer", PeerOf(*other)});
+  ASSERT_EQ(load.code, 0) << load.err << b->process().Stderr();
+  EXPECT_EQ(Ls(*b)["source"], "peer " + PeerOf(*other));
+  ExpectVerifies(*b);
+  EXPECT_NE(b->process().Stderr().find("peer " + PeerOf(*full) + " did not seed 'm' (unavailable)"),
+            std::string::npos)
+      << b->process().Stderr();
+  holder.TryCancel();
+  (void)stream->Finish();
+  EXPECT_TRUE(AwaitMetric(*full, "weightd_peer_joiners", 0));
+}
+
+TEST_F(PeerE2e, UnloadDrainsUntilTheTransferSessionEnds) {
+  auto a = Node();
+  ASSERT_EQ(a->Ctl({"load", kModel, "demo"}).code, 0);
+  auto stub = v1::Peer::NewStub(grpc::CreateChannel(PeerOf(*a), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  auto stream = stub->Transfer(&context);
+  v1::PeerTransferRequest ask;
+  ask.set_name(kModel);
+  v1::PeerTransferReply reply;
+  ASSERT_TRUE(stream->Write(ask) && stream->Read(&reply));
+  CommandResult unload = a->Ctl({"unload", kModel});
+  ASSERT_EQ(unload.code, 0) << unload.err;
+  EXPECT_EQ(Ls(*a)["state"], "DRAINING");
+  v1::PeerTransferRequest done;
+  done.set_done(true);
+  ASSERT_TRUE(stream->Write(done));
+  stream->WritesDone();
+  EXPECT_TRUE(stream->Finish().ok());
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (std::chrono::steady_clock::now() < deadline && json::parse(a->Ctl({"ls", "--json"}).out)["models"].size() > 0) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_EQ(json::parse(a->Ctl({"ls", "--json"}).out)["models"].size(), 0u);
+}
+
+// A joiner that never finishes (hung, or gone without its connection
+// closing) cannot hold the lease: the session ends at the seed's limit.
+TEST_F(PeerE2e, SessionOfAJoinerThatNeverFinishesExpires) {
+  auto a = Node({"--peer-deadline-seconds", "1"});
+  ASSERT_EQ(a->Ctl({"load", kModel, "demo"}).code, 0);
+  auto stub = v1::Peer::NewStub(grpc::CreateChannel(PeerOf(*a), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  auto stream = stub->Transfer(&context);
+  v1::PeerTransferRequest ask;
+  ask.set_name(kModel);
+  v1::PeerTransferReply reply;
+  ASSERT_TRUE(stream->Write(ask) && stream->Read(&reply));
+  EXPECT_EQ(reply.session_seconds(), 1);
+  EXPECT_EQ(Ls(*a)["leases"], 1);
+  EXPECT_FALSE(stream->Read(&reply));  // returns when the seed ends the session
+  grpc::Status ended = stream->Finish();
+  EXPECT_EQ(ended.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << ended.error_message();
+  EXPECT_TRUE(AwaitMetric(*a, "weightd_peer_joiners", 0));
+  EXPECT_EQ(Ls(*a)["leases"], 0);
+}
+
+TEST_F(PeerE2e, PeerPortServesNothingButThePeerServiceAndHealth) {
+  auto a = Node();
+  ASSERT_EQ(a->Ctl({"load", kModel, "demo"}).code, 0);
+  auto weightd = v1::Weightd::NewStub(grpc::CreateChannel(PeerOf(*a), grpc::InsecureChannelCredentials()));
+  {
+    grpc::ClientContext context;
+    v1::ListModelsResponse models;
+    EXPECT_EQ(weightd->ListModels(&context, v1::ListModelsRequest(), &models).error_code(),
+              grpc::StatusCode::UNIMPLEMENTED);
+  }
+  {
+    grpc::ClientContext context;
+    v1::UnloadModelRequest unload;
+    unload.set_name(kModel);
+    v1::UnloadModelResponse response;
+    EXPECT_EQ(weightd->UnloadModel(&context, unload, &response).error_code(), grpc::StatusCode::UNIMPLEMENTED);
+  }
+  EXPECT_EQ(Ls(*a)["state"], "READY");
+  CommandResult health = testing::RunCommand({testing::WeightctlBinary(), "--socket", PeerOf(*a), "health"});
+  EXPECT_EQ(health.out, "SERVING\n") << health.err;
+}
+
+}  // namespace
+}  // namespace weightd
