@@ -133,10 +133,17 @@ def measure(ctx, reps):
     finally:
         daemon.send_signal(signal.SIGTERM)
         daemon.wait(timeout=30)
+    # The floor of any restart: starting the binary at all (exec, loading its
+    # shared libraries: gRPC, protobuf, Abseil, UCX, ...), without serving.
+    exec_s = []
+    for _ in range(5):
+        t = time.perf_counter()
+        subprocess.run([ctx.weightd, "--version"], capture_output=True, check=True)
+        exec_s.append(time.perf_counter() - t)
     med = lambda xs: sorted(xs)[len(xs) // 2]
     return {"load_s": load_s, "restart_s": restart_s, "restore_ms": restore_ms, "ready_s": ready_s,
             "load_p50": med(load_s), "restart_p50": med(restart_s), "restore_ms_p50": med(restore_ms),
-            "ready_p50": med(ready_s)}
+            "ready_p50": med(ready_s), "exec_s": exec_s, "exec_p50": med(exec_s)}
 
 
 def wait_for_socket(weightctl, sock, timeout=30):
