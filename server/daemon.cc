@@ -222,6 +222,7 @@ class DaemonImpl final : public Daemon {
       stopping_ = true;
     }
     if (registry_) registry_->CancelLoads();  // a load in flight ends now with UNAVAILABLE
+    if (registry_) registry_->StopPinning();  // its completions call the metrics listener, destroyed before the registry
     if (registry_) registry_->StopWatches();  // watch streams end now with UNAVAILABLE, not at the grace deadline
     if (self_check_thread_.joinable()) self_check_thread_.join();
     acceptor_.reset();  // no new connections

@@ -44,11 +44,22 @@ uint64_t InodeOf(int fd) {
 std::unique_ptr<FdStoreSink> MakeSystemdFdStore() {
   const char* socket = std::getenv("NOTIFY_SOCKET");
   if (socket == nullptr || *socket == '\0') return nullptr;
+  // systemd 254+ says how many fds it keeps ($FDSTORE); older ones say
+  // nothing and drop fds over FileDescriptorStoreMax= without telling us.
+  const char* limit = std::getenv("FDSTORE");
+  uint64_t n = 0;
+  if (limit != nullptr && absl::SimpleAtoi(limit, &n) && n == 0) {
+    LogWarning("fd store: the service manager keeps no fds (FileDescriptorStoreMax=0): models will not survive a "
+               "restart; set FileDescriptorStoreMax= (deploy/systemd/weightd.service)");
+    return nullptr;
+  }
+  if (limit != nullptr) LogInfo(absl::StrCat("fd store: the service manager keeps up to ", limit, " fds"));
   return std::make_unique<SystemdFdStore>();
 }
 
 std::vector<NamedFd> TakeListenFds() {
-  if (std::optional<std::vector<NamedFd>> handed = TakeHandoffFds()) return std::move(*handed);
+  std::optional<std::vector<NamedFd>> handed = TakeHandoffFds();
+  if (handed && !handed->empty()) return std::move(*handed);  // else: what the service manager passed, if anything
   char** names = nullptr;
   int n = sd_listen_fds_with_names(/*unset_environment=*/1, &names);
   std::vector<NamedFd> fds;

@@ -224,6 +224,9 @@ class ModelRegistry {
   // Makes loads in progress (and later ones) fail with UNAVAILABLE at their
   // next block; for shutdown.
   void CancelLoads() { cancel_loads_ = true; }
+  // Stops the pinning thread (shutdown): its completions call the listener,
+  // which may not outlive the daemon's shutdown.
+  void StopPinning() { pinner_->Stop(); }
 
  private:
   struct Lease {

@@ -6,12 +6,14 @@ namespace weightd {
 
 SegmentPinner::SegmentPinner(DoneFn done) : done_(std::move(done)), thread_([this] { Loop(); }) {}
 
-SegmentPinner::~SegmentPinner() {
+SegmentPinner::~SegmentPinner() { Stop(); }
+
+void SegmentPinner::Stop() {
   {
     absl::MutexLock lock(&mu_);
     stop_ = true;
   }
-  thread_.join();
+  std::call_once(joined_, [this] { thread_.join(); });
 }
 
 void SegmentPinner::Pin(const std::shared_ptr<ModelGeneration>& model) {

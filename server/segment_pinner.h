@@ -15,6 +15,7 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <thread>
 
 #include "absl/synchronization/mutex.h"
@@ -36,6 +37,8 @@ class SegmentPinner {
   // Stops at the next segment boundary (pins handed in and not reached are
   // dropped) and joins the thread.
   ~SegmentPinner();
+  // The same, earlier: no `done` runs after it returns. Idempotent.
+  void Stop() ABSL_LOCKS_EXCLUDED(mu_);
   SegmentPinner(const SegmentPinner&) = delete;
   SegmentPinner& operator=(const SegmentPinner&) = delete;
 
@@ -52,6 +55,7 @@ class SegmentPinner {
   mutable absl::Mutex mu_;
   std::deque<std::weak_ptr<ModelGeneration>> queue_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::once_flag joined_;
   std::thread thread_;  // last: started after the members it uses
 };
 

@@ -181,14 +181,22 @@ absl::StatusOr<TensorRecord> DecodeTensor(const json& j, const std::string& wher
   WEIGHTD_ASSIGN_OR_RETURN(t.split_start, Field<uint64_t>(j, "split_start", where));
   WEIGHTD_ASSIGN_OR_RETURN(t.content_hash, Field<uint64_t>(j, "content_hash", where));
   // nbytes = product(shape) * bits / 8, without overflow.
+  // Checked before each multiplication: the product stays below 2^80.
+  constexpr unsigned __int128 kLimit = static_cast<unsigned __int128>(1) << 80;
   unsigned __int128 bits = static_cast<unsigned __int128>(DTypeBits(t.dtype));
   for (uint64_t d : t.shape) {
+    if (d != 0 && bits > kLimit / d) return absl::InvalidArgumentError(absl::StrCat(where, ".shape is too large"));
     bits *= d;
-    if (bits > (static_cast<unsigned __int128>(1) << 80)) return absl::InvalidArgumentError(absl::StrCat(where, ".shape is too large"));
   }
-  if (bits % 8 != 0 || static_cast<uint64_t>(bits / 8) != t.nbytes) {
+  if (bits % 8 != 0 || bits / 8 != static_cast<unsigned __int128>(t.nbytes)) {
     return absl::InvalidArgumentError(absl::StrCat(where, " (", t.name, "): nbytes ", t.nbytes,
                                                    " does not match its dtype and shape"));
+  }
+  if (t.full_shape.size() != t.shape.size() || t.split_dim < -1 ||
+      (t.split_dim >= 0 && (static_cast<size_t>(t.split_dim) >= t.shape.size() ||
+                            t.split_start > t.full_shape[t.split_dim] ||
+                            t.shape[t.split_dim] > t.full_shape[t.split_dim] - t.split_start))) {
+    return absl::InvalidArgumentError(absl::StrCat(where, " (", t.name, "): split_dim, split_start and full_shape disagree with its shape"));
   }
   return t;
 }
@@ -257,7 +265,11 @@ absl::Status DecodeRanks(const json& j, ModelGeneration& m) {
       if (tensor.segment >= rank.segments.size()) {
         return absl::InvalidArgumentError(absl::StrCat(where, " tensor '", tensor.name, "': segment out of range"));
       }
-      uint64_t size = m.segments[rank.segments[tensor.segment]].size;
+      const SegmentRecord& segment = m.segments[rank.segments[tensor.segment]];
+      if (segment.placement != tensor.placement) {
+        return absl::InvalidArgumentError(absl::StrCat(where, " tensor '", tensor.name, "': placement differs from its segment's"));
+      }
+      uint64_t size = segment.size;
       if (tensor.offset > size || tensor.nbytes > size - tensor.offset) {
         return absl::InvalidArgumentError(absl::StrCat(where, " tensor '", tensor.name, "' lies outside its ", size, "-byte segment"));
       }

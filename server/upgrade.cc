@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <set>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -84,11 +85,12 @@ std::optional<std::vector<NamedFd>> TakeHandoffFds() {
     LogWarning("cannot read the upgrade's fd list: nothing handed over");
     return fds;
   }
+  std::set<int> taken;  // an fd listed twice is owned once
   for (absl::string_view line : absl::StrSplit(text, '\n', absl::SkipEmpty())) {
     std::vector<absl::string_view> parts = absl::StrSplit(line, absl::MaxSplits('\t', 1));
     int fd = -1;
     if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &fd) || fd <= 2 || fd == list_fd || fcntl(fd, F_GETFD) < 0 ||
-        fds.size() >= kMaxHandoffFds) {
+        fds.size() >= kMaxHandoffFds || !taken.insert(fd).second) {
       LogWarning(absl::StrCat("the upgrade's fd list has a bad line: '", line.substr(0, 80), "'"));
       continue;
     }

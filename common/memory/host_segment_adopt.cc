@@ -3,7 +3,9 @@
 // but what the kernel says of the fd.
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <linux/magic.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -25,10 +27,14 @@ absl::StatusOr<std::unique_ptr<HostSegment>> HostSegment::Adopt(ScopedFd fd, uin
   if (static_cast<uint64_t>(st.st_size) != size) {
     return absl::FailedPreconditionError(absl::StrCat("memfd is ", st.st_size, " bytes, the record says ", size));
   }
-  bool is_huge = static_cast<uint64_t>(st.st_blksize) == (2ull << 20);
+  // hugetlbfs by its file system, not st_blksize: a shmem memfd reports the
+  // 2 MiB PMD size there too whenever shmem THP is enabled (shmem_getattr).
+  struct statfs fs {};
+  if (fstatfs(fd.get(), &fs) != 0) return ErrnoToStatus("fstatfs adopted memfd", errno);
+  bool is_huge = static_cast<uint64_t>(fs.f_type) == HUGETLBFS_MAGIC;
   if (is_huge != huge) {
-    return absl::FailedPreconditionError(absl::StrCat("memfd pages are ", st.st_blksize, " bytes, the record says ",
-                                                      huge ? "2 MiB" : "4 KiB"));
+    return absl::FailedPreconditionError(absl::StrCat("memfd is ", is_huge ? "" : "not ",
+                                                      "of 2 MiB hugetlb pages, the record says ", huge ? "2 MiB" : "4 KiB"));
   }
   std::unique_ptr<HostSegment> segment(new HostSegment(fd.Release(), nullptr, size, huge ? PageKind::kHugetlb : PageKind::kSmall));
   segment->sealed_ = true;

@@ -322,6 +322,41 @@ TEST_F(Restore, EveryTruncationAndAForgedFingerprintAreRefused) {
   EXPECT_THAT(DecodeStateRecord(forged), StatusIs(absl::StatusCode::kInvalidArgument, "record fingerprint"));
 }
 
+// Regression (review): the size check multiplied before comparing, and
+// truncated the product to 64 bits, so a crafted record with a valid
+// checksum could claim a huge shape over a few bytes.
+TEST_F(Restore, ShapesWhoseSizeOverflowsAreRefused) {
+  std::shared_ptr<ModelGeneration> model = Load("m", 1);
+  std::vector<StoredSegment> host = {{"wd-seg-1", SegmentBackend::kMemfd, model->host_segments[0]->size(), 1, false, ""}};
+  std::vector<StoredSegment> arenas;
+  for (const auto& a : model->arenas) arenas.push_back({"wd-seg-x", SegmentBackend::kEmulated, a->size(), 1, false, a->device().uuid});
+  auto forged = [&](const std::string& tensor, std::vector<uint64_t> shape, uint64_t nbytes) {
+    ModelGeneration copy;
+    copy.request = model->request;
+    copy.generation = 1;
+    copy.segments = model->segments;
+    copy.ranks = model->ranks;
+    copy.files = model->files;
+    copy.host_segments = model->host_segments;
+    copy.arenas = model->arenas;
+    for (TensorRecord& t : copy.ranks[0].tensors) {
+      if (t.name == tensor) {
+        t.shape = shape;
+        t.full_shape = shape;
+        t.nbytes = nbytes;
+      }
+    }
+    copy.fingerprint = FingerprintOf(copy.ranks[0].tensors);
+    absl::StatusOr<std::string> record = EncodeStateRecord(copy, host, arenas);
+    EXPECT_TRUE(record.ok()) << record.status();
+    return DecodeStateRecord(*record).status();
+  };
+  EXPECT_THAT(forged("embed.table", {16, (1ull << 60) + 1}, 16),
+              StatusIs(absl::StatusCode::kInvalidArgument, "does not match its dtype and shape"));
+  EXPECT_THAT(forged("layer.bias", {1ull << 63, 1ull << 12, 1ull << 48}, 0),
+              StatusIs(absl::StatusCode::kInvalidArgument, "shape is too large"));
+}
+
 TEST(HostSegmentAdopt, RefusesUnsealedWrongSizeAndWrongPageSize) {
   ScopedFd plain(memfd_create("plain", MFD_CLOEXEC | MFD_ALLOW_SEALING));
   ASSERT_EQ(ftruncate(plain.get(), 4096), 0);
