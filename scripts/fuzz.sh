@@ -20,6 +20,6 @@ if ! grep -q "^WEIGHTD_HAVE_LIBFUZZER:INTERNAL=1" "$dir/CMakeCache.txt"; then
   echo "fuzz: $cxx cannot link -fsanitize=fuzzer (install libclang-rt-14-dev)" >&2
   exit 2
 fi
-cmake --build "$dir" --target safetensors_fuzz --parallel "$(nproc)"
+cmake --build "$dir" --target safetensors_fuzz packed_manifest_fuzz --parallel "$(nproc)"
 cd "$dir"
 ctest -L fuzz --output-on-failure
