@@ -43,11 +43,7 @@ class VmmMemory final : public ArenaMemory {
  public:
   static absl::StatusOr<std::unique_ptr<ArenaMemory>> Create(const CudaContext& context, uint64_t size) {
     const CudaFunctions& cu = context.cu();
-    CUmemAllocationProp prop = {};
-    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-    prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
-    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    prop.location.id = context.device();
+    CUmemAllocationProp prop = Prop(context);
     size_t granularity = 0;
     WEIGHTD_RETURN_IF_ERROR(
         WEIGHTD_CU(cu, MemGetAllocationGranularity, &granularity, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED));
@@ -55,14 +51,7 @@ class VmmMemory final : public ArenaMemory {
     std::unique_ptr<VmmMemory> m(new VmmMemory(cu, rounded));
     WEIGHTD_RETURN_IF_ERROR(WEIGHTD_CU(cu, MemCreate, &m->handle_, rounded, &prop, 0));
     m->created_ = true;
-    WEIGHTD_RETURN_IF_ERROR(WEIGHTD_CU(cu, MemAddressReserve, &m->base_, rounded, granularity, 0, 0));
-    m->reserved_ = true;
-    WEIGHTD_RETURN_IF_ERROR(WEIGHTD_CU(cu, MemMap, m->base_, rounded, 0, m->handle_, 0));
-    m->mapped_ = true;
-    CUmemAccessDesc access = {};
-    access.location = prop.location;
-    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    WEIGHTD_RETURN_IF_ERROR(WEIGHTD_CU(cu, MemSetAccess, m->base_, rounded, &access, 1));
+    WEIGHTD_RETURN_IF_ERROR(m->MapReadWrite(granularity, prop.location));
     return m;
   }
 
@@ -71,11 +60,7 @@ class VmmMemory final : public ArenaMemory {
   // its export. cuMemMap refuses a size that is not the allocation's.
   static absl::StatusOr<std::unique_ptr<ArenaMemory>> Adopt(const CudaContext& context, ScopedFd fd, uint64_t size) {
     const CudaFunctions& cu = context.cu();
-    CUmemAllocationProp prop = {};
-    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-    prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
-    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    prop.location.id = context.device();
+    CUmemAllocationProp prop = Prop(context);
     size_t granularity = 0;
     WEIGHTD_RETURN_IF_ERROR(
         WEIGHTD_CU(cu, MemGetAllocationGranularity, &granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
@@ -89,14 +74,7 @@ class VmmMemory final : public ArenaMemory {
                                        reinterpret_cast<void*>(static_cast<uintptr_t>(fd.get())),
                                        CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR));
     m->created_ = true;
-    WEIGHTD_RETURN_IF_ERROR(WEIGHTD_CU(cu, MemAddressReserve, &m->base_, size, granularity, 0, 0));
-    m->reserved_ = true;
-    WEIGHTD_RETURN_IF_ERROR(WEIGHTD_CU(cu, MemMap, m->base_, size, 0, m->handle_, 0));
-    m->mapped_ = true;
-    CUmemAccessDesc access = {};
-    access.location = prop.location;
-    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    WEIGHTD_RETURN_IF_ERROR(WEIGHTD_CU(cu, MemSetAccess, m->base_, size, &access, 1));
+    WEIGHTD_RETURN_IF_ERROR(m->MapReadWrite(granularity, prop.location));
     m->fd_ = std::move(fd);
     return m;
   }
@@ -123,6 +101,29 @@ class VmmMemory final : public ArenaMemory {
 
  private:
   VmmMemory(const CudaFunctions& cu, uint64_t size) : cu_(cu), size_(size) {}
+
+  // Pinned device memory on the context's GPU, exportable as a POSIX fd.
+  static CUmemAllocationProp Prop(const CudaContext& context) {
+    CUmemAllocationProp prop = {};
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = context.device();
+    return prop;
+  }
+
+  // Reserves an address range for handle_, maps it and allows read-write
+  // access from `location`; the destructor undoes what succeeded.
+  absl::Status MapReadWrite(size_t granularity, const CUmemLocation& location) {
+    WEIGHTD_RETURN_IF_ERROR(WEIGHTD_CU(cu_, MemAddressReserve, &base_, size_, granularity, 0, 0));
+    reserved_ = true;
+    WEIGHTD_RETURN_IF_ERROR(WEIGHTD_CU(cu_, MemMap, base_, size_, 0, handle_, 0));
+    mapped_ = true;
+    CUmemAccessDesc access = {};
+    access.location = location;
+    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    return WEIGHTD_CU(cu_, MemSetAccess, base_, size_, &access, 1);
+  }
 
   const CudaFunctions& cu_;
   uint64_t size_;
