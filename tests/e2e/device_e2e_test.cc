@@ -17,16 +17,9 @@ namespace {
 
 using json = nlohmann::json;
 using testing::CommandResult;
+using testing::Tp2Plan;
 using testing::DaemonProcess;
 using testing::Process;
-
-std::vector<std::string> Tp2Plan(const std::string& name, const std::string& path) {
-  return {"load", name, path, "--tp-size", "2",
-          "--tp-rule", "q_proj:0", "--tp-rule", "k_proj:0", "--tp-rule", "v_proj:0",
-          "--tp-rule", "gate_proj:0", "--tp-rule", "up_proj:0",
-          "--tp-rule", "o_proj:1", "--tp-rule", "down_proj:1",
-          "--host-resident", "embed_tokens", "--devices", "GPU-emulated-0,GPU-emulated-1", "--json"};
-}
 
 // inode of the first mapping of memfd:weightd:<segment> in `pid`, or "".
 std::string MappedInode(pid_t pid, const std::string& segment) {

@@ -87,6 +87,14 @@ CommandResult RunCommand(const std::vector<std::string>& argv) {
   return {code, p.Stdout(), p.Stderr()};
 }
 
+std::vector<std::string> Tp2Plan(const std::string& name, const std::string& path) {
+  return {"load", name, path, "--tp-size", "2",
+          "--tp-rule", "q_proj:0", "--tp-rule", "k_proj:0", "--tp-rule", "v_proj:0",
+          "--tp-rule", "gate_proj:0", "--tp-rule", "up_proj:0",
+          "--tp-rule", "o_proj:1", "--tp-rule", "down_proj:1",
+          "--host-resident", "embed_tokens", "--devices", "GPU-emulated-0,GPU-emulated-1", "--json"};
+}
+
 std::string WeightdBinary() { return EnvOr("WEIGHTD_BINARY", WEIGHTD_BINARY_PATH); }
 std::string WeightctlBinary() { return EnvOr("WEIGHTCTL_BINARY", WEIGHTCTL_BINARY_PATH); }
 

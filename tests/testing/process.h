@@ -43,6 +43,11 @@ struct CommandResult {
 // Runs a command to completion.
 CommandResult RunCommand(const std::vector<std::string>& argv);
 
+// weightctl arguments that load the demo checkpoint at `path` as `name` with
+// a TP=2 plan on the emulated GPUs 0 and 1 (attention and MLP projections
+// split, embed_tokens host-resident), --json.
+std::vector<std::string> Tp2Plan(const std::string& name, const std::string& path);
+
 // WEIGHTD_BINARY / WEIGHTCTL_BINARY, set by CTest.
 std::string WeightdBinary();
 std::string WeightctlBinary();
