@@ -1,5 +1,8 @@
 #include "server/config.h"
 
+#include <algorithm>
+
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -48,6 +51,8 @@ void ForEachField(Config& c, F&& f) {
   f("peer_max_joiners", c.peer_max_joiners);
   f("peer_deadline_seconds", c.peer_deadline_seconds);
   f("peer_test_fault", c.peer_test_fault);
+  f("peer_helper", c.peer_helper);
+  f("peer_helper_user", c.peer_helper_user);
 }
 
 // How a flag's text becomes a field's JSON value, by the field's type.
@@ -161,6 +166,13 @@ absl::Status ValidatePeers(const DaemonConfig& c) {
     return absl::InvalidArgumentError(
         absl::StrCat("--peer-deadline-seconds must be in (0, 86400], got ", c.peer_deadline_seconds));
   }
+  if (c.peer_helper_user.size() > 32 ||
+      !std::all_of(c.peer_helper_user.begin(), c.peer_helper_user.end(), [](char ch) {
+        return absl::ascii_isalnum(ch) || ch == '_' || ch == '-' || ch == '.';
+      })) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--peer-helper-user must be a user name ([A-Za-z0-9._-], at most 32), got '", c.peer_helper_user, "'"));
+  }
   if (!c.peer_test_fault.empty() && c.peer_test_fault != "corrupt" && c.peer_test_fault != "stall") {
     return absl::InvalidArgumentError(
         absl::StrCat("--peer-test-fault must be corrupt or stall (tests only), got '", c.peer_test_fault, "'"));
@@ -238,7 +250,8 @@ std::string DaemonUsage() {
          "               [--grpc-max-streams-per-connection N] [--grpc-first-bytes-timeout-seconds S]\n"
          "               [--self-check-interval-seconds S] [--max-watchers N] [--watch-queue-events N]\n"
          "               [--peer-address HOST:PORT] [--peers HOST:PORT ...] [--peer-max-joiners N]\n"
-         "               [--peer-deadline-seconds S] [--print-config] [--version]\n";
+         "               [--peer-deadline-seconds S] [--peer-helper PATH] [--peer-helper-user USER]\n"
+         "               [--print-config] [--version]\n";
 }
 
 absl::StatusOr<ParsedArgs> ParseDaemonArgs(const std::vector<std::string>& argv) {

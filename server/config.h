@@ -50,6 +50,8 @@ struct DaemonConfig {
   int peer_max_joiners = 4;                          // transfer sessions a seed serves at once; more get UNAVAILABLE
   double peer_deadline_seconds = 600;                // joiner: per peer, ask to READY; seed: session limit
   std::string peer_test_fault;                       // tests only: "corrupt" or "stall" (server/peer_seed.h)
+  std::string peer_helper;                           // weightd-peer-helper path; "" = beside this executable
+  std::string peer_helper_user = "nobody";           // when root, helpers run as this user; "" = stay root
 };
 
 struct ParsedArgs {

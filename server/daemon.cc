@@ -343,8 +343,13 @@ class DaemonImpl final : public Daemon {
   absl::StatusOr<PeerTransport*> PeerTransportOnce() {
     absl::MutexLock lock(&peer_mu_);
     if (peer_transport_ == nullptr) {
-      WEIGHTD_ASSIGN_OR_RETURN(peer_transport_, MakeUcxTransport());
-      LogInfo("peer transport: UCX (UCP) worker started");
+      UcxHelperOptions helper;
+      helper.helper_path = config_.peer_helper.empty() ? DefaultPeerHelperPath() : config_.peer_helper;
+      helper.user = config_.peer_helper_user;
+      WEIGHTD_ASSIGN_OR_RETURN(peer_transport_, MakeUcxHelperTransport(helper));
+      LogInfo(absl::StrCat("peer transport: UCX, one ", helper.helper_path, " process per transfer",
+                           geteuid() == 0 && !helper.user.empty() ? absl::StrCat(", run as user '", helper.user, "'")
+                                                                 : std::string()));
     }
     return peer_transport_.get();
   }

@@ -1,5 +1,8 @@
 #include "server/peer_seed.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -7,6 +10,21 @@
 #include "common/base/status.h"
 
 namespace weightd {
+namespace {
+
+// Test fault "corrupt": a memfd holding `segment` with its middle byte flipped.
+absl::StatusOr<ScopedFd> CorruptCopy(const HostSegment& segment) {
+  ScopedFd fd(static_cast<int>(memfd_create("wd-peer-corrupt", MFD_CLOEXEC)));
+  if (!fd.valid()) return ErrnoToStatus("memfd_create", errno);
+  std::string bytes(segment.data(), segment.size());
+  bytes[bytes.size() / 2] ^= 0x5a;
+  if (pwrite(fd.get(), bytes.data(), bytes.size(), 0) != static_cast<ssize_t>(bytes.size())) {
+    return ErrnoToStatus("pwrite", errno);
+  }
+  return fd;
+}
+
+}  // namespace
 
 PeerSeed::PeerSeed(ModelRegistry* registry, PeerTransport* transport, PeerSeedOptions options, Metrics* metrics)
     : registry_(registry), transport_(transport), options_(std::move(options)), metrics_(metrics) {}
@@ -29,20 +47,18 @@ absl::StatusOr<std::unique_ptr<PeerSeed::Session>> PeerSeed::Open(const std::str
   session->model_ = grant.model;
   WEIGHTD_RETURN_IF_ERROR(registry_->Claim(grant.lease_id).status());  // a peer's lease never waits on the fd socket
   const ModelGeneration& m = *grant.model;
+  std::vector<PeerExportRegion> regions;
   for (size_t i = 0; i < m.host_segments.size(); ++i) {
     const HostSegment& segment = *m.host_segments[i];
-    const char* base = segment.data();
+    regions.push_back({segment.fd(), segment.size()});
     if (i == 0 && options_.test_fault == "corrupt" && segment.size() > 0) {
-      session->corrupt_copy_.reset(new char[segment.size()]);
-      std::memcpy(session->corrupt_copy_.get(), base, segment.size());
-      session->corrupt_copy_[segment.size() / 2] ^= 0x5a;
-      base = session->corrupt_copy_.get();
+      WEIGHTD_ASSIGN_OR_RETURN(session->corrupt_copy_, CorruptCopy(segment));
+      regions.back().fd = session->corrupt_copy_.get();
     }
-    WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<PeerRegion> region, transport_->Register(base, segment.size()));
-    session->remote_.push_back(region->Describe());
-    session->regions_.push_back(std::move(region));
   }
-  if (options_.test_fault == "stall") transport_->StallForTest();
+  PeerExportOptions export_options;
+  export_options.stall_for_test = options_.test_fault == "stall";
+  WEIGHTD_ASSIGN_OR_RETURN(session->export_, transport_->Export(regions, export_options));
   LogInfo(absl::StrCat("peer ", joiner, " opened a transfer of '", name, "' generation ", m.generation, " (",
                        m.host_bytes, " host bytes)"));
   return session;
@@ -76,16 +92,15 @@ void PeerSeed::Describe(const Session& session, v1::PeerTransferReply* reply) co
       out->set_host_offset(t.offset);
     }
   }
-  for (size_t i = 0; i < session.regions().size(); ++i) {
-    const RemoteRegion& r = session.regions()[i];
+  const PeerOffer& offer = session.offer();
+  for (size_t i = 0; i < offer.region_sizes.size(); ++i) {
     v1::PeerSegment* s = reply->add_host_segments();
-    s->set_size(r.size);
+    s->set_size(offer.region_sizes[i]);
     s->set_file(segment_file[i]);
-    s->set_address(r.address);
-    s->set_remote_key(r.key);
   }
   reply->set_transport(transport_->name());
-  reply->set_worker_address(transport_->worker_address());
+  reply->set_worker_address(offer.worker_address);
+  reply->set_session_token(offer.token);
   reply->set_session_seconds(std::chrono::duration<double>(options_.session_limit).count());
 }
 
@@ -98,28 +113,13 @@ std::string PeerSeed::JoinerLabel(const std::string& joiner) {
   return "other";
 }
 
-void PeerSeed::ReleaseRetired() {
-  std::vector<std::shared_ptr<ModelGeneration>> due;  // freed after the lock
-  absl::MutexLock lock(&mu_);
-  auto now = std::chrono::steady_clock::now();
-  for (auto it = retired_.begin(); it != retired_.end();) {
-    if (it->first <= now) {
-      due.push_back(std::move(it->second));
-      it = retired_.erase(it);
-    } else {
-      ++it;
-    }
-  }
-}
-
 int PeerSeed::joiners() const {
   absl::MutexLock lock(&mu_);
   return joiners_;
 }
 
-void PeerSeed::Closed(std::shared_ptr<ModelGeneration> model) {
+void PeerSeed::Closed() {
   absl::MutexLock lock(&mu_);
-  if (model != nullptr) retired_.emplace_back(std::chrono::steady_clock::now() + kRetireGrace, std::move(model));
   --joiners_;
   if (metrics_) metrics_->PeerJoiners(joiners_);
 }
@@ -131,9 +131,10 @@ void PeerSeed::Session::Finished(uint64_t bytes_read, bool verified) {
 }
 
 PeerSeed::Session::~Session() {
-  regions_.clear();  // deregistered before the lease lets the memory go
+  export_.reset();  // nothing more is sent once this returns
   if (!lease_id_.empty()) seed_->registry_->Release(lease_id_);
-  seed_->Closed(std::move(model_));
+  model_.reset();
+  seed_->Closed();
 }
 
 }  // namespace weightd

@@ -1,8 +1,10 @@
 // The seed side of peer seeding (docs/operations.md "Peer seeding"): opens
 // transfer sessions of READY generations for joiners on other nodes. A
 // session holds a lease on the generation (an unload drains until it ends)
-// and a reference to it, and registers its host segments with the
-// PeerTransport; everything is released when the session is destroyed.
+// and a reference to it, and exports its host segments through the
+// PeerTransport (a helper process that maps them read-only and serves only
+// this session's token); everything is released when the session is
+// destroyed, the export first.
 // At most `max_joiners` sessions are open at once; more are UNAVAILABLE,
 // which sends the joiner to its next peer.
 //
@@ -23,6 +25,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "common/base/scoped_fd.h"
 #include "common/peer/peer_transport.h"
 #include "server/metrics.h"
 #include "server/registry.h"
@@ -51,8 +54,8 @@ class PeerSeed {
     Session& operator=(const Session&) = delete;
     const ModelGeneration& model() const { return *model_; }
     const std::string& joiner() const { return joiner_; }
-    // The remote descriptors of the host segments, in plan order.
-    const std::vector<RemoteRegion>& regions() const { return remote_; }
+    // How a joiner reaches the host segments (regions in plan order).
+    const PeerOffer& offer() const { return export_->offer(); }
     // The joiner's report at the end: bytes it read, and whether they verified.
     void Finished(uint64_t bytes_read, bool verified);
 
@@ -63,9 +66,8 @@ class PeerSeed {
     std::string joiner_;
     std::string lease_id_;
     std::shared_ptr<ModelGeneration> model_;
-    std::vector<std::unique_ptr<PeerRegion>> regions_;
-    std::vector<RemoteRegion> remote_;
-    std::unique_ptr<char[]> corrupt_copy_;  // test fault "corrupt"
+    ScopedFd corrupt_copy_;  // test fault "corrupt": a memfd served instead of host segment 0
+    std::unique_ptr<PeerExport> export_;
   };
 
   // Opens a session on the READY generation of `name` for `joiner` (its
@@ -80,19 +82,10 @@ class PeerSeed {
   int joiners() const;
   const PeerSeedOptions& options() const { return options_; }
 
-  // Over TCP, UCX serves a remote read in software when its request
-  // arrives, without checking the address against registrations: a read
-  // still queued when a session ends (a joiner that gave up at its
-  // deadline) would touch memory an unload just freed. So an ended
-  // session's generation is kept mapped for kRetireGrace after its lease
-  // is released (the unload completes; the memory goes a little later).
-  // Called periodically (the peer listener's reaper) to drop what is due.
-  void ReleaseRetired();
-  static constexpr std::chrono::seconds kRetireGrace{5};
 
  private:
-  // A session ended: its slot back, its generation retired (above).
-  void Closed(std::shared_ptr<ModelGeneration> model);
+  // A session ended: its slot back.
+  void Closed();
   // `joiner` as a metric label: the first kMaxJoinerLabels names seen, then
   // "other", so joiners cannot grow the series without bound.
   std::string JoinerLabel(const std::string& joiner);
@@ -105,8 +98,6 @@ class PeerSeed {
   mutable absl::Mutex mu_;
   int joiners_ ABSL_GUARDED_BY(mu_) = 0;
   std::set<std::string> labels_ ABSL_GUARDED_BY(mu_);
-  std::vector<std::pair<std::chrono::steady_clock::time_point, std::shared_ptr<ModelGeneration>>> retired_
-      ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace weightd

@@ -142,9 +142,9 @@ absl::StatusOr<std::unique_ptr<ModelGeneration>> SeedFromDescription(const v1::P
   if (absl::Status same = CheckSameCheckpoint(reply, catalog, *plan); !same.ok()) {
     return WithPeerReason(same, "different_checkpoint");
   }
-  std::vector<RemoteRegion> regions;
-  for (const v1::PeerSegment& s : reply.host_segments()) regions.push_back({s.address(), s.size(), s.remote_key()});
-  absl::StatusOr<std::unique_ptr<PeerConnection>> connection = pull.transport().Connect(reply.worker_address(), regions);
+  PeerOffer offer{reply.worker_address(), reply.session_token(), {}};
+  for (const v1::PeerSegment& s : reply.host_segments()) offer.region_sizes.push_back(s.size());
+  absl::StatusOr<std::unique_ptr<PeerConnection>> connection = pull.transport().Connect(offer, pull.deadline());
   if (!connection.ok()) return WithPeerReason(connection.status(), "transfer_failed");
   PullSource source(**connection, pull);
   LoaderOptions options = loader;

@@ -154,7 +154,6 @@ void PeerListener::Service::EndAll(const grpc::Status& status) {
 void PeerListener::Service::Reap() {
   absl::MutexLock lock(&mu_);
   while (!mu_.AwaitWithTimeout(absl::Condition(&stop_), absl::Milliseconds(250))) {
-    seed_->ReleaseRetired();
     for (Reactor* r : open_) {
       if (r->Expired(seed_->options().session_limit)) {
         r->End(grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,

@@ -1,17 +1,22 @@
 // PeerTransport: moves host memory between nodes' weightd daemons (issue
-// "Peer seeding"). A seed registers the host segments of a generation and
-// hands their remote descriptors (address, size, opaque key bytes) and its
-// worker address to a joiner over gRPC; the joiner connects to that worker
-// and reads ranges of the regions into its own memory, several at once.
+// "Peer seeding"). A seed exports the sealed host segments of a generation
+// to one joiner and hands the joiner an offer (the transport's worker
+// address, a random session token, the region sizes) over gRPC; the joiner
+// connects to the offer and reads ranges of the regions into its own
+// memory, several at once.
 //
-// The interface is small on purpose (register, connect, read, close) so that
+// The interface is small on purpose (export, connect, read, close) so that
 // engines with GPU-direct lanes (NIXL, Mooncake) can be added beside the UCX
-// one (ucx_transport.h) later; no transport's headers leak past its .cc.
+// one later; no transport's headers leak past its .cc.
 //
-// Trust: bytes read from a peer are untrusted; the caller verifies them
-// (content hashes, fingerprint) before anything is served. What a transport
-// lets a remote reader reach is the transport's property: see
-// docs/operations.md "Peer seeding" for UCX over TCP.
+// Trust: every peer may be hostile. Bytes read from a peer are untrusted;
+// the caller verifies them (content hashes, fingerprint) before anything is
+// served. UCX itself does not protect the process that runs it from its
+// peers (over TCP, a connected peer can make UCX write and read memory at
+// addresses it names: src/uct/tcp/tcp_ep.c, PUT requests), so the UCX
+// transport runs UCX only in unprivileged helper processes that map
+// nothing but the bytes of one transfer (common/peer/helper_protocol.h,
+// docs/operations.md "Peer seeding").
 #ifndef WEIGHTD_COMMON_PEER_PEER_TRANSPORT_H_
 #define WEIGHTD_COMMON_PEER_PEER_TRANSPORT_H_
 
@@ -25,27 +30,42 @@
 
 namespace weightd {
 
-// Bounds on what a joiner accepts from a seed's description (bytes).
-inline constexpr size_t kMaxPeerWorkerAddressBytes = 64 << 10;
-inline constexpr size_t kMaxPeerRemoteKeyBytes = 64 << 10;
+// Bounds on what a joiner accepts from a seed's offer.
+inline constexpr size_t kMaxPeerWorkerAddressBytes = 16 << 10;
+inline constexpr size_t kPeerTokenBytes = 16;
+inline constexpr size_t kMaxPeerRegions = 1 << 16;
 
-// A region of a seed's memory as a joiner sees it.
-struct RemoteRegion {
-  uint64_t address = 0;  // the seed's virtual address of byte 0
-  uint64_t size = 0;     // bytes
-  std::string key;       // opaque remote-key bytes (PeerRegion::remote_key)
+// What a joiner needs to read one export.
+struct PeerOffer {
+  std::string worker_address;          // opaque transport bytes, 1..kMaxPeerWorkerAddressBytes
+  std::string token;                   // kPeerTokenBytes random bytes; every read presents them
+  std::vector<uint64_t> region_sizes;  // bytes readable in each region
 };
 
-// A local region registered for remote reads; deregistered when destroyed.
-// The memory must stay mapped for the object's lifetime.
-class PeerRegion {
+// One region to export: the first `size` bytes of the file `fd` refers to
+// (a sealed memfd or hugetlbfs file). The fd is borrowed: the transport
+// takes its own reference.
+struct PeerExportRegion {
+  int fd = -1;
+  uint64_t size = 0;
+};
+
+struct PeerExportOptions {
+  // Test-only fault (--peer-test-fault stall): the export accepts reads
+  // and never answers them, as a seed that hangs mid-transfer would.
+  bool stall_for_test = false;
+};
+
+// Regions served to whoever presents the offer's token, until destroyed.
+// After destruction nothing more of the regions is sent.
+class PeerExport {
  public:
-  virtual ~PeerRegion() = default;
-  virtual RemoteRegion Describe() const = 0;
+  virtual ~PeerExport() = default;
+  virtual const PeerOffer& offer() const = 0;
 };
 
 // One read: bytes [offset, offset + n) of region `region` (an index into the
-// regions given to Connect) into `dst` (caller-owned, n bytes).
+// offer's regions) into `dst` (caller-owned, n bytes).
 struct PeerRead {
   uint32_t region = 0;
   uint64_t offset = 0;
@@ -53,46 +73,63 @@ struct PeerRead {
   char* dst = nullptr;
 };
 
-// A connection to one remote worker. Read() may be called from several
-// threads at once; destruction waits for nothing of the caller's (every
-// Read has returned).
+// A connection to one export. Read() may be called from several threads at
+// once; the connection must outlive every call.
 class PeerConnection {
  public:
   virtual ~PeerConnection() = default;
-  // Issues every read at once (the transport may pipeline them) and returns
-  // when all are done, or the first error: INVALID_ARGUMENT for a read
-  // outside its region, UNAVAILABLE when the peer went away or failed,
-  // DEADLINE_EXCEEDED past `deadline`. On return no transfer still writes
-  // into any `dst`, whatever the result. After an error the connection is
-  // broken: later reads fail at once.
+  // Issues the reads (the transport pipelines them) and returns when all are
+  // done, or the first error: INVALID_ARGUMENT for a read outside its region
+  // (checked here, and again by the seed), UNAVAILABLE when the peer went
+  // away or failed, PERMISSION_DENIED when the seed refused the token,
+  // DEADLINE_EXCEEDED past `deadline`. On return nothing the transport does
+  // later writes into any `dst`, whatever the result. After an error the
+  // connection is broken: later reads fail at once with the same error.
   virtual absl::Status Read(const std::vector<PeerRead>& reads, std::chrono::steady_clock::time_point deadline) = 0;
 };
 
+// Thread-safety: every method may be called from any thread.
 class PeerTransport {
  public:
   virtual ~PeerTransport() = default;
-  // "ucx", "fake": for logs.
+  // "ucx", "fake": for logs, and both sides must name the same.
   virtual std::string name() const = 0;
-  // The opaque bytes a remote Connect() needs to reach this transport.
-  virtual std::string worker_address() const = 0;
-  // Registers `size` bytes at `base` for remote reads (read-only memory is
-  // fine). RESOURCE_EXHAUSTED or INTERNAL with the transport's reason.
-  virtual absl::StatusOr<std::unique_ptr<PeerRegion>> Register(const void* base, uint64_t size) = 0;
-  // Connects to the worker at `worker_address` to read `regions` (which
-  // the caller took from an untrusted peer: the transport validates the
-  // key bytes). INVALID_ARGUMENT for malformed bytes, UNAVAILABLE when the
-  // peer cannot be reached.
-  virtual absl::StatusOr<std::unique_ptr<PeerConnection>> Connect(const std::string& worker_address,
-                                                                  const std::vector<RemoteRegion>& regions) = 0;
-  // Test-only fault (weightd --peer-test-fault stall): stops serving remote
-  // reads for good, as a seed that hangs mid-transfer would.
-  virtual void StallForTest() = 0;
+  // Starts serving `regions` read-only. The transport's errors:
+  // UNAVAILABLE when it cannot start, RESOURCE_EXHAUSTED, INVALID_ARGUMENT
+  // for a bad fd or size.
+  virtual absl::StatusOr<std::unique_ptr<PeerExport>> Export(const std::vector<PeerExportRegion>& regions,
+                                                             const PeerExportOptions& options) = 0;
+  // Connects to `offer`, which the caller took from an untrusted peer: the
+  // transport checks its bounds (INVALID_ARGUMENT). UNAVAILABLE when the peer
+  // cannot be reached, DEADLINE_EXCEEDED past `deadline`.
+  virtual absl::StatusOr<std::unique_ptr<PeerConnection>> Connect(const PeerOffer& offer,
+                                                                  std::chrono::steady_clock::time_point deadline) = 0;
 };
 
-// The UCX (UCP) transport: one context and worker, a progress thread.
-// UCX reads its UCX_* environment variables (UCX_TLS, UCX_NET_DEVICES, ...)
-// here. UNAVAILABLE with UCX's reason when it cannot start.
-absl::StatusOr<std::unique_ptr<PeerTransport>> MakeUcxTransport();
+// The UCX (UCP) transport through helper processes; see helper_transport.h.
+struct UcxHelperOptions {
+  // The weightd-peer-helper executable. It is opened once, here, and every
+  // helper is started from that descriptor.
+  std::string helper_path;
+  // When the daemon runs as root, helpers switch to this user before UCX
+  // starts; "" keeps root (not recommended).
+  std::string user = "nobody";
+  // Joiner side: each connection stages received bytes in `slots` buffers
+  // of `slot_bytes` (a read is cut into pieces of at most slot_bytes, up
+  // to `slots` in flight) before they are copied into the caller's memory.
+  uint64_t slot_bytes = 4ull << 20;
+  uint32_t slots = 16;
+  // How long a helper may take to start and report its address.
+  std::chrono::milliseconds start_timeout{20000};
+};
+
+// INVALID_ARGUMENT naming the path when the helper cannot be opened or is
+// not an executable regular file; UNAVAILABLE without /proc.
+absl::StatusOr<std::unique_ptr<PeerTransport>> MakeUcxHelperTransport(UcxHelperOptions options);
+
+// The default helper path: weightd-peer-helper in the directory of the
+// running executable (/proc/self/exe).
+std::string DefaultPeerHelperPath();
 
 }  // namespace weightd
 

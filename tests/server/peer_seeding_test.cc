@@ -109,7 +109,7 @@ TEST_F(PeerSeedingTest, TransferFailureIsAnErrorWithItsReason) {
 
 TEST_F(PeerSeedingTest, StalledSeedEndsAtTheDeadline) {
   WEIGHTD_ASSERT_OK_AND_ASSIGN(auto session, seed_->Open("m", "10.0.0.2"));
-  transport_.StallForTest();
+  transport_.stalled = true;
   absl::StatusOr<std::unique_ptr<ModelGeneration>> gen = Join(Describe(*session));
   EXPECT_THAT(gen, StatusIs(absl::StatusCode::kDeadlineExceeded, "deadline"));
   EXPECT_EQ(PeerFallbackReason(gen.status()), "deadline");
@@ -169,13 +169,13 @@ TEST_F(PeerSeedingTest, SeedRefusesJoinersPastItsLimit) {
 
 TEST_F(PeerSeedingTest, SessionHoldsALeaseSoUnloadDrains) {
   WEIGHTD_ASSERT_OK_AND_ASSIGN(auto session, seed_->Open("m", "10.0.0.2"));
-  EXPECT_EQ(transport_.open_regions.load(), 2);
+  EXPECT_EQ(transport_.open_exports.load(), 1);
   WEIGHTD_ASSERT_OK_AND_ASSIGN(ModelRegistry::UnloadResult unloaded, registry_->Unload("m", false));
   EXPECT_FALSE(unloaded.freed);
   EXPECT_EQ(unloaded.model->state.load(), ModelState::kDraining);
   WEIGHTD_ASSERT_OK(Join(Describe(*session)).status());  // still readable while draining
   session.reset();
-  EXPECT_EQ(transport_.open_regions.load(), 0);
+  EXPECT_EQ(transport_.open_exports.load(), 0);
   EXPECT_TRUE(registry_->List().empty());
 }
 

@@ -1,15 +1,20 @@
-// A PeerTransport inside one process, for tests of the seeding logic: a
-// "remote" region is read with memcpy from its address, and faults are
-// injected by the test (the transport is shared by seed and joiner).
+// A PeerTransport inside one process, for tests of the seeding logic: an
+// export maps its region fds read-only and a connection reads them with
+// memcpy; faults are injected by the test (the transport is shared by seed
+// and joiner).
 #ifndef WEIGHTD_TESTS_TESTING_FAKE_PEER_TRANSPORT_H_
 #define WEIGHTD_TESTS_TESTING_FAKE_PEER_TRANSPORT_H_
 
+#include <sys/mman.h>
+
 #include <atomic>
 #include <cstring>
+#include <map>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "common/peer/peer_transport.h"
 
 namespace weightd::testing {
@@ -21,42 +26,62 @@ class FakePeerTransport final : public PeerTransport {
   std::atomic<bool> stalled{false};           // reads never finish: DEADLINE_EXCEEDED at their deadline
   std::atomic<int64_t> corrupt_at{-1};        // flips the byte read at this offset of region 0
   std::atomic<uint64_t> bytes_read{0};
-  std::atomic<int> open_regions{0};
+  std::atomic<int> open_exports{0};
 
   std::string name() const override { return "fake"; }
-  std::string worker_address() const override { return "fake-worker"; }
 
-  absl::StatusOr<std::unique_ptr<PeerRegion>> Register(const void* base, uint64_t size) override {
-    return std::unique_ptr<PeerRegion>(new Region(this, base, size));
+  absl::StatusOr<std::unique_ptr<PeerExport>> Export(const std::vector<PeerExportRegion>& regions,
+                                                     const PeerExportOptions& options) override {
+    auto e = std::make_unique<Export_>(this);
+    for (const PeerExportRegion& r : regions) {
+      void* p = r.size == 0 ? nullptr : mmap(nullptr, r.size, PROT_READ, MAP_SHARED, r.fd, 0);
+      if (p == MAP_FAILED) return absl::InvalidArgumentError(absl::StrCat("cannot map export fd ", r.fd));
+      e->maps.push_back({static_cast<const char*>(p), r.size});
+      e->offer_.region_sizes.push_back(r.size);
+    }
+    if (options.stall_for_test) stalled = true;
+    absl::MutexLock lock(&mu_);
+    e->offer_.worker_address = absl::StrCat("fake-worker-", next_++);
+    e->offer_.token = std::string(kPeerTokenBytes, 't');
+    exports_[e->offer_.worker_address] = e.get();
+    return std::unique_ptr<PeerExport>(std::move(e));
   }
 
-  absl::StatusOr<std::unique_ptr<PeerConnection>> Connect(const std::string& worker_address,
-                                                          const std::vector<RemoteRegion>& regions) override {
-    if (worker_address != "fake-worker") return absl::UnavailableError("no such fake worker");
-    return std::unique_ptr<PeerConnection>(new Connection(this, regions));
+  absl::StatusOr<std::unique_ptr<PeerConnection>> Connect(const PeerOffer& offer,
+                                                          std::chrono::steady_clock::time_point) override {
+    absl::MutexLock lock(&mu_);
+    auto it = exports_.find(offer.worker_address);
+    if (it == exports_.end()) return absl::UnavailableError("no such fake worker");
+    if (offer.token != it->second->offer_.token) return absl::PermissionDeniedError("the seed refused the session token");
+    return std::unique_ptr<PeerConnection>(new Connection(this, offer.worker_address, offer.region_sizes));
   }
-
-  void StallForTest() override { stalled = true; }
 
  private:
-  class Region final : public PeerRegion {
-   public:
-    Region(FakePeerTransport* t, const void* base, uint64_t size) : t_(t), base_(base), size_(size) { ++t_->open_regions; }
-    ~Region() override { --t_->open_regions; }
-    RemoteRegion Describe() const override { return {reinterpret_cast<uint64_t>(base_), size_, "fake-key"}; }
-
-   private:
-    FakePeerTransport* t_;
-    const void* base_;
-    uint64_t size_;
+  struct Export_ final : PeerExport {
+    explicit Export_(FakePeerTransport* t) : t(t) { ++t->open_exports; }
+    ~Export_() override {
+      {
+        absl::MutexLock lock(&t->mu_);
+        t->exports_.erase(offer_.worker_address);
+      }
+      for (auto& [p, n] : maps) {
+        if (p != nullptr) munmap(const_cast<char*>(p), n);
+      }
+      --t->open_exports;
+    }
+    const PeerOffer& offer() const override { return offer_; }
+    FakePeerTransport* t;
+    PeerOffer offer_;
+    std::vector<std::pair<const char*, uint64_t>> maps;
   };
 
   class Connection final : public PeerConnection {
    public:
-    Connection(FakePeerTransport* t, std::vector<RemoteRegion> regions) : t_(t), regions_(std::move(regions)) {}
+    Connection(FakePeerTransport* t, std::string worker, std::vector<uint64_t> sizes)
+        : t_(t), worker_(std::move(worker)), sizes_(std::move(sizes)) {}
     absl::Status Read(const std::vector<PeerRead>& reads, std::chrono::steady_clock::time_point deadline) override {
       for (const PeerRead& r : reads) {
-        if (r.region >= regions_.size() || r.offset + r.n > regions_[r.region].size) {
+        if (r.region >= sizes_.size() || r.offset + r.n > sizes_[r.region]) {
           return absl::InvalidArgumentError("read outside the peer's regions");
         }
         if (t_->stalled) return absl::DeadlineExceededError("peer reads did not finish before the deadline");
@@ -64,7 +89,10 @@ class FakePeerTransport final : public PeerTransport {
         if (limit >= 0 && static_cast<int64_t>(t_->bytes_read + r.n) > limit) {
           return absl::UnavailableError("peer connection failed: Connection reset by remote peer");
         }
-        std::memcpy(r.dst, reinterpret_cast<const char*>(regions_[r.region].address) + r.offset, r.n);
+        absl::MutexLock lock(&t_->mu_);
+        auto it = t_->exports_.find(worker_);
+        if (it == t_->exports_.end()) return absl::UnavailableError("the fake seed is gone");
+        std::memcpy(r.dst, it->second->maps[r.region].first + r.offset, r.n);
         int64_t at = t_->corrupt_at.load();
         if (r.region == 0 && at >= static_cast<int64_t>(r.offset) && at < static_cast<int64_t>(r.offset + r.n)) {
           r.dst[at - r.offset] ^= 0x5a;
@@ -76,8 +104,13 @@ class FakePeerTransport final : public PeerTransport {
 
    private:
     FakePeerTransport* t_;
-    std::vector<RemoteRegion> regions_;
+    std::string worker_;
+    std::vector<uint64_t> sizes_;
   };
+
+  absl::Mutex mu_;
+  std::map<std::string, Export_*> exports_;
+  int next_ = 0;
 };
 
 }  // namespace weightd::testing

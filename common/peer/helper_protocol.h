@@ -1,0 +1,99 @@
+// The messages between weightd and its peer transfer helpers
+// (weightd-peer-helper, server/peer_helper_main.cc), and between a joiner's
+// helper and a seed's helper over UCX active messages.
+//
+// Why helpers: UCX over TCP lets any peer that connects to a worker make it
+// write and read memory at addresses the peer names (UCT's TCP transport
+// copies a PUT request's payload to the address in its header without a
+// check: src/uct/tcp/tcp_ep.c uct_tcp_ep_handle_put_req in UCX 1.13; UCP's
+// software RMA does the same for GETs). So weightd never runs UCX itself.
+// Each transfer gets a helper process that
+//   - maps only the bytes of that transfer: a seed's helper the sealed
+//     segments of one generation, read-only; a joiner's helper one staging
+//     buffer, never the segments being filled;
+//   - switches to an unprivileged user (UcxHelperOptions::user) and sets
+//     no_new_privs before UCX starts;
+//   - dies with its transfer (the daemon closes the control socket, then
+//     SIGKILLs and reaps it).
+// A peer that takes over a helper therefore gets the bytes it could read
+// anyway, or can write only bytes that the daemon copies out and hashes.
+//
+// Control socket: a SOCK_SEQPACKET socketpair at fd 3 of the helper; one
+// message per struct below, native byte order (same host, same binary
+// build). The helper exits when the socket reaches end of file.
+//
+//   seed:  weightd-peer-helper seed N [--user NAME] [--stall]
+//          fds 4 .. 4+N-1: the regions (their whole st_size is served)
+//          helper -> daemon: Ready (token + worker address) or Error
+//   join:  weightd-peer-helper join SLOT_BYTES SLOTS [--user NAME]
+//          fd 4: the staging memfd, SLOT_BYTES * SLOTS bytes
+//          daemon -> helper: Connect, then Read ...
+//          helper -> daemon: Ready (connected) or Error, then one Done per Read
+//
+// Seed <-> joiner (UCX active messages, ucp_am_send_nbx): the joiner sends
+// AmRequest (header only, with UCP_AM_SEND_FLAG_REPLY); the seed checks the
+// token and the range and answers AmReply with the bytes as data, or with
+// a non-zero status and no data.
+#ifndef WEIGHTD_COMMON_PEER_HELPER_PROTOCOL_H_
+#define WEIGHTD_COMMON_PEER_HELPER_PROTOCOL_H_
+
+#include <cstdint>
+
+namespace weightd::peer_helper {
+
+inline constexpr int kControlFd = 3;
+inline constexpr int kFirstDataFd = 4;
+inline constexpr uint32_t kTokenBytes = 16;
+inline constexpr uint32_t kMaxAddressBytes = 16 << 10;   // = kMaxPeerWorkerAddressBytes
+inline constexpr uint64_t kMaxPieceBytes = 64ull << 20;  // one AmRequest
+inline constexpr uint32_t kMaxSlots = 256;
+inline constexpr uint32_t kMaxTextBytes = 480;
+
+enum class Kind : uint32_t { kReady = 1, kError = 2, kConnect = 3, kRead = 4, kDone = 5 };
+
+// Ready, Error, Connect: a fixed head, then `length` bytes (address or text).
+struct Head {
+  Kind kind;
+  uint32_t length;
+  uint8_t token[kTokenBytes];  // Ready (seed), Connect
+};
+
+struct Read {
+  Kind kind = Kind::kRead;
+  uint32_t slot;    // staging slot to fill
+  uint64_t id;      // echoed in Done
+  uint32_t region;
+  uint32_t reserved = 0;
+  uint64_t offset;  // bytes into the region
+  uint64_t n;       // <= the slot size
+};
+
+struct Done {
+  Kind kind = Kind::kDone;
+  int32_t code;     // absl::StatusCode; 0 = the slot holds the bytes
+  uint64_t id;
+  char text[kMaxTextBytes];  // NUL-terminated reason when code != 0
+};
+
+// UCX active message ids and headers.
+inline constexpr unsigned kAmRequest = 11;
+inline constexpr unsigned kAmReply = 12;
+
+struct AmRequest {
+  uint8_t token[kTokenBytes];
+  uint64_t id;
+  uint32_t region;
+  uint32_t reserved;
+  uint64_t offset;
+  uint64_t n;
+};
+
+struct AmReply {
+  uint64_t id;
+  int32_t code;  // absl::StatusCode; 0: the data is the n bytes asked for
+  uint32_t reserved;
+};
+
+}  // namespace weightd::peer_helper
+
+#endif  // WEIGHTD_COMMON_PEER_HELPER_PROTOCOL_H_

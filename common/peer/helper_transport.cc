@@ -1,0 +1,493 @@
+// The UCX PeerTransport as weightd sees it: every export and every
+// connection is a weightd-peer-helper process (helper_protocol.h says why),
+// started from the executable's descriptor opened once, and spoken to over
+// a SOCK_SEQPACKET control socket. weightd itself links no UCX.
+//
+// Joiner side: bytes arrive in slots of a staging memfd that only the
+// helper writes; a Read copies each finished slot into the caller's memory
+// and gives the slot back. The caller's memory is never mapped by the
+// helper, so once a Read returns nothing can change what it copied.
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "common/base/log.h"
+#include "common/base/scoped_fd.h"
+#include "common/base/status.h"
+#include "common/peer/helper_protocol.h"
+#include "common/peer/peer_transport.h"
+
+extern char** environ;
+
+namespace weightd {
+namespace {
+
+namespace ph = peer_helper;
+using Clock = std::chrono::steady_clock;
+
+int MillisUntil(Clock::time_point deadline) {
+  auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+  return static_cast<int>(std::clamp<int64_t>(ms, 0, 1 << 30));
+}
+
+absl::Time ToAbsl(Clock::time_point deadline) { return absl::Now() + absl::FromChrono(deadline - Clock::now()); }
+
+std::string DescribeWait(int status) {
+  if (WIFEXITED(status)) return absl::StrCat("exit status ", WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) return absl::StrCat("killed by signal ", WTERMSIG(status), " (", strsignal(WTERMSIG(status)), ")");
+  return "stopped";
+}
+
+// One helper process and weightd's end of its control socket.
+class Helper {
+ public:
+  // Starts `binary_fd` with `args`; the control socket becomes its fd 3 and
+  // `fds` its fds 4, 5, ... Only UCX_* variables of the environment go along.
+  static absl::StatusOr<std::unique_ptr<Helper>> Start(int binary_fd, const std::vector<std::string>& args,
+                                                       const std::vector<int>& fds) {
+    int sv[2];
+    if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) != 0) return ErrnoToStatus("socketpair", errno);
+    ScopedFd ours(sv[0]), theirs(sv[1]);
+    // Copies above every target number, so that no dup2 below overwrites a
+    // source still to be moved.
+    const int count = static_cast<int>(fds.size());
+    const int exe_target = ph::kFirstDataFd + count;
+    std::vector<ScopedFd> copies;
+    for (int fd : [&] {
+           std::vector<int> all = {theirs.get()};
+           all.insert(all.end(), fds.begin(), fds.end());
+           all.push_back(binary_fd);
+           return all;
+         }()) {
+      int copy = fcntl(fd, F_DUPFD_CLOEXEC, exe_target + 1);
+      if (copy < 0) return ErrnoToStatus("fcntl(F_DUPFD_CLOEXEC) for the peer helper", errno);
+      copies.emplace_back(copy);
+    }
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_adddup2(&actions, copies[0].get(), ph::kControlFd);
+    for (int i = 0; i < count; ++i) posix_spawn_file_actions_adddup2(&actions, copies[1 + i].get(), ph::kFirstDataFd + i);
+    posix_spawn_file_actions_adddup2(&actions, copies.back().get(), exe_target);
+    posix_spawn_file_actions_addclosefrom_np(&actions, exe_target + 1);
+    posix_spawnattr_t attr;
+    posix_spawnattr_init(&attr);
+    sigset_t none, all;
+    sigemptyset(&none);
+    sigfillset(&all);
+    posix_spawnattr_setsigmask(&attr, &none);
+    posix_spawnattr_setsigdefault(&attr, &all);
+    posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
+    std::vector<std::string> env;
+    for (char** e = environ; *e != nullptr; ++e) {
+      if (absl::StartsWith(*e, "UCX_")) env.emplace_back(*e);
+    }
+    std::vector<std::string> argv_strings = {"weightd-peer-helper"};
+    argv_strings.insert(argv_strings.end(), args.begin(), args.end());
+    std::vector<char*> argv, envp;
+    for (std::string& a : argv_strings) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    for (std::string& e : env) envp.push_back(e.data());
+    envp.push_back(nullptr);
+    // The executable by its descriptor, as the child sees it after the
+    // file actions (fexecve without a second open of the path).
+    std::string exe = absl::StrCat("/proc/self/fd/", exe_target);
+    pid_t pid = -1;
+    int err = posix_spawn(&pid, exe.c_str(), &actions, &attr, argv.data(), envp.data());
+    posix_spawn_file_actions_destroy(&actions);
+    posix_spawnattr_destroy(&attr);
+    if (err != 0) return ErrnoToStatus("starting weightd-peer-helper (posix_spawn)", err);
+    return std::unique_ptr<Helper>(new Helper(pid, std::move(ours)));
+  }
+
+  ~Helper() {
+    Stop();
+    Reap(absl::Seconds(1));
+    absl::MutexLock lock(&pid_mu_);
+    if (pid_ > 0) kill(pid_, SIGKILL);
+    ReapLocked(absl::InfiniteDuration());
+  }
+
+  // Ends the transfer: the helper reads end of file and exits; a blocked
+  // Receive returns.
+  void Stop() { shutdown(control_.get(), SHUT_RDWR); }
+  void Kill() {
+    {
+      absl::MutexLock lock(&pid_mu_);
+      if (pid_ > 0) kill(pid_, SIGKILL);
+    }
+    Stop();
+  }
+
+  absl::Status Send(const void* head, size_t head_bytes, const void* tail = nullptr, size_t tail_bytes = 0) {
+    iovec iov[2] = {{const_cast<void*>(head), head_bytes}, {const_cast<void*>(tail), tail_bytes}};
+    msghdr msg{};
+    msg.msg_iov = iov;
+    msg.msg_iovlen = tail_bytes > 0 ? 2 : 1;
+    while (sendmsg(control_.get(), &msg, MSG_NOSIGNAL) < 0) {
+      if (errno != EINTR) return absl::UnavailableError(absl::StrCat("the peer helper is gone (", strerror(errno), ")"));
+    }
+    return absl::OkStatus();
+  }
+
+  // The next message, waiting until `deadline` (Clock::time_point::max():
+  // no limit). An Error message becomes its status; end of file is
+  // UNAVAILABLE with how the helper ended.
+  absl::StatusOr<std::string> Receive(Clock::time_point deadline) {
+    std::string buf(sizeof(ph::Head) + ph::kMaxAddressBytes, '\0');
+    for (;;) {
+      if (deadline != Clock::time_point::max()) {
+        pollfd p{control_.get(), POLLIN, 0};
+        int n = poll(&p, 1, MillisUntil(deadline));
+        if (n < 0 && errno == EINTR) continue;
+        if (n == 0) return absl::DeadlineExceededError("the peer helper did not answer before the deadline");
+      }
+      ssize_t n = recv(control_.get(), buf.data(), buf.size(), MSG_TRUNC);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) return Gone();
+      if (static_cast<size_t>(n) > buf.size()) return absl::InternalError("the peer helper sent an oversized message");
+      buf.resize(static_cast<size_t>(n));
+      ph::Kind kind{};
+      if (buf.size() >= sizeof kind) std::memcpy(&kind, buf.data(), sizeof kind);
+      if (kind == ph::Kind::kError && buf.size() >= sizeof(ph::Head)) {
+        return absl::UnavailableError(
+            absl::StrCat("peer helper: ", CapMessage(absl::string_view(buf).substr(sizeof(ph::Head)))));
+      }
+      return buf;
+    }
+  }
+
+ private:
+  Helper(pid_t pid, ScopedFd control) : pid_(pid), control_(std::move(control)) {}
+
+  // UNAVAILABLE: the helper is gone, and how it ended when it did within 1 s.
+  absl::Status Gone() {
+    Reap(absl::Seconds(1));
+    absl::MutexLock lock(&pid_mu_);
+    return absl::UnavailableError(absl::StrCat("the peer helper ended (", ended_.empty() ? "still running" : ended_,
+                                               ")"));
+  }
+
+  void Reap(absl::Duration within) {
+    absl::MutexLock lock(&pid_mu_);
+    ReapLocked(within);
+  }
+
+  // Under pid_mu_, so that no signal is sent to a pid already reaped (and
+  // perhaps reused).
+  void ReapLocked(absl::Duration within) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pid_mu_) {
+    absl::Time until = absl::Now() + within;
+    while (pid_ > 0) {
+      int status = 0;
+      pid_t r = waitpid(pid_, &status, within == absl::InfiniteDuration() ? 0 : WNOHANG);
+      if (r == pid_ || (r < 0 && errno == ECHILD)) {
+        ended_ = r == pid_ ? DescribeWait(status) : "reaped elsewhere";
+        pid_ = -1;
+        return;
+      }
+      if (r < 0 && errno != EINTR) return;
+      if (absl::Now() >= until) return;
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+  }
+
+  absl::Mutex pid_mu_;
+  pid_t pid_ ABSL_GUARDED_BY(pid_mu_);
+  ScopedFd control_;
+  std::string ended_ ABSL_GUARDED_BY(pid_mu_);
+};
+
+class HelperExport final : public PeerExport {
+ public:
+  HelperExport(std::unique_ptr<Helper> helper, PeerOffer offer) : helper_(std::move(helper)), offer_(std::move(offer)) {}
+  const PeerOffer& offer() const override { return offer_; }
+
+ private:
+  std::unique_ptr<Helper> helper_;  // destroyed: stops, then reaps (SIGKILL after 1 s)
+  PeerOffer offer_;
+};
+
+class HelperConnection final : public PeerConnection {
+ public:
+  HelperConnection(std::unique_ptr<Helper> helper, char* staging, const UcxHelperOptions& options,
+                   std::vector<uint64_t> sizes)
+      : helper_(std::move(helper)), staging_(staging), slot_bytes_(options.slot_bytes), slots_(options.slots),
+        sizes_(std::move(sizes)) {
+    for (uint32_t s = 0; s < slots_; ++s) free_.push_back(s);
+    receiver_ = std::thread([this] { ReceiveLoop(); });
+  }
+
+  ~HelperConnection() override {
+    helper_->Stop();
+    receiver_.join();
+    helper_.reset();  // the helper is dead before its staging memory goes
+    munmap(staging_, slot_bytes_ * slots_);
+  }
+
+  absl::Status Read(const std::vector<PeerRead>& reads, Clock::time_point deadline) override {
+    struct Piece {
+      uint32_t region;
+      uint64_t offset, n;
+      char* dst;
+    };
+    std::deque<Piece> todo;
+    for (const PeerRead& r : reads) {
+      if (r.region >= sizes_.size() || r.offset > sizes_[r.region] || r.n > sizes_[r.region] - r.offset) {
+        return absl::InvalidArgumentError(absl::StrCat("read of ", r.n, " bytes at ", r.offset, " of region ",
+                                                       r.region, " is outside the peer's regions"));
+      }
+      for (uint64_t at = 0; at < r.n; at += slot_bytes_) {
+        todo.push_back({r.region, r.offset + at, std::min(slot_bytes_, r.n - at), r.dst + at});
+      }
+    }
+    struct Flying {
+      Piece piece;
+      uint32_t slot;
+      uint64_t id;
+    };
+    std::vector<Flying> flying;
+    absl::MutexLock lock(&mu_);
+    while (!todo.empty() || !flying.empty()) {
+      if (!broken_.ok()) return Abandon(flying);
+      while (!todo.empty() && !free_.empty()) {
+        Flying f{todo.front(), free_.back(), next_id_++};
+        todo.pop_front();
+        free_.pop_back();
+        ph::Read msg;
+        msg.slot = f.slot;
+        msg.id = f.id;
+        msg.region = f.piece.region;
+        msg.offset = f.piece.offset;
+        msg.n = f.piece.n;
+        done_.emplace(f.id, Outcome{});
+        flying.push_back(f);
+        if (absl::Status sent = helper_->Send(&msg, sizeof msg); !sent.ok()) {
+          Break(sent);
+          return Abandon(flying);
+        }
+      }
+      auto progress = [&] {
+        if (!broken_.ok()) return true;
+        for (const Flying& f : flying) {
+          if (done_[f.id].done) return true;
+        }
+        return flying.empty() && !free_.empty();
+      };
+      if (!mu_.AwaitWithDeadline(absl::Condition(&progress), ToAbsl(deadline))) {
+        Break(absl::DeadlineExceededError("peer reads did not finish before the deadline"));
+        helper_->Kill();
+        return Abandon(flying);
+      }
+      for (size_t i = 0; i < flying.size();) {
+        Outcome outcome = done_[flying[i].id];
+        if (!outcome.done) {
+          ++i;
+          continue;
+        }
+        done_.erase(flying[i].id);
+        if (!outcome.status.ok()) {
+          Break(outcome.status);
+          return Abandon(flying);
+        }
+        Flying f = flying[i];
+        flying.erase(flying.begin() + static_cast<ptrdiff_t>(i));
+        mu_.Unlock();  // the slot is this call's until it is given back
+        std::memcpy(f.piece.dst, staging_ + f.slot * slot_bytes_, f.piece.n);
+        mu_.Lock();
+        free_.push_back(f.slot);
+      }
+    }
+    return broken_;
+  }
+
+ private:
+  struct Outcome {
+    bool done = false;
+    absl::Status status;
+  };
+
+  void Break(absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (broken_.ok()) broken_ = std::move(status);
+  }
+
+  // After an error: this call's slots are never used again (the connection
+  // is broken), and their outcomes are forgotten.
+  template <typename Flying>
+  absl::Status Abandon(const std::vector<Flying>& flying) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    for (const Flying& f : flying) done_.erase(f.id);
+    return broken_;
+  }
+
+  void ReceiveLoop() {
+    for (;;) {
+      absl::StatusOr<std::string> msg = helper_->Receive(Clock::time_point::max());
+      absl::MutexLock lock(&mu_);
+      if (!msg.ok()) return Break(msg.status());
+      ph::Done done;
+      if (msg->size() != sizeof done) return Break(absl::InternalError("the peer helper sent a malformed message"));
+      std::memcpy(&done, msg->data(), sizeof done);
+      auto it = done_.find(done.id);
+      if (done.kind != ph::Kind::kDone) return Break(absl::InternalError("the peer helper sent an unexpected message"));
+      if (it == done_.end()) continue;  // a read of a call that already gave up
+      it->second.done = true;
+      if (done.code != 0) {
+        done.text[sizeof done.text - 1] = '\0';
+        it->second.status = absl::Status(static_cast<absl::StatusCode>(done.code), done.text);
+      }
+    }
+  }
+
+  std::unique_ptr<Helper> helper_;
+  char* staging_;
+  const uint64_t slot_bytes_;
+  const uint32_t slots_;
+  const std::vector<uint64_t> sizes_;
+  absl::Mutex mu_;
+  std::vector<uint32_t> free_ ABSL_GUARDED_BY(mu_);
+  std::map<uint64_t, Outcome> done_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  absl::Status broken_ ABSL_GUARDED_BY(mu_);
+  std::thread receiver_;
+};
+
+class UcxHelperTransport final : public PeerTransport {
+ public:
+  UcxHelperTransport(ScopedFd binary, UcxHelperOptions options) : binary_(std::move(binary)), options_(std::move(options)) {}
+
+  std::string name() const override { return "ucx"; }
+
+  absl::StatusOr<std::unique_ptr<PeerExport>> Export(const std::vector<PeerExportRegion>& regions,
+                                                     const PeerExportOptions& options) override {
+    if (regions.size() > kMaxPeerRegions) {
+      return absl::InvalidArgumentError(absl::StrCat(regions.size(), " regions to export, at most ", kMaxPeerRegions));
+    }
+    std::vector<int> fds;
+    PeerOffer offer;
+    for (const PeerExportRegion& r : regions) {
+      struct stat st {};
+      if (fstat(r.fd, &st) != 0 || !S_ISREG(st.st_mode) || static_cast<uint64_t>(st.st_size) < r.size) {
+        return absl::InvalidArgumentError(absl::StrCat("export region fd ", r.fd, " is not a file of ", r.size, " bytes"));
+      }
+      fds.push_back(r.fd);
+      offer.region_sizes.push_back(r.size);
+    }
+    std::vector<std::string> args = {"seed", std::to_string(regions.size())};
+    AddUser(args);
+    if (options.stall_for_test) args.push_back("--stall");
+    WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<Helper> helper, Helper::Start(binary_.get(), args, fds));
+    WEIGHTD_ASSIGN_OR_RETURN(std::string ready, helper->Receive(Clock::now() + options_.start_timeout));
+    ph::Head head;
+    if (ready.size() < sizeof head) return absl::InternalError("the peer helper sent a malformed message");
+    std::memcpy(&head, ready.data(), sizeof head);
+    if (head.kind != ph::Kind::kReady || head.length == 0 || head.length != ready.size() - sizeof head) {
+      return absl::InternalError("the peer helper sent a malformed message");
+    }
+    offer.worker_address = ready.substr(sizeof head);
+    offer.token.assign(reinterpret_cast<const char*>(head.token), sizeof head.token);
+    return std::unique_ptr<PeerExport>(new HelperExport(std::move(helper), std::move(offer)));
+  }
+
+  absl::StatusOr<std::unique_ptr<PeerConnection>> Connect(const PeerOffer& offer, Clock::time_point deadline) override {
+    if (offer.worker_address.empty() || offer.worker_address.size() > kMaxPeerWorkerAddressBytes) {
+      return absl::InvalidArgumentError(absl::StrCat("peer worker address of ", offer.worker_address.size(),
+                                                     " bytes (must be 1..", kMaxPeerWorkerAddressBytes, ")"));
+    }
+    if (offer.token.size() != kPeerTokenBytes) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("peer session token of ", offer.token.size(), " bytes (must be ", kPeerTokenBytes, ")"));
+    }
+    if (offer.region_sizes.size() > kMaxPeerRegions) {
+      return absl::InvalidArgumentError(absl::StrCat("the peer offers ", offer.region_sizes.size(),
+                                                     " regions, at most ", kMaxPeerRegions));
+    }
+    const uint64_t staging_bytes = options_.slot_bytes * options_.slots;
+    ScopedFd staging(static_cast<int>(memfd_create("wd-peer-staging", MFD_CLOEXEC)));
+    if (!staging.valid()) return ErrnoToStatus("memfd_create for peer staging", errno);
+    if (ftruncate(staging.get(), static_cast<off_t>(staging_bytes)) != 0) {
+      return ErrnoToStatus("ftruncate of peer staging", errno);
+    }
+    void* map = mmap(nullptr, staging_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, staging.get(), 0);
+    if (map == MAP_FAILED) return ErrnoToStatus("mmap of peer staging", errno);
+    struct Unmap {
+      void* p;
+      uint64_t n;
+      ~Unmap() {
+        if (p != nullptr) munmap(p, n);
+      }
+    } unmap{map, staging_bytes};
+    std::vector<std::string> args = {"join", std::to_string(options_.slot_bytes), std::to_string(options_.slots)};
+    AddUser(args);
+    WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<Helper> helper, Helper::Start(binary_.get(), args, {staging.get()}));
+    ph::Head head{ph::Kind::kConnect, static_cast<uint32_t>(offer.worker_address.size()), {}};
+    std::memcpy(head.token, offer.token.data(), sizeof head.token);
+    WEIGHTD_RETURN_IF_ERROR(helper->Send(&head, sizeof head, offer.worker_address.data(), offer.worker_address.size()));
+    WEIGHTD_ASSIGN_OR_RETURN(std::string ready,
+                             helper->Receive(std::min(deadline, Clock::now() + options_.start_timeout)));
+    ph::Kind kind{};
+    if (ready.size() >= sizeof kind) std::memcpy(&kind, ready.data(), sizeof kind);
+    if (kind != ph::Kind::kReady) return absl::InternalError("the peer helper sent an unexpected message");
+    unmap.p = nullptr;
+    return std::unique_ptr<PeerConnection>(
+        new HelperConnection(std::move(helper), static_cast<char*>(map), options_, offer.region_sizes));
+  }
+
+ private:
+  void AddUser(std::vector<std::string>& args) const {
+    if (!options_.user.empty()) {
+      args.push_back("--user");
+      args.push_back(options_.user);
+    }
+  }
+
+  ScopedFd binary_;
+  const UcxHelperOptions options_;
+};
+
+}  // namespace
+
+std::string DefaultPeerHelperPath() {
+  char buf[4096];
+  ssize_t n = readlink("/proc/self/exe", buf, sizeof buf - 1);
+  if (n <= 0) return "weightd-peer-helper";
+  std::string self(buf, static_cast<size_t>(n));
+  size_t slash = self.rfind('/');
+  return (slash == std::string::npos ? std::string(".") : self.substr(0, slash)) + "/weightd-peer-helper";
+}
+
+absl::StatusOr<std::unique_ptr<PeerTransport>> MakeUcxHelperTransport(UcxHelperOptions options) {
+  if (options.slot_bytes == 0 || options.slot_bytes > ph::kMaxPieceBytes || options.slots == 0 ||
+      options.slots > ph::kMaxSlots) {
+    return absl::InvalidArgumentError("peer staging slots out of range");
+  }
+  ScopedFd binary(open(options.helper_path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!binary.valid()) {
+    return ErrnoToStatus(absl::StrCat("opening the peer helper ", QuoteName(options.helper_path),
+                                      " (--peer-helper)"),
+                         errno);
+  }
+  struct stat st {};
+  if (fstat(binary.get(), &st) != 0 || !S_ISREG(st.st_mode) || (st.st_mode & 0111) == 0) {
+    return absl::InvalidArgumentError(absl::StrCat("the peer helper ", QuoteName(options.helper_path),
+                                                   " is not an executable file (--peer-helper)"));
+  }
+  return std::unique_ptr<PeerTransport>(new UcxHelperTransport(std::move(binary), std::move(options)));
+}
+
+}  // namespace weightd

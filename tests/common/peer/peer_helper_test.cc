@@ -1,0 +1,254 @@
+// The UCX transport through real weightd-peer-helper processes, over TCP on
+// the loopback device (UCX_TLS=tcp, UCX_NET_DEVICES=lo): the path two nodes
+// use. Covers what a seed serves (only its regions, only to its token), how
+// a joiner fails (deadline, seed gone), and what a helper runs with.
+#include <dirent.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "common/peer/peer_transport.h"
+#include "gtest/gtest.h"
+#include "tests/testing/status_matchers.h"
+
+namespace weightd {
+namespace {
+
+using std::chrono::milliseconds;
+using std::chrono::seconds;
+using std::chrono::steady_clock;
+
+std::string ReadProc(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+// The pids of this process's children named wd-peer-helper (the helper's comm).
+std::vector<int> HelperChildren() {
+  std::vector<int> out;
+  DIR* d = opendir("/proc");
+  while (dirent* e = readdir(d)) {
+    int pid = 0;
+    if (!absl::SimpleAtoi(e->d_name, &pid)) continue;
+    std::string stat = ReadProc(absl::StrCat("/proc/", pid, "/stat"));
+    size_t close = stat.rfind(')');
+    if (close == std::string::npos || !absl::StrContains(stat.substr(0, close), "(wd-peer-helper")) continue;
+    std::vector<std::string> fields = absl::StrSplit(stat.substr(close + 2), ' ');
+    if (fields.size() > 1 && fields[1] == std::to_string(getpid())) out.push_back(pid);
+  }
+  closedir(d);
+  return out;
+}
+
+class PeerHelperTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    setenv("UCX_TLS", "tcp", 1);
+    setenv("UCX_NET_DEVICES", "lo", 1);
+    setenv("WEIGHTD_TEST_SECRET", "not for helpers", 1);
+    data_.resize(10 << 20);
+    for (size_t i = 0; i < data_.size(); ++i) data_[i] = static_cast<char>((i * 131) ^ (i >> 13));
+    fd_ = memfd_create("peer-helper-test", MFD_CLOEXEC);
+    ASSERT_GE(fd_, 0);
+    ASSERT_EQ(pwrite(fd_, data_.data(), data_.size(), 0), static_cast<ssize_t>(data_.size()));
+    UcxHelperOptions options;
+    options.helper_path = WEIGHTD_PEER_HELPER_PATH;
+    options.slot_bytes = 1 << 20;  // a 10 MiB read is ten pieces in flight
+    options.slots = 8;
+    WEIGHTD_ASSERT_OK_AND_ASSIGN(transport_, MakeUcxHelperTransport(options));
+  }
+  void TearDown() override { close(fd_); }
+
+  std::unique_ptr<PeerExport> Export(bool stall = false) {
+    PeerExportOptions options;
+    options.stall_for_test = stall;
+    absl::StatusOr<std::unique_ptr<PeerExport>> e = transport_->Export({{fd_, data_.size()}}, options);
+    EXPECT_TRUE(e.ok()) << e.status();
+    return e.ok() ? std::move(*e) : nullptr;
+  }
+  std::unique_ptr<PeerConnection> Connect(const PeerOffer& offer) {
+    absl::StatusOr<std::unique_ptr<PeerConnection>> c = transport_->Connect(offer, steady_clock::now() + seconds(30));
+    EXPECT_TRUE(c.ok()) << c.status();
+    return c.ok() ? std::move(*c) : nullptr;
+  }
+
+  std::string data_;
+  int fd_ = -1;
+  std::unique_ptr<PeerTransport> transport_;
+};
+
+TEST_F(PeerHelperTest, ReadsRangesOfAnExportFromSeveralThreads) {
+  EXPECT_EQ(transport_->name(), "ucx");
+  std::unique_ptr<PeerExport> e = Export();
+  ASSERT_NE(e, nullptr);
+  EXPECT_EQ(e->offer().region_sizes, std::vector<uint64_t>{data_.size()});
+  EXPECT_EQ(e->offer().token.size(), kPeerTokenBytes);
+  std::unique_ptr<PeerConnection> c = Connect(e->offer());
+  ASSERT_NE(c, nullptr);
+  std::string whole(data_.size(), '\0'), middle(4097, '\0');
+  WEIGHTD_ASSERT_OK(c->Read({{0, 0, whole.size(), whole.data()}, {0, 12345, middle.size(), middle.data()}},
+                            steady_clock::now() + seconds(30)));
+  EXPECT_TRUE(whole == data_);
+  EXPECT_TRUE(middle == data_.substr(12345, 4097));
+  // Four threads at once share the eight staging slots.
+  std::vector<std::string> parts(4, std::string(data_.size() / 4, '\0'));
+  std::vector<absl::Status> results(4);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      results[t] = c->Read({{0, t * parts[t].size(), parts[t].size(), parts[t].data()}},
+                           steady_clock::now() + seconds(30));
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int t = 0; t < 4; ++t) {
+    WEIGHTD_EXPECT_OK(results[t]);
+    EXPECT_TRUE(parts[t] == data_.substr(t * parts[t].size(), parts[t].size())) << "part " << t;
+  }
+}
+
+TEST_F(PeerHelperTest, ReadsOutsideTheRegionAreRefusedHereAndByTheSeed) {
+  std::unique_ptr<PeerExport> e = Export();
+  ASSERT_NE(e, nullptr);
+  std::string buf(16, '\0');
+  {
+    std::unique_ptr<PeerConnection> c = Connect(e->offer());
+    EXPECT_THAT(c->Read({{0, data_.size() - 8, 16, buf.data()}}, steady_clock::now() + seconds(5)),
+                StatusIs(absl::StatusCode::kInvalidArgument, "outside the peer's regions"));
+    EXPECT_THAT(c->Read({{1, 0, 16, buf.data()}}, steady_clock::now() + seconds(5)),
+                StatusIs(absl::StatusCode::kInvalidArgument, "region 1"));
+  }
+  // An offer that claims more than the seed exports passes the joiner's own
+  // check; the seed's helper refuses the read.
+  PeerOffer lie = e->offer();
+  lie.region_sizes[0] += 1 << 20;
+  std::unique_ptr<PeerConnection> c = Connect(lie);
+  EXPECT_THAT(c->Read({{0, data_.size() - 8, 16, buf.data()}}, steady_clock::now() + seconds(10)),
+              StatusIs(absl::StatusCode::kInvalidArgument, "the seed refused a read outside its regions"));
+}
+
+TEST_F(PeerHelperTest, ReadsWithoutTheSessionTokenAreRefused) {
+  std::unique_ptr<PeerExport> e = Export();
+  ASSERT_NE(e, nullptr);
+  PeerOffer forged = e->offer();
+  forged.token[0] ^= 1;
+  std::unique_ptr<PeerConnection> c = Connect(forged);
+  std::string buf(64, '\0');
+  EXPECT_THAT(c->Read({{0, 0, buf.size(), buf.data()}}, steady_clock::now() + seconds(10)),
+              StatusIs(absl::StatusCode::kPermissionDenied, "the seed refused the session token"));
+  EXPECT_EQ(buf, std::string(64, '\0'));
+}
+
+TEST_F(PeerHelperTest, StalledSeedEndsTheReadAtTheDeadline) {
+  std::unique_ptr<PeerExport> e = Export(/*stall=*/true);
+  ASSERT_NE(e, nullptr);
+  std::unique_ptr<PeerConnection> c = Connect(e->offer());
+  std::string buf(data_.size(), '\0');
+  EXPECT_THAT(c->Read({{0, 0, buf.size(), buf.data()}}, steady_clock::now() + milliseconds(500)),
+              StatusIs(absl::StatusCode::kDeadlineExceeded, "deadline"));
+  // The connection is broken from then on.
+  EXPECT_THAT(c->Read({{0, 0, 16, buf.data()}}, steady_clock::now() + seconds(5)),
+              StatusIs(absl::StatusCode::kDeadlineExceeded, "deadline"));
+}
+
+TEST_F(PeerHelperTest, SeedThatGoesAwayFailsTheRead) {
+  std::unique_ptr<PeerExport> e = Export();
+  ASSERT_NE(e, nullptr);
+  std::unique_ptr<PeerConnection> c = Connect(e->offer());
+  std::string buf(64, '\0');
+  WEIGHTD_ASSERT_OK(c->Read({{0, 0, buf.size(), buf.data()}}, steady_clock::now() + seconds(30)));
+  e.reset();  // the seed's helper is killed and reaped
+  absl::Status st = c->Read({{0, 0, buf.size(), buf.data()}}, steady_clock::now() + seconds(30));
+  EXPECT_EQ(st.code(), absl::StatusCode::kUnavailable) << st;
+}
+
+TEST_F(PeerHelperTest, MalformedOffersAreRefusedBeforeAnyHelperStarts) {
+  PeerOffer offer{std::string(kMaxPeerWorkerAddressBytes + 1, 'x'), std::string(kPeerTokenBytes, 't'), {16}};
+  EXPECT_THAT(transport_->Connect(offer, steady_clock::now() + seconds(5)),
+              StatusIs(absl::StatusCode::kInvalidArgument, "worker address"));
+  offer.worker_address = "x";
+  offer.token = "short";
+  EXPECT_THAT(transport_->Connect(offer, steady_clock::now() + seconds(5)),
+              StatusIs(absl::StatusCode::kInvalidArgument, "session token of 5 bytes"));
+  offer.token = std::string(kPeerTokenBytes, 't');
+  offer.region_sizes.assign(kMaxPeerRegions + 1, 1);
+  EXPECT_THAT(transport_->Connect(offer, steady_clock::now() + seconds(5)),
+              StatusIs(absl::StatusCode::kInvalidArgument, "regions, at most"));
+  EXPECT_TRUE(HelperChildren().empty());
+}
+
+TEST_F(PeerHelperTest, GarbageWorkerAddressFailsInTheHelperNotHere) {
+  PeerOffer offer{std::string(300, '\x7f'), std::string(kPeerTokenBytes, 't'), {16}};
+  absl::StatusOr<std::unique_ptr<PeerConnection>> c = transport_->Connect(offer, steady_clock::now() + seconds(10));
+  if (c.ok()) {
+    std::string buf(16, '\0');
+    EXPECT_FALSE((*c)->Read({{0, 0, 16, buf.data()}}, steady_clock::now() + seconds(2)).ok());
+  } else {
+    EXPECT_EQ(c.status().code(), absl::StatusCode::kUnavailable) << c.status();
+  }
+}
+
+TEST_F(PeerHelperTest, HelperRunsWithoutPrivilegesSecretsOrTheDaemonsFiles) {
+  std::unique_ptr<PeerExport> e = Export();
+  ASSERT_NE(e, nullptr);
+  std::vector<int> pids = HelperChildren();
+  ASSERT_EQ(pids.size(), 1u);
+  std::string status = ReadProc(absl::StrCat("/proc/", pids[0], "/status"));
+  EXPECT_TRUE(absl::StrContains(status, "NoNewPrivs:\t1")) << status;
+  if (geteuid() == 0) {
+    EXPECT_TRUE(absl::StrContains(status, "\nUid:\t65534\t65534\t65534\t65534\n")) << status;
+    EXPECT_TRUE(absl::StrContains(status, "\nGroups:\t \n")) << status;
+  } else {
+    GTEST_LOG_(INFO) << "not root: the helper keeps this user, so the switch to 'nobody' is not checked here";
+  }
+  // Only UCX_* variables reach it.
+  std::string environ = ReadProc(absl::StrCat("/proc/", pids[0], "/environ"));
+  for (absl::string_view var : absl::StrSplit(environ, '\0', absl::SkipEmpty())) {
+    EXPECT_TRUE(absl::StartsWith(var, "UCX_")) << var;
+  }
+  EXPECT_TRUE(absl::StrContains(environ, "UCX_TLS=tcp"));
+  // It keeps the region mapped, not open, and none of this process's files.
+  DIR* d = opendir(absl::StrCat("/proc/", pids[0], "/fd").c_str());
+  if (d != nullptr) {
+    while (dirent* f = readdir(d)) {
+      char target[256] = {};
+      readlink(absl::StrCat("/proc/", pids[0], "/fd/", f->d_name).c_str(), target, sizeof target - 1);
+      EXPECT_FALSE(absl::StrContains(target, "memfd:")) << f->d_name << " -> " << target;
+      EXPECT_FALSE(absl::StrContains(target, "peer_helper_test")) << f->d_name << " -> " << target;
+    }
+    closedir(d);
+  }
+  EXPECT_TRUE(absl::StrContains(ReadProc(absl::StrCat("/proc/", pids[0], "/maps")), "memfd:peer-helper-test"));
+  e.reset();
+  EXPECT_TRUE(HelperChildren().empty());  // reaped, no zombie left
+}
+
+TEST_F(PeerHelperTest, UnknownHelperUserFailsTheExportWithItsName) {
+  if (geteuid() != 0) GTEST_SKIP() << "not root: helpers switch users only when started by root";
+  UcxHelperOptions options;
+  options.helper_path = WEIGHTD_PEER_HELPER_PATH;
+  options.user = "no-such-weightd-user";
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto transport, MakeUcxHelperTransport(options));
+  EXPECT_THAT(transport->Export({{fd_, data_.size()}}, {}),
+              StatusIs(absl::StatusCode::kUnavailable, "no user 'no-such-weightd-user'"));
+}
+
+TEST(PeerHelperTransport, MissingOrNonExecutableHelperIsNamed) {
+  UcxHelperOptions options;
+  options.helper_path = "/nonexistent/weightd-peer-helper";
+  EXPECT_THAT(MakeUcxHelperTransport(options), StatusIs(absl::StatusCode::kNotFound, "/nonexistent/weightd-peer-helper"));
+  options.helper_path = "/etc/passwd";  // 0644
+  EXPECT_THAT(MakeUcxHelperTransport(options), StatusIs(absl::StatusCode::kInvalidArgument, "not an executable file"));
+}
+
+}  // namespace
+}  // namespace weightd
