@@ -10,6 +10,7 @@ int main(int argc, char** argv) {
   static const std::map<std::string, int (*)(const Flags&)> kCommands = {
       {"load", LoadCommand},           {"read-malloc", ReadMallocCommand},
       {"memfd-fill", MemfdFillCommand},
+      {"peer-transport", PeerTransportCommand},
       {"fill-files", FillFilesCommand},
       {"attach", AttachCommand},       {"self-map", SelfMapCommand},
       {"concurrent", ConcurrentCommand}, {"hold", HoldCommand},
@@ -21,7 +22,7 @@ int main(int argc, char** argv) {
   };
   auto it = argc > 1 ? kCommands.find(argv[1]) : kCommands.end();
   if (it == kCommands.end()) {
-    return Fail("usage: weightd_bench load|read-malloc|memfd-fill|fill-files|attach|self-map|concurrent|hold|restart|make-checkpoint|catalog|publish|shm-copy|reload|publish-watch|touch ...");
+    return Fail("usage: weightd_bench load|read-malloc|memfd-fill|fill-files|peer-transport|attach|self-map|concurrent|hold|restart|make-checkpoint|catalog|publish|shm-copy|reload|publish-watch|touch ...");
   }
   return it->second(Flags(argc - 1, argv + 1));
 }

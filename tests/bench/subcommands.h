@@ -23,6 +23,7 @@ int ShmCopyCommand(const Flags& flags);
 int ReloadCommand(const Flags& flags);
 int PublishWatchCommand(const Flags& flags);
 int FillFilesCommand(const Flags& flags);
+int PeerTransportCommand(const Flags& flags);
 
 }  // namespace weightd::bench
 
