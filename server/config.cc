@@ -53,6 +53,10 @@ void ForEachField(Config& c, F&& f) {
   f("peer_test_fault", c.peer_test_fault);
   f("peer_helper", c.peer_helper);
   f("peer_helper_user", c.peer_helper_user);
+  f("peer_tls_cert", c.peer_tls_cert);
+  f("peer_tls_key", c.peer_tls_key);
+  f("peer_tls_ca", c.peer_tls_ca);
+  f("peer_tls_server_name", c.peer_tls_server_name);
 }
 
 // How a flag's text becomes a field's JSON value, by the field's type.
@@ -166,6 +170,12 @@ absl::Status ValidatePeers(const DaemonConfig& c) {
     return absl::InvalidArgumentError(
         absl::StrCat("--peer-deadline-seconds must be in (0, 86400], got ", c.peer_deadline_seconds));
   }
+  if (bool any = !c.peer_tls_cert.empty() || !c.peer_tls_key.empty() || !c.peer_tls_ca.empty() ||
+                 !c.peer_tls_server_name.empty();
+      any && (c.peer_tls_cert.empty() || c.peer_tls_key.empty() || c.peer_tls_ca.empty())) {
+    return absl::InvalidArgumentError(
+        "mutual TLS between peers needs all of --peer-tls-cert, --peer-tls-key and --peer-tls-ca");
+  }
   if (c.peer_helper_user.size() > 32 ||
       !std::all_of(c.peer_helper_user.begin(), c.peer_helper_user.end(), [](char ch) {
         return absl::ascii_isalnum(ch) || ch == '_' || ch == '-' || ch == '.';
@@ -251,6 +261,7 @@ std::string DaemonUsage() {
          "               [--self-check-interval-seconds S] [--max-watchers N] [--watch-queue-events N]\n"
          "               [--peer-address HOST:PORT] [--peers HOST:PORT ...] [--peer-max-joiners N]\n"
          "               [--peer-deadline-seconds S] [--peer-helper PATH] [--peer-helper-user USER]\n"
+         "               [--peer-tls-cert PEM --peer-tls-key PEM --peer-tls-ca PEM [--peer-tls-server-name NAME]]\n"
          "               [--print-config] [--version]\n";
 }
 

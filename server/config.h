@@ -52,6 +52,12 @@ struct DaemonConfig {
   std::string peer_test_fault;                       // tests only: "corrupt" or "stall" (server/peer_seed.h)
   std::string peer_helper;                           // weightd-peer-helper path; "" = beside this executable
   std::string peer_helper_user = "nobody";           // when root, helpers run as this user; "" = stay root
+  // Mutual TLS between peers (all three or none): this node's certificate
+  // (serverAuth and clientAuth) and key, and the CA every node's is signed by.
+  std::string peer_tls_cert;
+  std::string peer_tls_key;
+  std::string peer_tls_ca;
+  std::string peer_tls_server_name;                  // name seeds' certificates carry; "" = the address dialled
 };
 
 struct ParsedArgs {

@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "absl/strings/str_format.h"
+#include "common/io/env.h"
 #include "common/memory/device.h"
 #include "common/base/log.h"
 #include "common/io/host_memory.h"
@@ -335,6 +336,14 @@ class DaemonImpl final : public Daemon {
     join.peers = config_.peers;
     join.deadline = std::chrono::milliseconds(static_cast<int64_t>(config_.peer_deadline_seconds * 1000));
     join.transport = [this]() -> absl::StatusOr<PeerTransport*> { return PeerTransportOnce(); };
+    if (!config_.peer_tls_cert.empty()) {
+      grpc::SslCredentialsOptions tls;
+      WEIGHTD_ASSIGN_OR_RETURN(tls.pem_root_certs, ReadPemFile("--peer-tls-ca", config_.peer_tls_ca));
+      WEIGHTD_ASSIGN_OR_RETURN(tls.pem_private_key, ReadPemFile("--peer-tls-key", config_.peer_tls_key));
+      WEIGHTD_ASSIGN_OR_RETURN(tls.pem_cert_chain, ReadPemFile("--peer-tls-cert", config_.peer_tls_cert));
+      join.credentials = grpc::SslCredentials(tls);
+      join.tls_server_name = config_.peer_tls_server_name;
+    }
     peer_joiner_ = std::make_unique<PeerJoiner>(std::move(join));
     if (config_.peer_address.empty()) return absl::OkStatus();
     return PeerTransportOnce().status();
@@ -366,7 +375,8 @@ class DaemonImpl final : public Daemon {
     WEIGHTD_ASSIGN_OR_RETURN(peer_listener_, PeerListener::Start(config_, peer_seed_.get(), metrics_.get()));
     listener_.AddServer(peer_listener_->server());
     LogInfo(absl::StrCat("peer listener on ", BoundAddress(config_.peer_address, peer_listener_->port()),
-                         " (weightd.v1.Peer, read-only; at most ", config_.peer_max_joiners, " joiners)",
+                         " (weightd.v1.Peer, read-only, ", config_.peer_tls_cert.empty() ? "plain TCP" : "mutual TLS",
+                         "; at most ", config_.peer_max_joiners, " joiners)",
                          config_.peer_test_fault.empty() ? "" : absl::StrCat("; TEST FAULT '", config_.peer_test_fault, "'")));
     return absl::OkStatus();
   }

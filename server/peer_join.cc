@@ -115,7 +115,9 @@ absl::StatusOr<std::unique_ptr<ModelGeneration>> PeerJoiner::LoadFrom(const std:
   if (!transport.ok()) return WithPeerReason(transport.status(), "other");
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(kMaxPeerReplyBytes);
-  std::shared_ptr<grpc::Channel> channel = grpc::CreateCustomChannel(peer, grpc::InsecureChannelCredentials(), args);
+  if (!options_.tls_server_name.empty()) args.SetSslTargetNameOverride(options_.tls_server_name);
+  std::shared_ptr<grpc::Channel> channel = grpc::CreateCustomChannel(
+      peer, options_.credentials ? options_.credentials : grpc::InsecureChannelCredentials(), args);
   std::unique_ptr<v1::Peer::Stub> stub = v1::Peer::NewStub(channel);
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + options_.deadline);

@@ -28,6 +28,8 @@
 #include <string>
 #include <vector>
 
+#include <grpcpp/security/credentials.h>
+
 #include "absl/status/statusor.h"
 #include "common/format/catalog.h"
 #include "common/peer/peer_transport.h"
@@ -60,6 +62,11 @@ absl::Status ValidatePeerList(const std::vector<std::string>& peers, const std::
 
 struct PeerJoinOptions {
   std::vector<std::string> peers;  // the config's, tried after a request's own
+  // Mutual TLS to seeds (--peer-tls-*): this node's certificate and key and
+  // the fleet's CA; null: plain TCP. With `tls_server_name`, seeds'
+  // certificates must carry that name instead of the address dialled.
+  std::shared_ptr<grpc::ChannelCredentials> credentials;
+  std::string tls_server_name;
   std::chrono::milliseconds deadline{600000};  // per peer: from asking it to READY
   // The transport, created on first use; errors are the transport's.
   std::function<absl::StatusOr<PeerTransport*>()> transport;

@@ -9,6 +9,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/base/status.h"
+#include "common/io/env.h"
 #include "server/convert.h"
 #include "server/grpc_limits.h"
 #include "server/health_port.h"
@@ -171,17 +172,32 @@ absl::StatusOr<std::unique_ptr<PeerListener>> PeerListener::Start(const DaemonCo
                                                                   Metrics* metrics) {
   std::unique_ptr<PeerListener> peer(new PeerListener());
   peer->service_ = std::make_unique<Service>(seed);
-  WEIGHTD_ASSIGN_OR_RETURN(ScopedFd listener, ListenTcp(config.peer_address, &peer->port_, "--peer-address"));
   grpc::ServerBuilder builder;
+  // Plain TCP through our bounded acceptor; mutual TLS only through gRPC's
+  // own listener, which cannot take TLS connections from an fd.
+  const bool tls = !config.peer_tls_cert.empty();
+  ScopedFd listener;
+  if (tls) {
+    grpc::SslServerCredentialsOptions options(GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+    grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
+    WEIGHTD_ASSIGN_OR_RETURN(pair.cert_chain, ReadPemFile("--peer-tls-cert", config.peer_tls_cert));
+    WEIGHTD_ASSIGN_OR_RETURN(pair.private_key, ReadPemFile("--peer-tls-key", config.peer_tls_key));
+    options.pem_key_cert_pairs.push_back(std::move(pair));
+    WEIGHTD_ASSIGN_OR_RETURN(options.pem_root_certs, ReadPemFile("--peer-tls-ca", config.peer_tls_ca));
+    builder.AddListeningPort(config.peer_address, grpc::SslServerCredentials(options), &peer->port_);
+  } else {
+    WEIGHTD_ASSIGN_OR_RETURN(listener, ListenTcp(config.peer_address, &peer->port_, "--peer-address"));
+  }
   builder.SetOption(WithoutReflectionOption());
   builder.RegisterService(peer->service_.get());
   builder.SetMaxSendMessageSize(-1);
   ApplyGrpcLimits(config, builder);  // streams per connection; connections are bounded by the acceptor
   CountRpcs(builder, metrics);
   peer->server_ = builder.BuildAndStart();
-  if (peer->server_ == nullptr) {
+  if (peer->server_ == nullptr || peer->port_ == 0) {
     return absl::UnavailableError(absl::StrCat("cannot start the peer service on --peer-address ", config.peer_address));
   }
+  if (tls) return peer;
   GrpcAcceptorOptions accept;
   accept.listener = std::move(listener);
   accept.name = absl::StrCat("peer listener ", config.peer_address);

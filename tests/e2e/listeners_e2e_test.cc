@@ -14,6 +14,7 @@
 #include "nlohmann/json.hpp"
 #include "common/base/scoped_fd.h"
 #include "tests/testing/checkpoint_builder.h"
+#include "tests/testing/pki.h"
 #include "tests/testing/process.h"
 #include "tests/testing/scrape.h"
 #include "weightd/v1/weightd.grpc.pb.h"
@@ -25,8 +26,9 @@ using json = nlohmann::json;
 using testing::CommandResult;
 using testing::DaemonProcess;
 using testing::TempDir;
+using testing::kOpenssl;
+using testing::MakeCertificates;
 
-constexpr char kOpenssl[] = "/usr/bin/openssl";
 constexpr char kAdminRefusal[] = "needs the Unix socket or a TCP listener with mutual TLS";
 
 void WriteCheckpoint(const std::string& path) {
@@ -107,26 +109,6 @@ TEST(TcpListener, AdminOnTcpWithoutMutualTlsRefusesToStart) {
             "weightd: --grpc-tcp-admin needs mutual TLS on --grpc-address: set --grpc-tls-cert, --grpc-tls-key and "
             "--grpc-tls-client-ca\n");
   EXPECT_NE(access(dir.Join("w.sock").c_str(), F_OK), 0);  // it never listened
-}
-
-// A throwaway PKI: a CA, a server certificate for 127.0.0.1 and a client
-// certificate it signed, and a client certificate of an unrelated CA.
-bool MakeCertificates(const TempDir& dir, std::string* log) {
-  std::string script = R"(set -e
-key() { openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout "$1.key" -out "$1.csr" -subj "/CN=$1" 2>/dev/null; }
-ca() { openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout "$1.key" -out "$1.pem" -days 2 -subj "/CN=$1" 2>/dev/null; }
-sign() { openssl x509 -req -in "$1.csr" -CA "$2.pem" -CAkey "$2.key" -set_serial "$4" -days 2 -out "$1.pem" -extfile "$3" 2>/dev/null; }
-printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n' > server.ext
-printf 'extendedKeyUsage=clientAuth\n' > client.ext
-ca ca; ca rogue-ca
-key server; sign server ca server.ext 1
-key client; sign client ca client.ext 2
-key rogue; sign rogue rogue-ca client.ext 3
-)";
-  testing::WriteFile(dir.Join("make-certs.sh"), script);
-  CommandResult r = testing::RunCommand({"/bin/sh", "-c", absl::StrCat("cd '", dir.path(), "' && sh make-certs.sh")});
-  *log = r.out + r.err;
-  return r.code == 0;
 }
 
 TEST(TcpListener, MutualTlsAdmitsAdminOnlyWithAClientCertificateOfTheConfiguredCa) {

@@ -4,6 +4,7 @@
 // UCX takes the network path (not shared memory) as between two nodes.
 #include <grpcpp/grpcpp.h>
 #include <signal.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstdlib>
@@ -12,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "tests/testing/pki.h"
 #include "tests/testing/process.h"
 #include "tests/testing/scrape.h"
 #include "weightd/v1/peer.grpc.pb.h"
@@ -226,6 +228,47 @@ TEST_F(PeerE2e, PeerPortServesNothingButThePeerServiceAndHealth) {
   EXPECT_EQ(Ls(*a)["state"], "READY");
   CommandResult health = testing::RunCommand({testing::WeightctlBinary(), "--socket", PeerOf(*a), "health"});
   EXPECT_EQ(health.out, "SERVING\n") << health.err;
+}
+
+// Mutual TLS on the peer port: only a joiner holding a certificate of the
+// fleet's CA gets a session (and so its transfer token); the others fall
+// back to storage.
+TEST_F(PeerE2e, MutualTlsSeedsOnlyJoinersWithTheFleetsCertificate) {
+  if (access(testing::kOpenssl, X_OK) != 0) GTEST_SKIP() << testing::kOpenssl << " is absent: apt-get install openssl";
+  testing::TempDir pki;
+  std::string log;
+  ASSERT_TRUE(testing::MakeCertificates(pki, &log)) << log;
+  auto tls = [&](const std::string& node) {
+    return std::vector<std::string>{"--peer-tls-cert", pki.Join(node + ".pem"), "--peer-tls-key",
+                                    pki.Join(node + ".key"), "--peer-tls-ca", pki.Join("ca.pem")};
+  };
+  auto a = Node(tls("node-a")), b = Node(tls("node-b")), plain = Node(), rogue = Node(tls("rogue-node"));
+  ASSERT_EQ(a->Ctl({"load", kModel, "demo"}).code, 0);
+  std::string peer = PeerOf(*a);
+  EXPECT_NE(a->process().Stderr().find("(weightd.v1.Peer, read-only, mutual TLS;"), std::string::npos)
+      << a->process().Stderr();
+
+  CommandResult load = b->Ctl({"load", kModel, "demo", "--peer", peer});
+  ASSERT_EQ(load.code, 0) << load.err << b->process().Stderr();
+  EXPECT_EQ(Ls(*b)["source"], "peer " + peer);
+  ExpectVerifies(*b);
+
+  for (DaemonProcess* joiner : {plain.get(), rogue.get()}) {
+    load = joiner->Ctl({"load", kModel, "demo", "--peer", peer});
+    ASSERT_EQ(load.code, 0) << load.err << joiner->process().Stderr();
+    EXPECT_EQ(Ls(*joiner)["source"], "storage");
+    EXPECT_NE(joiner->process().Stderr().find("peer " + peer + " did not seed 'm' (unavailable)"), std::string::npos)
+        << joiner->process().Stderr();
+  }
+  EXPECT_TRUE(AwaitMetric(*a, "weightd_peer_joiners", 0));
+  // Only B's session was ever opened.
+  std::string seed_log = a->process().Stderr();
+  size_t opened = 0;
+  for (size_t at = seed_log.find("opened a transfer of 'm'"); at != std::string::npos;
+       at = seed_log.find("opened a transfer of 'm'", at + 1)) {
+    ++opened;
+  }
+  EXPECT_EQ(opened, 1u) << seed_log;
 }
 
 }  // namespace

@@ -209,6 +209,25 @@ TEST(DaemonConfig, PeerKeysDefaultParseAndRefuseBadValues) {
   EXPECT_THAT(ParseDaemonArgs({"--peer-test-fault", "explode"}),
               StatusIs(Code::kInvalidArgument, "--peer-test-fault must be corrupt or stall (tests only), got 'explode'"));
   EXPECT_NE(DaemonUsage().find("[--peer-address HOST:PORT]"), std::string::npos);
+  EXPECT_EQ(defaults.config.peer_helper, "");
+  EXPECT_EQ(defaults.config.peer_helper_user, "nobody");
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(parsed, ParseDaemonArgs({"--peer-helper", "/opt/w/weightd-peer-helper",
+                                                        "--peer-helper-user", "weightd-peer", "--peer-tls-cert", "n.pem",
+                                                        "--peer-tls-key", "n.key", "--peer-tls-ca", "ca.pem",
+                                                        "--peer-tls-server-name", "weightd-peer"}));
+  EXPECT_EQ(parsed.config.peer_helper, "/opt/w/weightd-peer-helper");
+  EXPECT_EQ(parsed.config.peer_helper_user, "weightd-peer");
+  EXPECT_EQ(parsed.config.peer_tls_ca, "ca.pem");
+  EXPECT_EQ(parsed.config.peer_tls_server_name, "weightd-peer");
+  EXPECT_THAT(ParseDaemonArgs({"--peer-helper-user", "a b"}),
+              StatusIs(Code::kInvalidArgument, "--peer-helper-user must be a user name"));
+  for (std::vector<std::string> partial : {std::vector<std::string>{"--peer-tls-cert", "n.pem"},
+                                           {"--peer-tls-cert", "n.pem", "--peer-tls-key", "n.key"},
+                                           {"--peer-tls-server-name", "x"}}) {
+    EXPECT_THAT(ParseDaemonArgs(partial),
+                StatusIs(Code::kInvalidArgument,
+                         "mutual TLS between peers needs all of --peer-tls-cert, --peer-tls-key and --peer-tls-ca"));
+  }
 }
 
 TEST(DaemonConfig, ReliabilityBoundsParseAndRefuseOutOfRange) {
@@ -290,7 +309,7 @@ TEST(DaemonConfig, ConfigToJsonRoundTripsThroughConfigFile) {
   EXPECT_TRUE(reread.config.grpc_tcp_admin);
   EXPECT_EQ(reread.config.grpc_tls_client_ca, "/t/ca.pem");
   EXPECT_FALSE(reread.config.huge_pages);
-  EXPECT_EQ(json.size(), 31u);  // every DaemonConfig field, so a new one cannot be forgotten silently
+  EXPECT_EQ(json.size(), 37u);  // every DaemonConfig field, so a new one cannot be forgotten silently
 }
 
 }  // namespace
