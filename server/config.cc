@@ -53,6 +53,7 @@ void ForEachField(Config& c, F&& f) {
   f("peer_test_fault", c.peer_test_fault);
   f("peer_helper", c.peer_helper);
   f("peer_helper_user", c.peer_helper_user);
+  f("peer_helper_sandbox", c.peer_helper_sandbox);
   f("peer_tls_cert", c.peer_tls_cert);
   f("peer_tls_key", c.peer_tls_key);
   f("peer_tls_ca", c.peer_tls_ca);
@@ -261,6 +262,7 @@ std::string DaemonUsage() {
          "               [--self-check-interval-seconds S] [--max-watchers N] [--watch-queue-events N]\n"
          "               [--peer-address HOST:PORT] [--peers HOST:PORT ...] [--peer-max-joiners N]\n"
          "               [--peer-deadline-seconds S] [--peer-helper PATH] [--peer-helper-user USER]\n"
+         "               [--peer-helper-sandbox true|false]\n"
          "               [--peer-tls-cert PEM --peer-tls-key PEM --peer-tls-ca PEM [--peer-tls-server-name NAME]]\n"
          "               [--print-config] [--version]\n";
 }

@@ -52,6 +52,7 @@ struct DaemonConfig {
   std::string peer_test_fault;                       // tests only: "corrupt" or "stall" (server/peer_seed.h)
   std::string peer_helper;                           // weightd-peer-helper path; "" = beside this executable
   std::string peer_helper_user = "nobody";           // when root, helpers run as this user; "" = stay root
+  bool peer_helper_sandbox = true;                   // Landlock + seccomp in helpers (common/peer/helper_protocol.h)
   // Mutual TLS between peers (all three or none): this node's certificate
   // (serverAuth and clientAuth) and key, and the CA every node's is signed by.
   std::string peer_tls_cert;

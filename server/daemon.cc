@@ -355,6 +355,8 @@ class DaemonImpl final : public Daemon {
       UcxHelperOptions helper;
       helper.helper_path = config_.peer_helper.empty() ? DefaultPeerHelperPath() : config_.peer_helper;
       helper.user = config_.peer_helper_user;
+      helper.sandbox = config_.peer_helper_sandbox;
+      if (!helper.sandbox) LogWarning("--peer-helper-sandbox false: transfer helpers run without Landlock and seccomp");
       WEIGHTD_ASSIGN_OR_RETURN(peer_transport_, MakeUcxHelperTransport(helper));
       LogInfo(absl::StrCat("peer transport: UCX, one ", helper.helper_path, " process per transfer",
                            geteuid() == 0 && !helper.user.empty() ? absl::StrCat(", run as user '", helper.user, "'")

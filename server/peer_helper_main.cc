@@ -16,9 +16,15 @@
 // ucp_ep_create).
 #include <errno.h>
 #include <fcntl.h>
+#include <linux/landlock.h>
+#include <seccomp.h>
+#include <sys/ptrace.h>
+#include <sys/syscall.h>
+#include <sys/uio.h>
 #include <grp.h>
 #include <poll.h>
 #include <pwd.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/random.h>
@@ -92,6 +98,61 @@ void DropPrivileges(const std::string& user) {
   if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 || prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0) {
     Fail(absl::StrCat("prctl: ", std::strerror(errno)));
   }
+}
+
+// Once UCX has read its configuration and opened its transports, the
+// helper needs no file system and no way to reach other processes:
+//  - Landlock (Linux 5.13+, where the kernel enables it) with every file
+//    system right handled and none granted: no open, create, unlink or
+//    exec of any path; descriptors already open keep working;
+//  - seccomp (libseccomp): no ptrace, process_vm_readv/writev, pidfd_*,
+//    signals to any process but itself, AF_UNIX sockets (weightd's own
+//    sockets admit its uid), or exec.
+// So a peer that takes the helper over cannot touch weightd even where the
+// helper keeps weightd's uid (a non-root daemon). Returns the Landlock ABI
+// in force (0: the kernel has none).
+int Sandbox() {
+  int abi = static_cast<int>(syscall(SYS_landlock_create_ruleset, nullptr, 0, LANDLOCK_CREATE_RULESET_VERSION));
+  if (abi >= 1) {
+    landlock_ruleset_attr attr{};
+    attr.handled_access_fs = (LANDLOCK_ACCESS_FS_MAKE_SYM << 1) - 1;  // every right of ABI 1
+    if (abi >= 2) attr.handled_access_fs |= LANDLOCK_ACCESS_FS_REFER;
+    int ruleset = static_cast<int>(syscall(SYS_landlock_create_ruleset, &attr, sizeof attr, 0));
+    if (ruleset < 0) Fail(absl::StrCat("landlock: ", std::strerror(errno)));
+    // What UCX still reads while it connects: the routing table (is the
+    // peer reachable through this interface: /proc/net/route, a link into
+    // this process's own /proc/<pid>) and the memory size.
+    for (const char* path : {"/proc/self/", "/proc/meminfo"}) {
+      int fd = open(path, O_PATH | O_CLOEXEC);
+      if (fd < 0) continue;
+      landlock_path_beneath_attr rule{LANDLOCK_ACCESS_FS_READ_FILE, fd};
+      if (syscall(SYS_landlock_add_rule, ruleset, LANDLOCK_RULE_PATH_BENEATH, &rule, 0) != 0) {
+        Fail(absl::StrCat("landlock rule for ", path, ": ", std::strerror(errno)));
+      }
+      close(fd);
+    }
+    if (syscall(SYS_landlock_restrict_self, ruleset, 0) != 0) Fail(absl::StrCat("landlock: ", std::strerror(errno)));
+    close(ruleset);
+  } else {
+    abi = 0;
+  }
+  scmp_filter_ctx ctx = seccomp_init(SCMP_ACT_ALLOW);
+  if (ctx == nullptr) Fail("seccomp_init failed");
+  const uint32_t deny = SCMP_ACT_ERRNO(EPERM);
+  const auto self = static_cast<scmp_datum_t>(getpid());
+  int rc = 0;
+  for (int sys : {SCMP_SYS(ptrace), SCMP_SYS(process_vm_readv), SCMP_SYS(process_vm_writev), SCMP_SYS(pidfd_open),
+                  SCMP_SYS(pidfd_getfd), SCMP_SYS(pidfd_send_signal), SCMP_SYS(tkill), SCMP_SYS(execve),
+                  SCMP_SYS(execveat)}) {
+    rc |= seccomp_rule_add(ctx, deny, sys, 0);
+  }
+  for (int sys : {SCMP_SYS(kill), SCMP_SYS(tgkill), SCMP_SYS(rt_sigqueueinfo), SCMP_SYS(rt_tgsigqueueinfo)}) {
+    rc |= seccomp_rule_add(ctx, deny, sys, 1, SCMP_A0(SCMP_CMP_NE, self));
+  }
+  rc |= seccomp_rule_add(ctx, deny, SCMP_SYS(socket), 1, SCMP_A0(SCMP_CMP_EQ, AF_UNIX));
+  if (rc != 0 || seccomp_load(ctx) != 0) Fail("cannot load the seccomp filter");
+  seccomp_release(ctx);
+  return abi;
 }
 
 struct Ucx {
@@ -263,7 +324,7 @@ void Serve(Seed& seed) {
   }
 }
 
-[[noreturn]] void RunSeed(int regions, const std::string& user, bool stall) {
+[[noreturn]] void RunSeed(int regions, const std::string& user, bool stall, bool sandbox) {
   Seed seed;
   seed.stall = stall;
   for (int i = 0; i < regions; ++i) {
@@ -286,6 +347,7 @@ void Serve(Seed& seed) {
   DropPrivileges(user);
   seed.ucx = StartUcx();
   SetHandler(seed.ucx, kAmRequest, &OnRequest, &seed);
+  if (sandbox) Sandbox();
   Head ready{Kind::kReady, static_cast<uint32_t>(seed.ucx.address.size()), {}};
   std::memcpy(ready.token, seed.token, sizeof ready.token);
   SendControl(&ready, sizeof ready, seed.ucx.address.data(), seed.ucx.address.size());
@@ -299,6 +361,7 @@ void Serve(Seed& seed) {
 
 struct Join {
   Ucx ucx;
+  bool sandbox = true;
   ucp_ep_h ep = nullptr;
   char* staging = nullptr;
   uint64_t slot_bytes = 0;
@@ -380,6 +443,7 @@ void Connect(Join& join, const Head& head, const char* address) {
   ep.err_handler.cb = &OnEndpointError;
   ucs_status_t st = ucp_ep_create(join.ucx.worker, &ep, &join.ep);
   if (st != UCS_OK) Fail(UcxWhy("cannot connect to the seed's worker (ucp_ep_create)", st));
+  if (join.sandbox) Sandbox();
   Head ready{Kind::kReady, 0, {}};
   SendControl(&ready, sizeof ready);
 }
@@ -404,8 +468,9 @@ void Ask(Join& join, const uint8_t* token, const Read& r) {
   if (UCS_PTR_IS_ERR(sp)) Fail(UcxWhy("sending a request to the seed", UCS_PTR_STATUS(sp)));
 }
 
-[[noreturn]] void RunJoin(uint64_t slot_bytes, uint32_t slots, const std::string& user) {
+[[noreturn]] void RunJoin(uint64_t slot_bytes, uint32_t slots, const std::string& user, bool sandbox) {
   Join join;
+  join.sandbox = sandbox;
   join.slot_bytes = slot_bytes;
   join.slots = slots;
   struct stat st {};
@@ -418,7 +483,7 @@ void Ask(Join& join, const uint8_t* token, const Read& r) {
   join.staging = static_cast<char*>(p);
   DropPrivileges(user);
   join.ucx = StartUcx();
-  SetHandler(join.ucx, kAmReply, &OnReply, &join);
+  SetHandler(join.ucx, kAmReply, &OnReply, &join);  // Sandbox() once connected (ucp_ep_create reads /sys)
   std::vector<char> buf(sizeof(Head) + kMaxAddressBytes);
   uint8_t token[kTokenBytes] = {};
   auto control = [&] {
@@ -445,22 +510,51 @@ void Ask(Join& join, const uint8_t* token, const Read& r) {
   Run(join.ucx, control, [] {});
 }
 
+// `weightd-peer-helper sandbox-check PATH [--user NAME]`, for tests: the
+// same privilege drop and sandbox as a transfer, then every thing the
+// sandbox forbids is tried once; prints `what=errno-name` lines (`ok` when
+// allowed) and `landlock=ABI`.
+int SandboxCheck(const std::string& path, const std::string& user) {
+  DropPrivileges(user);
+  int abi = Sandbox();
+  pid_t parent = getppid();
+  auto result = [](bool ok) { return ok ? std::string("ok") : std::string(strerrorname_np(errno)); };
+  std::printf("landlock=%d\n", abi);
+  int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  std::printf("open=%s\n", result(fd >= 0).c_str());
+  std::printf("socket_unix=%s\n", result(socket(AF_UNIX, SOCK_STREAM, 0) >= 0).c_str());
+  std::printf("socket_inet=%s\n", result(socket(AF_INET, SOCK_STREAM, 0) >= 0).c_str());
+  std::printf("kill_parent=%s\n", result(kill(parent, 0) == 0).c_str());
+  std::printf("kill_self=%s\n", result(kill(getpid(), 0) == 0).c_str());
+  std::printf("ptrace_parent=%s\n", result(ptrace(PTRACE_SEIZE, parent, nullptr, nullptr) == 0).c_str());
+  char byte;
+  iovec local{&byte, 1}, remote{reinterpret_cast<void*>(0x1000), 1};
+  std::printf("vm_read_parent=%s\n", result(process_vm_readv(parent, &local, 1, &remote, 1, 0) >= 0).c_str());
+  char* argv[] = {const_cast<char*>("/bin/true"), nullptr};
+  std::printf("exec=%s\n", result(execv("/bin/true", argv) == 0).c_str());
+  return 0;
+}
+
 int Main(int argc, char** argv) {
   // weightd starts it through /proc/self/fd/N, which would name it "N" in ps.
   prctl(PR_SET_NAME, "wd-peer-helper", 0, 0, 0);
   std::vector<std::string> args(argv + 1, argv + argc);
   std::string user;
   bool stall = false;
+  bool sandbox = true;
   std::vector<std::string> positional;
   for (size_t i = 0; i < args.size(); ++i) {
     if (args[i] == "--user" && i + 1 < args.size()) {
       user = args[++i];
     } else if (args[i] == "--stall") {
       stall = true;
+    } else if (args[i] == "--no-sandbox") {
+      sandbox = false;
     } else {
       positional.push_back(args[i]);
     }
   }
+  if (positional.size() == 2 && positional[0] == "sandbox-check") return SandboxCheck(positional[1], user);
   struct stat st {};
   if (fstat(kControlFd, &st) != 0 || !S_ISSOCK(st.st_mode)) {
     std::fprintf(stderr, "weightd-peer-helper is started by weightd for peer seeding; it is not run by hand\n");
@@ -472,15 +566,15 @@ int Main(int argc, char** argv) {
   if (positional.size() == 2 && positional[0] == "seed" && absl::SimpleAtoi(positional[1], &regions) &&
       regions <= (1u << 16)) {
     close_range(kFirstDataFd + regions, ~0u, 0);  // the executable's fd, and anything else inherited
-    RunSeed(static_cast<int>(regions), user, stall);
+    RunSeed(static_cast<int>(regions), user, stall, sandbox);
   }
   if (positional.size() == 3 && positional[0] == "join" && absl::SimpleAtoi(positional[1], &slot_bytes) &&
       absl::SimpleAtoi(positional[2], &slots) && slot_bytes > 0 && slot_bytes <= kMaxPieceBytes && slots > 0 &&
       slots <= kMaxSlots) {
     close_range(kFirstDataFd + 1, ~0u, 0);
-    RunJoin(slot_bytes, slots, user);
+    RunJoin(slot_bytes, slots, user, sandbox);
   }
-  Fail("usage: weightd-peer-helper seed N | join SLOT_BYTES SLOTS [--user NAME] [--stall]");
+  Fail("usage: weightd-peer-helper seed N | join SLOT_BYTES SLOTS [--user NAME] [--stall] [--no-sandbox]");
 }
 
 }  // namespace

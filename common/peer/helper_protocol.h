@@ -12,7 +12,10 @@
 //     segments of one generation, read-only; a joiner's helper one staging
 //     buffer, never the segments being filled;
 //   - switches to an unprivileged user (UcxHelperOptions::user) and sets
-//     no_new_privs before UCX starts;
+//     no_new_privs before UCX starts, and once UCX is up (a joiner: once
+//     connected) sandboxes itself: Landlock without file system rights,
+//     seccomp without ptrace, signals to others, AF_UNIX sockets or exec
+//     (server/peer_helper_main.cc Sandbox());
 //   - dies with its transfer (the daemon closes the control socket, then
 //     SIGKILLs and reaps it).
 // A peer that takes over a helper therefore gets the bytes it could read
@@ -22,10 +25,10 @@
 // message per struct below, native byte order (same host, same binary
 // build). The helper exits when the socket reaches end of file.
 //
-//   seed:  weightd-peer-helper seed N [--user NAME] [--stall]
+//   seed:  weightd-peer-helper seed N [--user NAME] [--stall] [--no-sandbox]
 //          fds 4 .. 4+N-1: the regions (their whole st_size is served)
 //          helper -> daemon: Ready (token + worker address) or Error
-//   join:  weightd-peer-helper join SLOT_BYTES SLOTS [--user NAME]
+//   join:  weightd-peer-helper join SLOT_BYTES SLOTS [--user NAME] [--no-sandbox]
 //          fd 4: the staging memfd, SLOT_BYTES * SLOTS bytes
 //          daemon -> helper: Connect, then Read ...
 //          helper -> daemon: Ready (connected) or Error, then one Done per Read

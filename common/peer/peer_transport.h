@@ -121,6 +121,9 @@ struct UcxHelperOptions {
   uint32_t slots = 16;
   // How long a helper may take to start and report its address.
   std::chrono::milliseconds start_timeout{20000};
+  // Landlock and seccomp in the helpers (helper_protocol.h); false only
+  // where a UCX transport needs what they forbid (--peer-helper-sandbox).
+  bool sandbox = true;
 };
 
 // INVALID_ARGUMENT naming the path when the helper cannot be opened or is

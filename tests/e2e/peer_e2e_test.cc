@@ -110,6 +110,12 @@ TEST_F(PeerE2e, SeedKilledMidTransferFallsBackToStorage) {
   testing::TempDir out;
   testing::Process load(b->CtlArgv({"load", kModel, "demo", "--peer", peer}), out.path());
   ASSERT_TRUE(AwaitMetric(*a, "weightd_peer_joiners", 1)) << a->process().Stderr();
+  // The joiner has the seed's description once its transfer helper runs.
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (testing::ChildrenNamed(b->pid(), "wd-peer-helper").empty() && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_EQ(testing::ChildrenNamed(b->pid(), "wd-peer-helper").size(), 1u) << b->process().Stderr();
   a->process().Signal(SIGKILL);  // the seed dies with the transfer stalled half-way
   ASSERT_EQ(load.Wait(), 0) << load.Stderr() << b->process().Stderr();
   EXPECT_EQ(Ls(*b)["source"], "storage");

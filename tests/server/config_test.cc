@@ -211,6 +211,7 @@ TEST(DaemonConfig, PeerKeysDefaultParseAndRefuseBadValues) {
   EXPECT_NE(DaemonUsage().find("[--peer-address HOST:PORT]"), std::string::npos);
   EXPECT_EQ(defaults.config.peer_helper, "");
   EXPECT_EQ(defaults.config.peer_helper_user, "nobody");
+  EXPECT_TRUE(defaults.config.peer_helper_sandbox);
   WEIGHTD_ASSERT_OK_AND_ASSIGN(parsed, ParseDaemonArgs({"--peer-helper", "/opt/w/weightd-peer-helper",
                                                         "--peer-helper-user", "weightd-peer", "--peer-tls-cert", "n.pem",
                                                         "--peer-tls-key", "n.key", "--peer-tls-ca", "ca.pem",
@@ -309,7 +310,7 @@ TEST(DaemonConfig, ConfigToJsonRoundTripsThroughConfigFile) {
   EXPECT_TRUE(reread.config.grpc_tcp_admin);
   EXPECT_EQ(reread.config.grpc_tls_client_ca, "/t/ca.pem");
   EXPECT_FALSE(reread.config.huge_pages);
-  EXPECT_EQ(json.size(), 37u);  // every DaemonConfig field, so a new one cannot be forgotten silently
+  EXPECT_EQ(json.size(), 38u);  // every DaemonConfig field, so a new one cannot be forgotten silently
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 #include "tests/testing/process.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
@@ -85,6 +86,30 @@ CommandResult RunCommand(const std::vector<std::string>& argv) {
   Process p(argv, dir.path());
   int code = p.Wait();
   return {code, p.Stdout(), p.Stderr()};
+}
+
+std::vector<pid_t> ChildrenNamed(pid_t parent, const std::string& comm) {
+  std::vector<pid_t> out;
+  DIR* d = opendir("/proc");
+  if (d == nullptr) return out;
+  while (dirent* e = readdir(d)) {
+    char* end = nullptr;
+    long pid = std::strtol(e->d_name, &end, 10);
+    if (end == e->d_name || *end != '\0') continue;
+    std::ifstream in(std::string("/proc/") + e->d_name + "/stat");
+    std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    size_t open = stat.find('('), close = stat.rfind(')');
+    if (open == std::string::npos || close == std::string::npos || stat.substr(open + 1, close - open - 1) != comm) {
+      continue;
+    }
+    std::istringstream rest(stat.substr(close + 2));
+    std::string state;
+    long ppid = 0;
+    rest >> state >> ppid;
+    if (ppid == parent) out.push_back(static_cast<pid_t>(pid));
+  }
+  closedir(d);
+  return out;
 }
 
 std::vector<std::string> Tp2Plan(const std::string& name, const std::string& path) {

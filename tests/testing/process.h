@@ -43,6 +43,10 @@ struct CommandResult {
 // Runs a command to completion.
 CommandResult RunCommand(const std::vector<std::string>& argv);
 
+// The pids of `parent`'s children whose comm (/proc/PID/stat) is `comm`,
+// e.g. "wd-peer-helper" (weightd's peer transfer helpers).
+std::vector<pid_t> ChildrenNamed(pid_t parent, const std::string& comm);
+
 // weightctl arguments that load the demo checkpoint at `path` as `name` with
 // a TP=2 plan on the emulated GPUs 0 and 1 (attention and MLP projections
 // split, embed_tokens host-resident), --json.

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <map>
 #include <fstream>
 #include <sstream>
 #include <thread>
@@ -16,6 +17,7 @@
 #include "absl/strings/str_split.h"
 #include "common/peer/peer_transport.h"
 #include "gtest/gtest.h"
+#include "tests/testing/process.h"
 #include "tests/testing/status_matchers.h"
 
 namespace weightd {
@@ -32,22 +34,7 @@ std::string ReadProc(const std::string& path) {
   return s.str();
 }
 
-// The pids of this process's children named wd-peer-helper (the helper's comm).
-std::vector<int> HelperChildren() {
-  std::vector<int> out;
-  DIR* d = opendir("/proc");
-  while (dirent* e = readdir(d)) {
-    int pid = 0;
-    if (!absl::SimpleAtoi(e->d_name, &pid)) continue;
-    std::string stat = ReadProc(absl::StrCat("/proc/", pid, "/stat"));
-    size_t close = stat.rfind(')');
-    if (close == std::string::npos || !absl::StrContains(stat.substr(0, close), "(wd-peer-helper")) continue;
-    std::vector<std::string> fields = absl::StrSplit(stat.substr(close + 2), ' ');
-    if (fields.size() > 1 && fields[1] == std::to_string(getpid())) out.push_back(pid);
-  }
-  closedir(d);
-  return out;
-}
+std::vector<pid_t> HelperChildren() { return testing::ChildrenNamed(getpid(), "wd-peer-helper"); }
 
 class PeerHelperTest : public ::testing::Test {
  protected:
@@ -240,6 +227,32 @@ TEST_F(PeerHelperTest, UnknownHelperUserFailsTheExportWithItsName) {
   WEIGHTD_ASSERT_OK_AND_ASSIGN(auto transport, MakeUcxHelperTransport(options));
   EXPECT_THAT(transport->Export({{fd_, data_.size()}}, {}),
               StatusIs(absl::StatusCode::kUnavailable, "no user 'no-such-weightd-user'"));
+}
+
+// The sandbox a helper enters once UCX is up, checked from inside: every
+// forbidden thing is tried once (weightd-peer-helper sandbox-check).
+TEST(PeerHelperSandbox, ForbidsFilesOtherProcessesUnixSocketsAndExec) {
+  testing::CommandResult r = testing::RunCommand({WEIGHTD_PEER_HELPER_PATH, "sandbox-check", "/etc/passwd"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  std::map<std::string, std::string> got;
+  for (absl::string_view line : absl::StrSplit(r.out, '\n', absl::SkipEmpty())) {
+    std::pair<std::string, std::string> kv = absl::StrSplit(line, absl::MaxSplits('=', 1));
+    got.insert(kv);
+  }
+  EXPECT_EQ(got["socket_unix"], "EPERM");
+  EXPECT_EQ(got["kill_parent"], "EPERM");
+  EXPECT_EQ(got["ptrace_parent"], "EPERM");
+  EXPECT_EQ(got["vm_read_parent"], "EPERM");
+  EXPECT_EQ(got["exec"], "EPERM");
+  EXPECT_EQ(got["socket_inet"], "ok");  // what UCX over TCP needs
+  EXPECT_EQ(got["kill_self"], "ok");    // abort() signals itself
+  int landlock = 0;
+  ASSERT_TRUE(absl::SimpleAtoi(got["landlock"], &landlock)) << r.out;
+  if (landlock >= 1) {
+    EXPECT_EQ(got["open"], "EACCES");
+  } else {
+    GTEST_LOG_(INFO) << "this kernel has no Landlock: file access is not restricted here";
+  }
 }
 
 TEST(PeerHelperTransport, MissingOrNonExecutableHelperIsNamed) {
