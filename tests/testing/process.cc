@@ -159,9 +159,9 @@ int DaemonProcess::TcpListenerPort() {
   return std::stoi(m[1]);
 }
 
-int DaemonProcess::LoggedPort(const std::string& prefix) {
+int DaemonProcess::LoggedPort(const std::string& prefix, const std::string& host) {
   std::string log = process_->Stderr();
-  std::string needle = prefix + "127.0.0.1:";
+  std::string needle = prefix + host + ":";
   size_t at = log.find(needle);
   if (at == std::string::npos) return 0;
   return std::atoi(log.c_str() + at + needle.size());

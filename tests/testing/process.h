@@ -77,9 +77,9 @@ class DaemonProcess {
   // The port of the daemon's "gRPC TCP listener on 127.0.0.1:<port>" log
   // line (a --grpc-address of 127.0.0.1:0); 0 if there is none yet.
   int TcpListenerPort();
-  // The port in the daemon's log after `prefix` + "127.0.0.1:" (e.g.
+  // The port in the daemon's log after `prefix` + `host` + ":" (e.g.
   // "peer listener on ", "metrics on http://"); 0 if there is none yet.
-  int LoggedPort(const std::string& prefix);
+  int LoggedPort(const std::string& prefix, const std::string& host = "127.0.0.1");
 
  private:
   TempDir dir_;
