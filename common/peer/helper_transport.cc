@@ -286,7 +286,7 @@ class HelperConnection final : public PeerConnection {
           return Abandon(flying);
         }
       }
-      auto progress = [&] {
+      auto progress = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
         if (!broken_.ok()) return true;
         for (const Flying& f : flying) {
           if (done_[f.id].done) return true;
