@@ -8,14 +8,12 @@
 // and gives the slot back. The caller's memory is never mapped by the
 // helper, so once a Read returns nothing can change what it copied.
 #include <fcntl.h>
-#include <linux/landlock.h>
 #include <poll.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
-#include <sys/syscall.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -492,15 +490,14 @@ absl::StatusOr<std::unique_ptr<PeerTransport>> MakeUcxHelperTransport(UcxHelperO
                                                    " is not an executable file (--peer-helper)"));
   }
   // Helpers that keep this process's uid (a non-root weightd, or no helper
-  // user) could ptrace it or open /proc/<pid>/mem where their sandbox has
-  // no Landlock to stop the open; non-dumpable, only root can (ptrace(2)
-  // "Ptrace access mode checking"). Core dumps of weightd are then off.
-  const bool same_uid = geteuid() != 0 || options.user.empty();
-  const bool landlock = syscall(SYS_landlock_create_ruleset, nullptr, 0, LANDLOCK_CREATE_RULESET_VERSION) >= 1;
-  if (same_uid && (!landlock || !options.sandbox)) {
+  // user) could open /proc/<pid>/mem of weightd wherever their Landlock is
+  // missing or refused (a kernel or container without it); non-dumpable,
+  // only root can (ptrace(2) "Ptrace access mode checking"). Core dumps of
+  // weightd are then off.
+  if (geteuid() != 0 || options.user.empty()) {
     prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
-    LogInfo("peer transfer helpers keep this daemon's uid and the kernel has no Landlock for them (or their sandbox "
-            "is off): weightd made itself non-dumpable so that they cannot ptrace it or read its memory");
+    LogInfo("peer transfer helpers keep this daemon's uid: weightd made itself non-dumpable so that a helper cannot "
+            "read or write its memory (no core dumps from now on)");
   }
   return std::unique_ptr<PeerTransport>(new UcxHelperTransport(std::move(binary), std::move(options)));
 }
