@@ -4,6 +4,7 @@
 // a joiner fails (deadline, seed gone), and what a helper runs with.
 #include <dirent.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -253,6 +254,23 @@ TEST(PeerHelperSandbox, ForbidsFilesOtherProcessesUnixSocketsAndExec) {
   } else {
     GTEST_LOG_(INFO) << "this kernel has no Landlock: file access is not restricted here";
   }
+}
+
+// Helpers that keep the daemon's uid must not be able to open its memory:
+// the process that makes the transport becomes non-dumpable.
+TEST(PeerHelperTransport, DaemonWhoseHelpersKeepItsUidBecomesNonDumpable) {
+  ASSERT_EQ(prctl(PR_GET_DUMPABLE), 1);
+  UcxHelperOptions options;
+  options.helper_path = WEIGHTD_PEER_HELPER_PATH;
+  options.user = geteuid() == 0 ? "nobody" : "";
+  if (geteuid() == 0) {
+    WEIGHTD_ASSERT_OK(MakeUcxHelperTransport(options).status());
+    EXPECT_EQ(prctl(PR_GET_DUMPABLE), 1);  // root, helpers as nobody: nothing to guard against
+  }
+  options.user = "";
+  WEIGHTD_ASSERT_OK(MakeUcxHelperTransport(options).status());
+  EXPECT_EQ(prctl(PR_GET_DUMPABLE), 0);
+  prctl(PR_SET_DUMPABLE, 1);
 }
 
 TEST(PeerHelperTransport, MissingOrNonExecutableHelperIsNamed) {
