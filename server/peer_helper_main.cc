@@ -24,6 +24,7 @@
 #include <grp.h>
 #include <poll.h>
 #include <pwd.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
@@ -40,12 +41,14 @@
 #include <deque>
 #include <memory>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "common/peer/helper_protocol.h"
 
 namespace weightd::peer_helper {
@@ -58,10 +61,8 @@ constexpr int kResourceExhausted = static_cast<int>(absl::StatusCode::kResourceE
 // UCX parses a worker address without being told its length; the bytes a
 // peer sent are copied into a zeroed buffer this much larger.
 constexpr size_t kParsePadding = 64 << 10;
-// A seed answers at most this many requests at once and queues at most
-// kMaxQueued more; past that a request is refused (RESOURCE_EXHAUSTED).
-constexpr size_t kMaxInFlight = 64;
-constexpr size_t kMaxQueued = 4096;
+// A seed has at most this many replies in flight; more requests are dropped.
+constexpr size_t kMaxInFlight = 2 * kMaxSlots;
 
 void SendControl(const void* head, size_t head_bytes, const void* tail = nullptr, size_t tail_bytes = 0) {
   iovec iov[2] = {{const_cast<void*>(head), head_bytes}, {const_cast<void*>(tail), tail_bytes}};
@@ -100,64 +101,107 @@ void DropPrivileges(const std::string& user) {
   }
 }
 
-// Once UCX has read its configuration and opened its transports, the
-// helper needs no file system and no way to reach other processes:
-//  - Landlock (Linux 5.13+, where the kernel enables it) with every file
-//    system right handled and none granted: no open, create, unlink or
-//    exec of any path; descriptors already open keep working;
-//  - seccomp (libseccomp): no ptrace, process_vm_readv/writev, pidfd_*,
-//    signals to any process but itself, AF_UNIX sockets (weightd's own
-//    sockets admit its uid), or exec.
-// So a peer that takes the helper over cannot touch weightd even where the
-// helper keeps weightd's uid (a non-root daemon). Returns the Landlock ABI
-// in force (0: the kernel has none).
-int Sandbox() {
+// The helper's sandbox, in two steps (docs/operations.md "Transfer helpers").
+//
+// RestrictFiles(), before UCX starts, so that every thread UCX makes
+// inherits it: Landlock (Linux 5.13+, where the kernel enables it) handles
+// every file system right the kernel knows and grants only reading (and
+// mapping shared libraries) beneath what UCX reads to start and connect:
+// /usr, /lib*, /etc/ld.so.cache, /etc/ucx, /sys, /dev/infiniband, this
+// process's own /proc/<pid> (its routing table is /proc/net/route),
+// /proc/meminfo, /proc/cpuinfo and /proc/sys. Nothing can be written,
+// created, removed or run; other processes' /proc, /etc, /run, /home and
+// the model roots cannot be read. With ABI 6 it also scopes abstract Unix
+// sockets and signals to this process. Returns the ABI in force, 0 when the
+// kernel (or a container's seccomp profile) refuses Landlock.
+//
+// RestrictCalls(), once UCX is up (a joiner: connected), for every thread
+// at once (SCMP_FLTATR_CTL_TSYNC): seccomp refuses ptrace,
+// process_vm_readv/writev, pidfd_*, signals to any process but itself,
+// AF_UNIX sockets (weightd's own sockets admit its uid), io_uring (its
+// socket operations bypass socket(2)), exec, namespaces, mounts, keyrings,
+// bpf, perf_event_open and userfaultfd.
+//
+// So a peer that takes the helper over cannot reach weightd even where the
+// helper keeps weightd's uid (a non-root daemon).
+constexpr uint64_t kFsTruncate = 1ull << 14;  // LANDLOCK_ACCESS_FS_TRUNCATE (ABI 3)
+constexpr uint64_t kFsIoctlDev = 1ull << 15;  // LANDLOCK_ACCESS_FS_IOCTL_DEV (ABI 5)
+constexpr uint64_t kScopeAbstractUnix = 1ull << 0, kScopeSignal = 1ull << 1;  // ABI 6
+
+// landlock_ruleset_attr as of ABI 6 (Debian 12's header stops at ABI 2).
+struct RulesetAttr {
+  uint64_t handled_access_fs;
+  uint64_t handled_access_net;
+  uint64_t scoped;
+};
+
+int RestrictFiles() {
   int abi = static_cast<int>(syscall(SYS_landlock_create_ruleset, nullptr, 0, LANDLOCK_CREATE_RULESET_VERSION));
-  if (abi >= 1) {
-    landlock_ruleset_attr attr{};
-    attr.handled_access_fs = (LANDLOCK_ACCESS_FS_MAKE_SYM << 1) - 1;  // every right of ABI 1
-    if (abi >= 2) attr.handled_access_fs |= LANDLOCK_ACCESS_FS_REFER;
-    int ruleset = static_cast<int>(syscall(SYS_landlock_create_ruleset, &attr, sizeof attr, 0));
-    // What UCX still reads while it connects: the routing table (is the
-    // peer reachable through this interface: /proc/net/route, a link into
-    // this process's own /proc/<pid>) and the memory size.
-    bool ok = ruleset >= 0;
-    for (const char* path : {"/proc/self/", "/proc/meminfo"}) {
-      int fd = ok ? open(path, O_PATH | O_CLOEXEC) : -1;
-      if (fd < 0) continue;
-      landlock_path_beneath_attr rule{LANDLOCK_ACCESS_FS_READ_FILE, fd};
-      ok = syscall(SYS_landlock_add_rule, ruleset, LANDLOCK_RULE_PATH_BENEATH, &rule, 0) == 0;
-      close(fd);
-    }
-    ok = ok && syscall(SYS_landlock_restrict_self, ruleset, 0) == 0;
-    if (!ok) {
-      // A container's seccomp profile may answer the version query but
-      // refuse the rest: go on with seccomp alone, and say so.
-      std::fprintf(stderr, "weightd-peer-helper: Landlock refused (%s); the file system is not restricted\n",
-                   std::strerror(errno));
-      abi = 0;
-    }
-    if (ruleset >= 0) close(ruleset);
-  } else {
-    abi = 0;
+  if (abi < 1) return 0;
+  RulesetAttr attr{};
+  attr.handled_access_fs = (LANDLOCK_ACCESS_FS_MAKE_SYM << 1) - 1;  // every right of ABI 1
+  if (abi >= 2) attr.handled_access_fs |= LANDLOCK_ACCESS_FS_REFER;
+  if (abi >= 3) attr.handled_access_fs |= kFsTruncate;
+  if (abi >= 5) attr.handled_access_fs |= kFsIoctlDev;
+  if (abi >= 6) attr.scoped = kScopeAbstractUnix | kScopeSignal;
+  size_t attr_size = abi >= 6 ? sizeof attr : abi >= 4 ? 2 * sizeof(uint64_t) : sizeof(uint64_t);
+  int ruleset = static_cast<int>(syscall(SYS_landlock_create_ruleset, &attr, attr_size, 0));
+  bool ok = ruleset >= 0;
+  const uint64_t read = LANDLOCK_ACCESS_FS_READ_FILE | LANDLOCK_ACCESS_FS_READ_DIR | LANDLOCK_ACCESS_FS_EXECUTE;
+  for (const char* path : {"/usr", "/lib", "/lib64", "/etc/ld.so.cache", "/etc/ucx", "/sys", "/dev/infiniband",
+                           "/proc/self/", "/proc/meminfo", "/proc/cpuinfo", "/proc/sys"}) {
+    int fd = ok ? open(path, O_PATH | O_CLOEXEC) : -1;
+    if (fd < 0) continue;  // absent here
+    struct stat st {};
+    fstat(fd, &st);
+    // A rule on a file may name only the rights that apply to files.
+    uint64_t rights = S_ISDIR(st.st_mode) ? read : read & ~LANDLOCK_ACCESS_FS_READ_DIR;
+    landlock_path_beneath_attr rule{rights, fd};
+    ok = syscall(SYS_landlock_add_rule, ruleset, LANDLOCK_RULE_PATH_BENEATH, &rule, 0) == 0;
+    close(fd);
   }
+  ok = ok && syscall(SYS_landlock_restrict_self, ruleset, 0) == 0;
+  int err = errno;
+  if (ruleset >= 0) close(ruleset);
+  if (!ok) {
+    // A container's seccomp profile may answer the version query but
+    // refuse the rest: go on with seccomp alone (weightd logs the ABI).
+    std::fprintf(stderr, "weightd-peer-helper: Landlock refused (%s); the file system is not restricted\n",
+                 std::strerror(err));
+    return 0;
+  }
+  return abi;
+}
+
+void RestrictCalls() {
   scmp_filter_ctx ctx = seccomp_init(SCMP_ACT_ALLOW);
   if (ctx == nullptr) Fail("seccomp_init failed");
   const uint32_t deny = SCMP_ACT_ERRNO(EPERM);
   const auto self = static_cast<scmp_datum_t>(getpid());
-  int rc = 0;
+  int rc = seccomp_attr_set(ctx, SCMP_FLTATR_CTL_TSYNC, 1);  // UCX's async thread too
   for (int sys : {SCMP_SYS(ptrace), SCMP_SYS(process_vm_readv), SCMP_SYS(process_vm_writev), SCMP_SYS(pidfd_open),
                   SCMP_SYS(pidfd_getfd), SCMP_SYS(pidfd_send_signal), SCMP_SYS(tkill), SCMP_SYS(execve),
-                  SCMP_SYS(execveat)}) {
+                  SCMP_SYS(execveat), SCMP_SYS(io_uring_setup), SCMP_SYS(io_uring_enter), SCMP_SYS(io_uring_register),
+                  SCMP_SYS(unshare), SCMP_SYS(setns), SCMP_SYS(mount), SCMP_SYS(umount2),
+                  SCMP_SYS(pivot_root), SCMP_SYS(chroot), SCMP_SYS(keyctl), SCMP_SYS(add_key), SCMP_SYS(request_key),
+                  SCMP_SYS(bpf), SCMP_SYS(perf_event_open), SCMP_SYS(userfaultfd), SCMP_SYS(open_by_handle_at),
+                  SCMP_SYS(name_to_handle_at)}) {
     rc |= seccomp_rule_add(ctx, deny, sys, 0);
   }
   for (int sys : {SCMP_SYS(kill), SCMP_SYS(tgkill), SCMP_SYS(rt_sigqueueinfo), SCMP_SYS(rt_tgsigqueueinfo)}) {
     rc |= seccomp_rule_add(ctx, deny, sys, 1, SCMP_A0(SCMP_CMP_NE, self));
   }
   rc |= seccomp_rule_add(ctx, deny, SCMP_SYS(socket), 1, SCMP_A0(SCMP_CMP_EQ, AF_UNIX));
+  // New namespaces through clone(2)'s flags; clone3(2) passes them in
+  // memory a filter cannot read, so it answers ENOSYS and glibc falls back
+  // to clone(2).
+  for (scmp_datum_t flag : {CLONE_NEWUSER, CLONE_NEWNS, CLONE_NEWNET, CLONE_NEWPID, CLONE_NEWIPC, CLONE_NEWUTS,
+                            CLONE_NEWCGROUP}) {
+    rc |= seccomp_rule_add(ctx, deny, SCMP_SYS(clone), 1, SCMP_A0(SCMP_CMP_MASKED_EQ, flag, flag));
+  }
+  rc |= seccomp_rule_add(ctx, SCMP_ACT_ERRNO(ENOSYS), SCMP_SYS(clone3), 0);
   if (rc != 0 || seccomp_load(ctx) != 0) Fail("cannot load the seccomp filter");
   seccomp_release(ctx);
-  return abi;
 }
 
 struct Ucx {
@@ -208,19 +252,23 @@ void SetHandler(Ucx& u, unsigned id, ucp_am_recv_callback_t cb, void* arg) {
 }
 
 // Progresses the worker and sleeps on its event fd and the control socket.
-// `control` handles a readable control socket; `idle` runs after each
-// progress round (to start queued work).
-template <typename Control, typename Idle>
-[[noreturn]] void Run(Ucx& u, Control control, Idle idle) {
+// `control` handles a readable control socket; it is also looked at after
+// every 256 progress rounds, so a peer that keeps the worker busy cannot
+// starve weightd's messages.
+template <typename Control>
+[[noreturn]] void Run(Ucx& u, Control control) {
   for (;;) {
-    while (ucp_worker_progress(u.worker) != 0) {
+    int rounds = 0;
+    while (ucp_worker_progress(u.worker) != 0 && ++rounds < 256) {
     }
-    idle();
-    ucs_status_t armed = ucp_worker_arm(u.worker);
-    if (armed == UCS_ERR_BUSY) continue;
-    if (armed != UCS_OK) Fail(UcxWhy("ucp_worker_arm", armed));
     pollfd fds[2] = {{u.efd, POLLIN, 0}, {kControlFd, POLLIN, 0}};
-    if (poll(fds, 2, 1000) < 0 && errno != EINTR) Fail(absl::StrCat("poll: ", std::strerror(errno)));
+    int timeout = 0;
+    if (rounds < 256) {
+      ucs_status_t armed = ucp_worker_arm(u.worker);
+      if (armed != UCS_OK && armed != UCS_ERR_BUSY) Fail(UcxWhy("ucp_worker_arm", armed));
+      timeout = armed == UCS_OK ? 1000 : 0;
+    }
+    if (poll(fds, 2, timeout) < 0 && errno != EINTR) Fail(absl::StrCat("poll: ", std::strerror(errno)));
     if (fds[1].revents != 0) control();
   }
 }
@@ -257,18 +305,13 @@ struct Seed {
   std::vector<Region> regions;
   uint8_t token[kTokenBytes];
   bool stall = false;
-  struct Ask {
-    ucp_ep_h ep;
-    AmRequest request;
-  };
-  std::deque<Ask> queue;
-  size_t in_flight = 0;
-  uint64_t malformed = 0;
+  size_t in_flight = 0;  // replies UCX still sends
+  uint64_t malformed = 0, dropped = 0;
 };
 
 struct Sending {
   Seed* seed;
-  AmReply reply;
+  AmReply reply;  // the header stays valid until the send completes
 };
 
 void OnReplySent(void* request, ucs_status_t, void* user_data) {
@@ -292,6 +335,11 @@ void SendReply(Seed& seed, ucp_ep_h ep, uint64_t id, int code, const char* data,
   }
 }
 
+// Every request is checked and answered here, in the callback, while its
+// reply endpoint is certainly alive (UCX 1.13 may destroy a failed peer's
+// reply endpoint later). Replies in flight are bounded: past
+// kMaxInFlight a request is dropped without an answer or an allocation
+// (a joiner keeps at most kMaxSlots asked).
 ucs_status_t OnRequest(void* arg, const void* header, size_t header_length, void*, size_t length,
                        const ucp_am_recv_param_t* param) {
   auto& seed = *static_cast<Seed*>(arg);
@@ -299,34 +347,22 @@ ucs_status_t OnRequest(void* arg, const void* header, size_t header_length, void
     ++seed.malformed;  // nothing to answer to; a rendezvous payload is dropped by returning UCS_OK
     return UCS_OK;
   }
-  Seed::Ask ask{param->reply_ep, {}};
-  std::memcpy(&ask.request, header, sizeof ask.request);
-  if (seed.queue.size() >= kMaxQueued) {
-    SendReply(seed, ask.ep, ask.request.id, kResourceExhausted, nullptr, 0);
+  if (seed.stall) return UCS_OK;  // test fault: asked, never answered
+  if (seed.in_flight >= kMaxInFlight) {
+    ++seed.dropped;
+    return UCS_OK;
+  }
+  AmRequest r;
+  std::memcpy(&r, header, sizeof r);
+  if (!SameToken(r.token, seed.token)) {
+    SendReply(seed, param->reply_ep, r.id, kPermissionDenied, nullptr, 0);
+  } else if (r.region >= seed.regions.size() || r.n == 0 || r.n > kMaxPieceBytes ||
+             r.offset > seed.regions[r.region].size || r.n > seed.regions[r.region].size - r.offset) {
+    SendReply(seed, param->reply_ep, r.id, kInvalidArgument, nullptr, 0);
   } else {
-    seed.queue.push_back(ask);
+    SendReply(seed, param->reply_ep, r.id, 0, seed.regions[r.region].base + r.offset, r.n);
   }
   return UCS_OK;
-}
-
-void Serve(Seed& seed) {
-  if (seed.stall) {
-    seed.queue.clear();  // test fault: asked, never answered
-    return;
-  }
-  while (!seed.queue.empty() && seed.in_flight < kMaxInFlight) {
-    Seed::Ask ask = seed.queue.front();
-    seed.queue.pop_front();
-    const AmRequest& r = ask.request;
-    if (!SameToken(r.token, seed.token)) {
-      SendReply(seed, ask.ep, r.id, kPermissionDenied, nullptr, 0);
-    } else if (r.region >= seed.regions.size() || r.n == 0 || r.n > kMaxPieceBytes ||
-               r.offset > seed.regions[r.region].size || r.n > seed.regions[r.region].size - r.offset) {
-      SendReply(seed, ask.ep, r.id, kInvalidArgument, nullptr, 0);
-    } else {
-      SendReply(seed, ask.ep, r.id, 0, seed.regions[r.region].base + r.offset, r.n);
-    }
-  }
 }
 
 [[noreturn]] void RunSeed(int regions, const std::string& user, bool stall, bool sandbox) {
@@ -350,16 +386,17 @@ void Serve(Seed& seed) {
     Fail(absl::StrCat("getrandom: ", std::strerror(errno)));
   }
   DropPrivileges(user);
+  int landlock = sandbox ? RestrictFiles() : 0;
   seed.ucx = StartUcx();
   SetHandler(seed.ucx, kAmRequest, &OnRequest, &seed);
-  if (sandbox) Sandbox();
-  Head ready{Kind::kReady, static_cast<uint32_t>(seed.ucx.address.size()), {}};
+  if (sandbox) RestrictCalls();
+  Head ready{Kind::kReady, static_cast<uint32_t>(seed.ucx.address.size()), {}, landlock, 0};
   std::memcpy(ready.token, seed.token, sizeof ready.token);
   SendControl(&ready, sizeof ready, seed.ucx.address.data(), seed.ucx.address.size());
   char buf[64];
-  Run(
-      seed.ucx, [&] { while (ReceiveControl(buf, sizeof buf) > 0) Fail("unexpected control message"); },
-      [&] { Serve(seed); });
+  Run(seed.ucx, [&] {
+    while (ReceiveControl(buf, sizeof buf) > 0) Fail("unexpected control message");
+  });
 }
 
 // ---- join ----
@@ -371,12 +408,14 @@ struct Join {
   char* staging = nullptr;
   uint64_t slot_bytes = 0;
   uint32_t slots = 0;
+  // A request lives until both its send has completed (UCX reads the
+  // header until then) and its reply has arrived.
   struct Pending {
-    Join* join;
     AmRequest request;
     uint32_t slot;
+    bool sent = false, replied = false;
   };
-  std::unordered_map<uint64_t, std::unique_ptr<Pending>> pending;
+  std::unordered_map<uint64_t, Pending*> pending;  // asked, not answered
 };
 
 void ReportDone(uint64_t id, int code, const std::string& text) {
@@ -389,8 +428,11 @@ void ReportDone(uint64_t id, int code, const std::string& text) {
 
 void OnEndpointError(void*, ucp_ep_h, ucs_status_t status) { Fail(UcxWhy("the connection to the seed failed", status)); }
 
-void OnRequestSent(void* request, ucs_status_t status, void*) {
+void OnRequestSent(void* request, ucs_status_t status, void* user_data) {
   if (status != UCS_OK) Fail(UcxWhy("sending a request to the seed", status));
+  auto* p = static_cast<Join::Pending*>(user_data);
+  p->sent = true;
+  if (p->replied) delete p;
   ucp_request_free(request);
 }
 
@@ -409,19 +451,24 @@ ucs_status_t OnReply(void* arg, const void* header, size_t header_length, void* 
   std::memcpy(&reply, header, sizeof reply);
   auto it = join.pending.find(reply.id);
   if (it == join.pending.end()) Fail(absl::StrCat("the seed answered request ", reply.id, ", which was not asked"));
-  std::unique_ptr<Join::Pending> p = std::move(it->second);
+  Join::Pending* p = it->second;
   join.pending.erase(it);
+  const uint64_t n = p->request.n;
+  char* dst = join.staging + p->slot * join.slot_bytes;
+  p->replied = true;
+  if (p->sent) delete p;
   if (reply.code != 0) {
-    const char* why = reply.code == kPermissionDenied ? "the seed refused the session token"
-                      : reply.code == kInvalidArgument ? "the seed refused a read outside its regions"
-                                                       : "the seed refused a read";
-    ReportDone(reply.id, reply.code == kResourceExhausted ? kUnavailable : reply.code, why);
+    // Only the codes a seed sends; anything else is the seed misbehaving.
+    if (reply.code == kPermissionDenied) {
+      ReportDone(reply.id, kPermissionDenied, "the seed refused the session token");
+    } else if (reply.code == kInvalidArgument) {
+      ReportDone(reply.id, kInvalidArgument, "the seed refused a read outside its regions");
+    } else {
+      ReportDone(reply.id, kUnavailable, absl::StrCat("the seed refused a read (code ", reply.code, ")"));
+    }
     return UCS_OK;
   }
-  if (length != p->request.n) {
-    Fail(absl::StrCat("the seed sent ", length, " bytes for a read of ", p->request.n));
-  }
-  char* dst = join.staging + p->slot * join.slot_bytes;
+  if (length != n) Fail(absl::StrCat("the seed sent ", length, " bytes for a read of ", n));
   if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
     ucp_request_param_t rp{};
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
@@ -437,7 +484,7 @@ ucs_status_t OnReply(void* arg, const void* header, size_t header_length, void* 
   return UCS_OK;
 }
 
-void Connect(Join& join, const Head& head, const char* address) {
+void Connect(Join& join, const Head& head, const char* address, int landlock) {
   std::string padded(head.length + kParsePadding, '\0');
   std::memcpy(padded.data(), address, head.length);
   ucp_ep_params_t ep{};
@@ -448,8 +495,8 @@ void Connect(Join& join, const Head& head, const char* address) {
   ep.err_handler.cb = &OnEndpointError;
   ucs_status_t st = ucp_ep_create(join.ucx.worker, &ep, &join.ep);
   if (st != UCS_OK) Fail(UcxWhy("cannot connect to the seed's worker (ucp_ep_create)", st));
-  if (join.sandbox) Sandbox();
-  Head ready{Kind::kReady, 0, {}};
+  if (join.sandbox) RestrictCalls();
+  Head ready{Kind::kReady, 0, {}, landlock, 0};
   SendControl(&ready, sizeof ready);
 }
 
@@ -457,20 +504,21 @@ void Ask(Join& join, const uint8_t* token, const Read& r) {
   if (r.slot >= join.slots || r.n == 0 || r.n > join.slot_bytes || join.pending.count(r.id)) {
     Fail("weightd sent a bad read");
   }
-  auto p = std::make_unique<Join::Pending>(Join::Pending{&join, {}, r.slot});
+  auto* p = new Join::Pending{{}, r.slot};
   std::memcpy(p->request.token, token, kTokenBytes);
   p->request.id = r.id;
   p->request.region = r.region;
   p->request.offset = r.offset;
   p->request.n = r.n;
   ucp_request_param_t param{};
-  param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_FLAGS;
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
   param.cb.send = &OnRequestSent;
+  param.user_data = p;
   param.flags = UCP_AM_SEND_FLAG_REPLY;
-  const AmRequest* header = &p->request;  // stays put until the reply: the map owns it
-  join.pending.emplace(r.id, std::move(p));
-  ucs_status_ptr_t sp = ucp_am_send_nbx(join.ep, kAmRequest, header, sizeof *header, nullptr, 0, &param);
+  join.pending.emplace(r.id, p);
+  ucs_status_ptr_t sp = ucp_am_send_nbx(join.ep, kAmRequest, &p->request, sizeof p->request, nullptr, 0, &param);
   if (UCS_PTR_IS_ERR(sp)) Fail(UcxWhy("sending a request to the seed", UCS_PTR_STATUS(sp)));
+  if (sp == nullptr) p->sent = true;  // done at once: no callback comes (a reply cannot have come yet)
 }
 
 [[noreturn]] void RunJoin(uint64_t slot_bytes, uint32_t slots, const std::string& user, bool sandbox) {
@@ -487,8 +535,9 @@ void Ask(Join& join, const uint8_t* token, const Read& r) {
   close(kFirstDataFd);
   join.staging = static_cast<char*>(p);
   DropPrivileges(user);
+  const int landlock = sandbox ? RestrictFiles() : 0;
   join.ucx = StartUcx();
-  SetHandler(join.ucx, kAmReply, &OnReply, &join);  // Sandbox() once connected (ucp_ep_create reads /sys)
+  SetHandler(join.ucx, kAmReply, &OnReply, &join);  // RestrictCalls() once connected
   std::vector<char> buf(sizeof(Head) + kMaxAddressBytes);
   uint8_t token[kTokenBytes] = {};
   auto control = [&] {
@@ -502,7 +551,7 @@ void Ask(Join& join, const uint8_t* token, const Read& r) {
           Fail("weightd sent a bad worker address");
         }
         std::memcpy(token, head.token, sizeof token);
-        Connect(join, head, buf.data() + sizeof head);
+        Connect(join, head, buf.data() + sizeof head, landlock);
       } else if (kind == Kind::kRead && join.ep != nullptr && n == sizeof(Read)) {
         Read r;
         std::memcpy(&r, buf.data(), sizeof r);
@@ -512,7 +561,7 @@ void Ask(Join& join, const uint8_t* token, const Read& r) {
       }
     }
   };
-  Run(join.ucx, control, [] {});
+  Run(join.ucx, control);
 }
 
 // `weightd-peer-helper sandbox-check PATH [--user NAME]`, for tests: the
@@ -521,22 +570,43 @@ void Ask(Join& join, const uint8_t* token, const Read& r) {
 // allowed) and `landlock=ABI`.
 int SandboxCheck(const std::string& path, const std::string& user) {
   DropPrivileges(user);
-  int abi = Sandbox();
-  pid_t parent = getppid();
-  auto result = [](bool ok) { return ok ? std::string("ok") : std::string(strerrorname_np(errno)); };
-  std::printf("landlock=%d\n", abi);
-  int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  std::printf("open=%s\n", result(fd >= 0).c_str());
-  std::printf("socket_unix=%s\n", result(socket(AF_UNIX, SOCK_STREAM, 0) >= 0).c_str());
-  std::printf("socket_inet=%s\n", result(socket(AF_INET, SOCK_STREAM, 0) >= 0).c_str());
-  std::printf("kill_parent=%s\n", result(kill(parent, 0) == 0).c_str());
-  std::printf("kill_self=%s\n", result(kill(getpid(), 0) == 0).c_str());
-  std::printf("ptrace_parent=%s\n", result(ptrace(PTRACE_SEIZE, parent, nullptr, nullptr) == 0).c_str());
-  char byte;
-  iovec local{&byte, 1}, remote{reinterpret_cast<void*>(0x1000), 1};
-  std::printf("vm_read_parent=%s\n", result(process_vm_readv(parent, &local, 1, &remote, 1, 0) >= 0).c_str());
-  char* argv[] = {const_cast<char*>("/bin/true"), nullptr};
-  std::printf("exec=%s\n", result(execv("/bin/true", argv) == 0).c_str());
+  int abi = RestrictFiles();
+  // The checks run on a thread made before the seccomp filter, as UCX's
+  // async thread is: the filter must cover it too.
+  absl::Mutex mu;
+  bool go = false;
+  std::thread checker([&] {
+    {
+      absl::MutexLock lock(&mu);
+      mu.Await(absl::Condition(&go));
+    }
+    pid_t parent = getppid();
+    auto result = [](bool ok) { return ok ? std::string("ok") : std::string(strerrorname_np(errno)); };
+    std::printf("landlock=%d\n", abi);
+    int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    std::printf("open=%s\n", result(fd >= 0).c_str());
+    std::printf("socket_unix=%s\n", result(socket(AF_UNIX, SOCK_STREAM, 0) >= 0).c_str());
+    std::printf("socket_inet=%s\n", result(socket(AF_INET, SOCK_STREAM, 0) >= 0).c_str());
+    std::printf("kill_parent=%s\n", result(kill(parent, 0) == 0).c_str());
+    std::printf("kill_self=%s\n", result(kill(getpid(), 0) == 0).c_str());
+    std::printf("ptrace_parent=%s\n", result(ptrace(PTRACE_SEIZE, parent, nullptr, nullptr) == 0).c_str());
+    char byte;
+    iovec local{&byte, 1}, remote{reinterpret_cast<void*>(0x1000), 1};
+    std::printf("vm_read_parent=%s\n", result(process_vm_readv(parent, &local, 1, &remote, 1, 0) >= 0).c_str());
+    std::printf("unshare_user=%s\n", result(unshare(CLONE_NEWUSER) == 0).c_str());
+    std::printf("io_uring=%s\n", result(syscall(SYS_io_uring_setup, 1, nullptr) >= 0 || errno != EPERM).c_str());
+    std::thread t([] {});  // threads can still be made (clone3 answers ENOSYS, glibc uses clone)
+    t.join();
+    std::printf("thread=ok\n");
+    char* argv[] = {const_cast<char*>("/bin/true"), nullptr};
+    std::printf("exec=%s\n", result(execv("/bin/true", argv) == 0).c_str());
+  });
+  RestrictCalls();
+  {
+    absl::MutexLock lock(&mu);
+    go = true;
+  }
+  checker.join();
   return 0;
 }
 

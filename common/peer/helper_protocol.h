@@ -59,6 +59,8 @@ struct Head {
   Kind kind;
   uint32_t length;
   uint8_t token[kTokenBytes];  // Ready (seed), Connect
+  int32_t landlock;            // Ready: the Landlock ABI the helper runs under, 0 = none
+  uint32_t reserved;
 };
 
 struct Read {

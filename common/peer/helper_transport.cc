@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -79,15 +80,25 @@ class Helper {
            return all;
          }()) {
       int copy = fcntl(fd, F_DUPFD_CLOEXEC, exe_target + 1);
-      if (copy < 0) return ErrnoToStatus("fcntl(F_DUPFD_CLOEXEC) for the peer helper", errno);
+      if (copy < 0) {
+        return ErrnoToStatus(absl::StrCat("passing ", count, " segment fds to the peer helper (fd numbers up to ",
+                                          exe_target + 1 + count, " against RLIMIT_NOFILE)"),
+                             errno);
+      }
       copies.emplace_back(copy);
     }
     posix_spawn_file_actions_t actions;
     posix_spawn_file_actions_init(&actions);
-    posix_spawn_file_actions_adddup2(&actions, copies[0].get(), ph::kControlFd);
-    for (int i = 0; i < count; ++i) posix_spawn_file_actions_adddup2(&actions, copies[1 + i].get(), ph::kFirstDataFd + i);
-    posix_spawn_file_actions_adddup2(&actions, copies.back().get(), exe_target);
-    posix_spawn_file_actions_addclosefrom_np(&actions, exe_target + 1);
+    int err = posix_spawn_file_actions_adddup2(&actions, copies[0].get(), ph::kControlFd);
+    for (int i = 0; i < count; ++i) {
+      err = err ? err : posix_spawn_file_actions_adddup2(&actions, copies[1 + i].get(), ph::kFirstDataFd + i);
+    }
+    err = err ? err : posix_spawn_file_actions_adddup2(&actions, copies.back().get(), exe_target);
+    err = err ? err : posix_spawn_file_actions_addclosefrom_np(&actions, exe_target + 1);
+    if (err != 0) {
+      posix_spawn_file_actions_destroy(&actions);
+      return ErrnoToStatus("posix_spawn_file_actions for the peer helper", err);
+    }
     posix_spawnattr_t attr;
     posix_spawnattr_init(&attr);
     sigset_t none, all;
@@ -111,7 +122,7 @@ class Helper {
     // file actions (fexecve without a second open of the path).
     std::string exe = absl::StrCat("/proc/self/fd/", exe_target);
     pid_t pid = -1;
-    int err = posix_spawn(&pid, exe.c_str(), &actions, &attr, argv.data(), envp.data());
+    err = posix_spawn(&pid, exe.c_str(), &actions, &attr, argv.data(), envp.data());
     posix_spawn_file_actions_destroy(&actions);
     posix_spawnattr_destroy(&attr);
     if (err != 0) return ErrnoToStatus("starting weightd-peer-helper (posix_spawn)", err);
@@ -137,13 +148,22 @@ class Helper {
     Stop();
   }
 
-  absl::Status Send(const void* head, size_t head_bytes, const void* tail = nullptr, size_t tail_bytes = 0) {
+  // One message, waiting for room in the socket until `deadline`.
+  absl::Status Send(const void* head, size_t head_bytes, Clock::time_point deadline, const void* tail = nullptr,
+                    size_t tail_bytes = 0) {
     iovec iov[2] = {{const_cast<void*>(head), head_bytes}, {const_cast<void*>(tail), tail_bytes}};
     msghdr msg{};
     msg.msg_iov = iov;
     msg.msg_iovlen = tail_bytes > 0 ? 2 : 1;
-    while (sendmsg(control_.get(), &msg, MSG_NOSIGNAL) < 0) {
-      if (errno != EINTR) return absl::UnavailableError(absl::StrCat("the peer helper is gone (", strerror(errno), ")"));
+    while (sendmsg(control_.get(), &msg, MSG_NOSIGNAL | MSG_DONTWAIT) < 0) {
+      if (errno == EINTR) continue;
+      if (errno != EAGAIN && errno != EWOULDBLOCK) {
+        return absl::UnavailableError(absl::StrCat("the peer helper is gone (", strerror(errno), ")"));
+      }
+      pollfd p{control_.get(), POLLOUT, 0};
+      if (poll(&p, 1, MillisUntil(deadline)) == 0) {
+        return absl::DeadlineExceededError("the peer helper stopped taking requests before the deadline");
+      }
     }
     return absl::OkStatus();
   }
@@ -267,6 +287,7 @@ class HelperConnection final : public PeerConnection {
     absl::MutexLock lock(&mu_);
     while (!todo.empty() || !flying.empty()) {
       if (!broken_.ok()) return Abandon(flying);
+      std::vector<ph::Read> asks;
       while (!todo.empty() && !free_.empty()) {
         Flying f{todo.front(), free_.back(), next_id_++};
         todo.pop_front();
@@ -277,17 +298,30 @@ class HelperConnection final : public PeerConnection {
         msg.region = f.piece.region;
         msg.offset = f.piece.offset;
         msg.n = f.piece.n;
+        asks.push_back(msg);
         done_.emplace(f.id, Outcome{});
         flying.push_back(f);
-        if (absl::Status sent = helper_->Send(&msg, sizeof msg); !sent.ok()) {
+      }
+      if (!asks.empty()) {
+        // Outside the lock: a helper that stops reading its socket blocks
+        // this call until its deadline, not every other one.
+        mu_.Unlock();
+        absl::Status sent;
+        for (const ph::Read& msg : asks) {
+          if (sent = helper_->Send(&msg, sizeof msg, deadline); !sent.ok()) break;
+        }
+        mu_.Lock();
+        if (!sent.ok()) {
           Break(sent);
+          if (sent.code() == absl::StatusCode::kDeadlineExceeded) helper_->Kill();
           return Abandon(flying);
         }
       }
       auto progress = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
         if (!broken_.ok()) return true;
         for (const Flying& f : flying) {
-          if (done_[f.id].done) return true;
+          auto it = done_.find(f.id);
+          if (it != done_.end() && it->second.done) return true;
         }
         return flying.empty() && !free_.empty();
       };
@@ -350,7 +384,12 @@ class HelperConnection final : public PeerConnection {
       it->second.done = true;
       if (done.code != 0) {
         done.text[sizeof done.text - 1] = '\0';
-        it->second.status = absl::Status(static_cast<absl::StatusCode>(done.code), done.text);
+        // What a helper reports; any other code is the helper misbehaving.
+        bool known = done.code == static_cast<int>(absl::StatusCode::kPermissionDenied) ||
+                     done.code == static_cast<int>(absl::StatusCode::kInvalidArgument) ||
+                     done.code == static_cast<int>(absl::StatusCode::kUnavailable);
+        it->second.status = known ? absl::Status(static_cast<absl::StatusCode>(done.code), done.text)
+                                  : absl::UnavailableError("the peer helper reported an unknown error");
       }
     }
   }
@@ -383,7 +422,8 @@ class UcxHelperTransport final : public PeerTransport {
     PeerOffer offer;
     for (const PeerExportRegion& r : regions) {
       struct stat st {};
-      if (fstat(r.fd, &st) != 0 || !S_ISREG(st.st_mode) || static_cast<uint64_t>(st.st_size) < r.size) {
+      // The helper serves the file's whole size: it must be the size promised.
+      if (fstat(r.fd, &st) != 0 || !S_ISREG(st.st_mode) || static_cast<uint64_t>(st.st_size) != r.size) {
         return absl::InvalidArgumentError(absl::StrCat("export region fd ", r.fd, " is not a file of ", r.size, " bytes"));
       }
       fds.push_back(r.fd);
@@ -400,6 +440,7 @@ class UcxHelperTransport final : public PeerTransport {
     if (head.kind != ph::Kind::kReady || head.length == 0 || head.length != ready.size() - sizeof head) {
       return absl::InternalError("the peer helper sent a malformed message");
     }
+    NoteLandlock(head.landlock);
     offer.worker_address = ready.substr(sizeof head);
     offer.token.assign(reinterpret_cast<const char*>(head.token), sizeof head.token);
     return std::unique_ptr<PeerExport>(new HelperExport(std::move(helper), std::move(offer)));
@@ -419,10 +460,15 @@ class UcxHelperTransport final : public PeerTransport {
                                                      " regions, at most ", kMaxPeerRegions));
     }
     const uint64_t staging_bytes = options_.slot_bytes * options_.slots;
-    ScopedFd staging(static_cast<int>(memfd_create("wd-peer-staging", MFD_CLOEXEC)));
+    ScopedFd staging(static_cast<int>(memfd_create("wd-peer-staging", MFD_CLOEXEC | MFD_ALLOW_SEALING)));
     if (!staging.valid()) return ErrnoToStatus("memfd_create for peer staging", errno);
     if (ftruncate(staging.get(), static_cast<off_t>(staging_bytes)) != 0) {
       return ErrnoToStatus("ftruncate of peer staging", errno);
+    }
+    // The helper writes it; it must not shrink it under weightd's copy
+    // (SIGBUS), nor unseal it.
+    if (fcntl(staging.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+      return ErrnoToStatus("sealing peer staging", errno);
     }
     void* map = mmap(nullptr, staging_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, staging.get(), 0);
     if (map == MAP_FAILED) return ErrnoToStatus("mmap of peer staging", errno);
@@ -438,18 +484,29 @@ class UcxHelperTransport final : public PeerTransport {
     WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<Helper> helper, Helper::Start(binary_.get(), args, {staging.get()}));
     ph::Head head{ph::Kind::kConnect, static_cast<uint32_t>(offer.worker_address.size()), {}};
     std::memcpy(head.token, offer.token.data(), sizeof head.token);
-    WEIGHTD_RETURN_IF_ERROR(helper->Send(&head, sizeof head, offer.worker_address.data(), offer.worker_address.size()));
+    WEIGHTD_RETURN_IF_ERROR(
+        helper->Send(&head, sizeof head, deadline, offer.worker_address.data(), offer.worker_address.size()));
     WEIGHTD_ASSIGN_OR_RETURN(std::string ready,
                              helper->Receive(std::min(deadline, Clock::now() + options_.start_timeout)));
-    ph::Kind kind{};
-    if (ready.size() >= sizeof kind) std::memcpy(&kind, ready.data(), sizeof kind);
-    if (kind != ph::Kind::kReady) return absl::InternalError("the peer helper sent an unexpected message");
+    ph::Head head_back{};
+    if (ready.size() != sizeof head_back) return absl::InternalError("the peer helper sent an unexpected message");
+    std::memcpy(&head_back, ready.data(), sizeof head_back);
+    if (head_back.kind != ph::Kind::kReady) return absl::InternalError("the peer helper sent an unexpected message");
+    NoteLandlock(head_back.landlock);
     unmap.p = nullptr;
     return std::unique_ptr<PeerConnection>(
         new HelperConnection(std::move(helper), static_cast<char*>(map), options_, offer.region_sizes));
   }
 
  private:
+  // Says once per transport when helpers run without Landlock.
+  void NoteLandlock(int abi) {
+    if (options_.sandbox && abi == 0 && !warned_.exchange(true)) {
+      LogWarning("peer transfer helpers run without Landlock (the kernel or a seccomp profile refuses it): their file "
+                 "system is not restricted; seccomp still applies");
+    }
+  }
+
   void AddUser(std::vector<std::string>& args) const {
     if (!options_.user.empty()) {
       args.push_back("--user");
@@ -460,6 +517,7 @@ class UcxHelperTransport final : public PeerTransport {
 
   ScopedFd binary_;
   const UcxHelperOptions options_;
+  std::atomic<bool> warned_{false};
 };
 
 }  // namespace
