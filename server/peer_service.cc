@@ -174,7 +174,9 @@ absl::StatusOr<std::unique_ptr<PeerListener>> PeerListener::Start(const DaemonCo
   peer->service_ = std::make_unique<Service>(seed);
   grpc::ServerBuilder builder;
   // Plain TCP through our bounded acceptor; mutual TLS only through gRPC's
-  // own listener, which cannot take TLS connections from an fd.
+  // own listener, which cannot take TLS connections from an fd: there the
+  // TLS handshake must finish within --grpc-first-bytes-timeout-seconds,
+  // but gRPC 1.51 caps no connection count (docs/operations.md).
   const bool tls = !config.peer_tls_cert.empty();
   ScopedFd listener;
   if (tls) {
@@ -185,6 +187,8 @@ absl::StatusOr<std::unique_ptr<PeerListener>> PeerListener::Start(const DaemonCo
     options.pem_key_cert_pairs.push_back(std::move(pair));
     WEIGHTD_ASSIGN_OR_RETURN(options.pem_root_certs, ReadPemFile("--peer-tls-ca", config.peer_tls_ca));
     builder.AddListeningPort(config.peer_address, grpc::SslServerCredentials(options), &peer->port_);
+    builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS,
+                               static_cast<int>(config.grpc_first_bytes_timeout_seconds * 1000));
   } else {
     WEIGHTD_ASSIGN_OR_RETURN(listener, ListenTcp(config.peer_address, &peer->port_, "--peer-address"));
   }

@@ -80,6 +80,9 @@ absl::StatusOr<std::unique_ptr<TcpListener>> TcpListener::Start(const DaemonConf
     WEIGHTD_ASSIGN_OR_RETURN(plain_listener, ListenTcp(config.grpc_address, &tcp->port_, "--grpc-address"));
   } else {
     builder.AddListeningPort(config.grpc_address, credentials, &tcp->port_);
+    // The handshake, at least, is bounded in time (no connection count cap there).
+    builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS,
+                               static_cast<int>(config.grpc_first_bytes_timeout_seconds * 1000));
   }
   if (config.grpc_tcp_admin) {
     builder.RegisterService(tcp->full_.get());

@@ -4,6 +4,7 @@
 // UCX takes the network path (not shared memory) as between two nodes.
 #include <grpcpp/grpcpp.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -11,6 +12,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "common/base/scoped_fd.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/testing/pki.h"
@@ -248,7 +250,9 @@ TEST_F(PeerE2e, MutualTlsSeedsOnlyJoinersWithTheFleetsCertificate) {
     return std::vector<std::string>{"--peer-tls-cert", pki.Join(node + ".pem"), "--peer-tls-key",
                                     pki.Join(node + ".key"), "--peer-tls-ca", pki.Join("ca.pem")};
   };
-  auto a = Node(tls("node-a")), b = Node(tls("node-b")), plain = Node(), rogue = Node(tls("rogue-node"));
+  std::vector<std::string> a_args = tls("node-a");
+  a_args.insert(a_args.end(), {"--grpc-first-bytes-timeout-seconds", "1"});
+  auto a = Node(a_args), b = Node(tls("node-b")), plain = Node(), rogue = Node(tls("rogue-node"));
   ASSERT_EQ(a->Ctl({"load", kModel, "demo"}).code, 0);
   std::string peer = PeerOf(*a);
   EXPECT_NE(a->process().Stderr().find("(weightd.v1.Peer, read-only, mutual TLS;"), std::string::npos)
@@ -275,6 +279,17 @@ TEST_F(PeerE2e, MutualTlsSeedsOnlyJoinersWithTheFleetsCertificate) {
     ++opened;
   }
   EXPECT_EQ(opened, 1u) << seed_log;
+
+  // A connection that never finishes its TLS handshake is closed after
+  // --grpc-first-bytes-timeout-seconds (gRPC's own listener serves TLS).
+  ScopedFd silent = testing::ConnectLoopback(a->LoggedPort("peer listener on "));
+  ASSERT_TRUE(silent.valid());
+  timeval five{5, 0};
+  setsockopt(silent.get(), SOL_SOCKET, SO_RCVTIMEO, &five, sizeof five);
+  auto start = std::chrono::steady_clock::now();
+  char byte;
+  EXPECT_EQ(recv(silent.get(), &byte, 1, 0), 0) << "the seed closed the silent connection";
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(4));
 }
 
 }  // namespace
