@@ -345,7 +345,9 @@ class DaemonImpl final : public Daemon {
       join.tls_server_name = config_.peer_tls_server_name;
     }
     peer_joiner_ = std::make_unique<PeerJoiner>(std::move(join));
-    if (config_.peer_address.empty()) return absl::OkStatus();
+    // A seed, or a node configured with peers, checks its helper and helper
+    // user now, so that a mistake stops the start instead of every load.
+    if (config_.peer_address.empty() && config_.peers.empty()) return absl::OkStatus();
     return PeerTransportOnce().status();
   }
 

@@ -213,6 +213,10 @@ struct Ucx {
 
 Ucx StartUcx() {
   Ucx u;
+  // Peers are other nodes: shared-memory transports have nothing to reach,
+  // and the sandbox forbids the files they need. Without the operator's
+  // own UCX_TLS, UCX may use every transport but those.
+  setenv("UCX_TLS", "^sm", /*overwrite=*/0);
   ucp_config_t* config = nullptr;
   ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
   if (st != UCS_OK) Fail(UcxWhy("ucp_config_read", st));

@@ -98,6 +98,11 @@ absl::StatusOr<std::unique_ptr<ModelGeneration>> PeerJoiner::Load(const Catalog&
     }
     std::string reason = PeerFallbackReason(gen.status());
     if (options_.metrics) options_.metrics->PeerFallback(reason);
+    if (reason == "local") {
+      LogWarning(absl::StrCat("cannot seed '", request.name, "' from peers: ", gen.status().message(),
+                              "; reading storage"));
+      return gen.status();
+    }
     LogWarning(absl::StrCat("peer ", peer, " did not seed '", request.name, "' (", reason, "): ",
                             gen.status().message(), "; trying the next peer or storage"));
     last = gen.status();
@@ -112,12 +117,24 @@ absl::StatusOr<std::unique_ptr<ModelGeneration>> PeerJoiner::LoadFrom(const std:
   auto deadline = std::chrono::steady_clock::now() + options_.deadline;
   absl::StatusOr<PeerTransport*> transport = options_.transport ? options_.transport()
                                                                 : absl::UnavailableError("no peer transport");
-  if (!transport.ok()) return WithPeerReason(transport.status(), "other");
+  if (!transport.ok()) {
+    return WithPeerReason(Annotate(transport.status(), "this node's peer transport cannot start"), "local");
+  }
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(kMaxPeerReplyBytes);
   if (!options_.tls_server_name.empty()) args.SetSslTargetNameOverride(options_.tls_server_name);
   std::shared_ptr<grpc::Channel> channel = grpc::CreateCustomChannel(
       peer, options_.credentials ? options_.credentials : grpc::InsecureChannelCredentials(), args);
+  if (!channel->WaitForConnected(std::chrono::system_clock::now() + kPeerConnectTimeout)) {
+    return WithPeerReason(
+        absl::UnavailableError(absl::StrCat(
+            "no connection within ", kPeerConnectTimeout.count(), " s",
+            options_.credentials ? " (mutual TLS: check that its certificate and this node's are signed by "
+                                   "--peer-tls-ca, carry serverAuth and clientAuth, and name the address dialled "
+                                   "or --peer-tls-server-name)"
+                                 : "")),
+        "unavailable");
+  }
   std::unique_ptr<v1::Peer::Stub> stub = v1::Peer::NewStub(channel);
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + options_.deadline);

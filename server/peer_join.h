@@ -53,7 +53,12 @@ inline constexpr const char* kPeerFallbackReasons[] = {
     "transfer_failed",       // the transport failed (seed died, connection reset)
     "deadline",              // --peer-deadline-seconds passed
     "hash_mismatch",         // received bytes or fingerprint differ from the seed's
+    "local",                 // this node's peer transport cannot start (helper, user): no peer is tried
     "other"};
+
+// How long a joiner waits for a peer to accept its connection (TCP, and
+// TLS where configured) before that peer is `unavailable`.
+inline constexpr std::chrono::seconds kPeerConnectTimeout{5};
 
 // Checks a list of peer addresses: at most kMaxPeers, each "HOST:PORT" of
 // at most kMaxPeerAddressBytes with a port in 1..65535. INVALID_ARGUMENT

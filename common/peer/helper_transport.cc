@@ -9,6 +9,7 @@
 // helper, so once a Read returns nothing can change what it copied.
 #include <fcntl.h>
 #include <poll.h>
+#include <pwd.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/mman.h>
@@ -535,6 +536,14 @@ absl::StatusOr<std::unique_ptr<PeerTransport>> MakeUcxHelperTransport(UcxHelperO
   if (options.slot_bytes == 0 || options.slot_bytes > ph::kMaxPieceBytes || options.slots == 0 ||
       options.slots > ph::kMaxSlots) {
     return absl::InvalidArgumentError("peer staging slots out of range");
+  }
+  if (geteuid() == 0 && !options.user.empty()) {
+    passwd pw{}, *found = nullptr;
+    std::vector<char> buf(16384);
+    if (getpwnam_r(options.user.c_str(), &pw, buf.data(), buf.size(), &found) != 0 || found == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("no user ", QuoteName(options.user), " to run the peer helpers as (--peer-helper-user)"));
+    }
   }
   ScopedFd binary(open(options.helper_path.c_str(), O_RDONLY | O_CLOEXEC));
   if (!binary.valid()) {

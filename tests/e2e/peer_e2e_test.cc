@@ -4,6 +4,7 @@
 // UCX takes the network path (not shared memory) as between two nodes.
 #include <grpcpp/grpcpp.h>
 #include <signal.h>
+#include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -290,6 +291,59 @@ TEST_F(PeerE2e, MutualTlsSeedsOnlyJoinersWithTheFleetsCertificate) {
   char byte;
   EXPECT_EQ(recv(silent.get(), &byte, 1, 0), 0) << "the seed closed the silent connection";
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(4));
+}
+
+// The node's own transport is checked at start when it seeds or has
+// configured peers: a helper user that does not exist stops the start.
+TEST_F(PeerE2e, UnknownHelperUserStopsTheStartOfANodeWithPeers) {
+  if (geteuid() != 0) GTEST_SKIP() << "not root: helpers switch users only when started by root";
+  testing::TempDir dir;
+  CommandResult r = testing::RunCommand({testing::WeightdBinary(), "--socket", dir.Join("w.sock"), "--metrics-address",
+                                         "", "--peers", "127.0.0.1:9", "--peer-helper-user", "no-such-weightd-user"});
+  EXPECT_EQ(r.code, 1) << r.err;
+  EXPECT_NE(r.err.find("no user 'no-such-weightd-user' to run the peer helpers as (--peer-helper-user)"),
+            std::string::npos)
+      << r.err;
+}
+
+// A node whose own transport cannot start (its helper is missing) asks no
+// peer and reads storage, saying so once, as reason `local`.
+TEST_F(PeerE2e, JoinerWithoutItsHelperReadsStorageAndSaysWhy) {
+  auto a = Node(), b = Node({"--peer-address", "", "--peer-helper", "/nonexistent/weightd-peer-helper"});
+  ASSERT_EQ(a->Ctl({"load", kModel, "demo"}).code, 0);
+  CommandResult load = b->Ctl({"load", kModel, "demo", "--peer", PeerOf(*a)});
+  ASSERT_EQ(load.code, 0) << load.err << b->process().Stderr();
+  EXPECT_EQ(Ls(*b)["source"], "storage");
+  EXPECT_NE(b->process().Stderr().find("cannot seed 'm' from peers: this node's peer transport cannot start: "
+                                       "opening the peer helper '/nonexistent/weightd-peer-helper'"),
+            std::string::npos)
+      << b->process().Stderr();
+  EXPECT_EQ(Metric(*b, "weightd_peer_fallbacks_total{reason=\"local\"}"), 1);
+}
+
+// A peer that accepts TCP connections and never speaks costs the joiner
+// kPeerConnectTimeout (5 s), not gRPC's 20 s.
+TEST_F(PeerE2e, PeerThatNeverAnswersIsGivenUpAfterFiveSeconds) {
+  ScopedFd listener(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(listener.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  ASSERT_EQ(listen(listener.get(), 16), 0);  // connections complete in the backlog; nothing is ever said
+  socklen_t len = sizeof addr;
+  getsockname(listener.get(), reinterpret_cast<sockaddr*>(&addr), &len);
+  std::string mute = absl::StrCat("127.0.0.1:", ntohs(addr.sin_port));
+  auto b = Node();
+  auto start = std::chrono::steady_clock::now();
+  CommandResult load = b->Ctl({"load", kModel, "demo", "--peer", mute});
+  double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_EQ(load.code, 0) << load.err << b->process().Stderr();
+  EXPECT_EQ(Ls(*b)["source"], "storage");
+  EXPECT_NE(b->process().Stderr().find("peer " + mute + " did not seed 'm' (unavailable): no connection within 5 s"),
+            std::string::npos)
+      << b->process().Stderr();
+  EXPECT_GE(seconds, 4.5);
+  EXPECT_LT(seconds, 15);
 }
 
 }  // namespace

@@ -104,6 +104,19 @@ TEST_F(PeerHelperTest, ReadsRangesOfAnExportFromSeveralThreads) {
   }
 }
 
+// Without UCX_TLS, the helpers leave out UCX's shared-memory transports
+// (peers are other nodes, and the sandbox forbids their files).
+TEST_F(PeerHelperTest, WorksWithoutUcxTlsSet) {
+  unsetenv("UCX_TLS");  // UCX_NET_DEVICES=lo keeps it on loopback
+  std::unique_ptr<PeerExport> e = Export();
+  ASSERT_NE(e, nullptr);
+  std::unique_ptr<PeerConnection> c = Connect(e->offer());
+  ASSERT_NE(c, nullptr);
+  std::string buf(1 << 20, '\0');
+  WEIGHTD_ASSERT_OK(c->Read({{0, 4096, buf.size(), buf.data()}}, steady_clock::now() + seconds(30)));
+  EXPECT_TRUE(buf == data_.substr(4096, buf.size()));
+}
+
 TEST_F(PeerHelperTest, ReadsOutsideTheRegionAreRefusedHereAndByTheSeed) {
   std::unique_ptr<PeerExport> e = Export();
   ASSERT_NE(e, nullptr);
