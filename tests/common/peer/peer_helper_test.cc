@@ -232,14 +232,14 @@ TEST_F(PeerHelperTest, HelperRunsWithoutPrivilegesSecretsOrTheDaemonsFiles) {
   EXPECT_TRUE(HelperChildren().empty());  // reaped, no zombie left
 }
 
-TEST_F(PeerHelperTest, UnknownHelperUserFailsTheExportWithItsName) {
+TEST_F(PeerHelperTest, UnknownHelperUserIsRefusedWhenTheTransportIsMade) {
   if (geteuid() != 0) GTEST_SKIP() << "not root: helpers switch users only when started by root";
   UcxHelperOptions options;
   options.helper_path = WEIGHTD_PEER_HELPER_PATH;
   options.user = "no-such-weightd-user";
-  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto transport, MakeUcxHelperTransport(options));
-  EXPECT_THAT(transport->Export({{fd_, data_.size()}}, {}),
-              StatusIs(absl::StatusCode::kUnavailable, "no user 'no-such-weightd-user'"));
+  EXPECT_THAT(MakeUcxHelperTransport(options),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "no user 'no-such-weightd-user' to run the peer helpers as (--peer-helper-user)"));
 }
 
 // The sandbox a helper enters around UCX, checked from inside, from a
