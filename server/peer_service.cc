@@ -9,7 +9,6 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/base/status.h"
-#include "common/io/env.h"
 #include "server/convert.h"
 #include "server/grpc_limits.h"
 #include "server/health_port.h"
@@ -172,42 +171,27 @@ absl::StatusOr<std::unique_ptr<PeerListener>> PeerListener::Start(const DaemonCo
                                                                   Metrics* metrics) {
   std::unique_ptr<PeerListener> peer(new PeerListener());
   peer->service_ = std::make_unique<Service>(seed);
-  grpc::ServerBuilder builder;
-  // Plain TCP through our bounded acceptor; mutual TLS only through gRPC's
-  // own listener, which cannot take TLS connections from an fd: there the
-  // TLS handshake must finish within --grpc-first-bytes-timeout-seconds,
-  // but gRPC 1.51 caps no connection count (docs/operations.md).
-  const bool tls = !config.peer_tls_cert.empty();
-  ScopedFd listener;
-  if (tls) {
-    grpc::SslServerCredentialsOptions options(GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
-    grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
-    WEIGHTD_ASSIGN_OR_RETURN(pair.cert_chain, ReadPemFile("--peer-tls-cert", config.peer_tls_cert));
-    WEIGHTD_ASSIGN_OR_RETURN(pair.private_key, ReadPemFile("--peer-tls-key", config.peer_tls_key));
-    options.pem_key_cert_pairs.push_back(std::move(pair));
-    WEIGHTD_ASSIGN_OR_RETURN(options.pem_root_certs, ReadPemFile("--peer-tls-ca", config.peer_tls_ca));
-    builder.AddListeningPort(config.peer_address, grpc::SslServerCredentials(options), &peer->port_);
-    builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS,
-                               static_cast<int>(config.grpc_first_bytes_timeout_seconds * 1000));
-  } else {
-    WEIGHTD_ASSIGN_OR_RETURN(listener, ListenTcp(config.peer_address, &peer->port_, "--peer-address"));
+  // Plain TCP, or mutual TLS (the peer_tls_* keys are all set or none).
+  std::shared_ptr<grpc::ServerCredentials> tls;
+  if (!config.peer_tls_cert.empty()) {
+    WEIGHTD_ASSIGN_OR_RETURN(tls, ServerTlsCredentials({config.peer_tls_cert, config.peer_tls_key, config.peer_tls_ca,
+                                                        "--peer-tls-cert", "--peer-tls-key", "--peer-tls-ca"}));
   }
+  grpc::ServerBuilder builder;
+  WEIGHTD_ASSIGN_OR_RETURN(ScopedFd listener,
+                           AddTcpPort(config, config.peer_address, "--peer-address", tls, builder, &peer->port_));
   builder.SetOption(WithoutReflectionOption());
   builder.RegisterService(peer->service_.get());
   builder.SetMaxSendMessageSize(-1);
-  ApplyGrpcLimits(config, builder);  // streams per connection; connections are bounded by the acceptor
+  ApplyGrpcLimits(config, builder);  // streams per connection; connections: AddTcpPort
   CountRpcs(builder, metrics);
   peer->server_ = builder.BuildAndStart();
   if (peer->server_ == nullptr || peer->port_ == 0) {
     return absl::UnavailableError(absl::StrCat("cannot start the peer service on --peer-address ", config.peer_address));
   }
-  if (tls) return peer;
-  GrpcAcceptorOptions accept;
-  accept.listener = std::move(listener);
-  accept.name = absl::StrCat("peer listener ", config.peer_address);
-  accept.max_connections = static_cast<size_t>(config.grpc_max_connections);
-  accept.first_bytes_timeout = FirstBytesTimeout(config);
-  WEIGHTD_ASSIGN_OR_RETURN(peer->acceptor_, GrpcAcceptor::Start(std::move(accept), peer->server_.get()));
+  WEIGHTD_ASSIGN_OR_RETURN(peer->acceptor_, AcceptTcp(config, std::move(listener),
+                                                     absl::StrCat("peer listener ", config.peer_address),
+                                                     peer->server_.get()));
   return peer;
 }
 

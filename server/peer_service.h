@@ -1,8 +1,8 @@
 // The peer listener (--peer-address): a gRPC server of its own on TCP that
 // serves weightd.v1.Peer (proto/weightd/v1/peer.proto) and the standard
 // health service, nothing else (no reflection, none of weightd.v1.Weightd):
-// what crosses it is read-only. Connections are accepted by a GrpcAcceptor
-// (bounded, first bytes within --grpc-first-bytes-timeout-seconds).
+// what crosses it is read-only. Plain TCP or mutual TLS (--peer-tls-*), with
+// connections accepted as AddTcpPort (server/tcp_listener.h) describes.
 //
 // Each Transfer call is a callback reactor holding one PeerSeed::Session:
 // opened on the joiner's first message, described in one reply, ended when
@@ -46,7 +46,7 @@ class PeerListener {
   PeerListener();
   std::unique_ptr<Service> service_;
   std::unique_ptr<grpc::Server> server_;
-  std::unique_ptr<GrpcAcceptor> acceptor_;
+  std::unique_ptr<GrpcAcceptor> acceptor_;  // plain TCP only
   int port_ = 0;
 };
 

@@ -16,29 +16,46 @@
 namespace weightd {
 namespace {
 
-// Insecure credentials without grpc_tls_cert; TLS with it; mutual TLS (the
-// client must present a certificate the client CA signed, or the handshake
-// fails) with grpc_tls_client_ca too.
-absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Credentials(const DaemonConfig& c) {
-  if (c.grpc_tls_cert.empty()) return grpc::InsecureServerCredentials();
-  grpc::SslServerCredentialsOptions options(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
-  grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
-  WEIGHTD_ASSIGN_OR_RETURN(pair.cert_chain, ReadPemFile("--grpc-tls-cert", c.grpc_tls_cert));
-  WEIGHTD_ASSIGN_OR_RETURN(pair.private_key, ReadPemFile("--grpc-tls-key", c.grpc_tls_key));
-  options.pem_key_cert_pairs.push_back(std::move(pair));
-  if (!c.grpc_tls_client_ca.empty()) {
-    WEIGHTD_ASSIGN_OR_RETURN(options.pem_root_certs, ReadPemFile("--grpc-tls-client-ca", c.grpc_tls_client_ca));
-    options.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
-  }
-  return grpc::SslServerCredentials(options);
-}
-
 std::string Mode(const DaemonConfig& c) {
   std::string transport = c.grpc_tls_cert.empty() ? "plain TCP" : c.grpc_tls_client_ca.empty() ? "TLS" : "mutual TLS";
   return absl::StrCat(transport, c.grpc_tcp_admin ? ", admin" : ", read-only");
 }
 
 }  // namespace
+
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerTlsCredentials(const ServerTlsFiles& files) {
+  grpc::SslServerCredentialsOptions options(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
+  grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
+  WEIGHTD_ASSIGN_OR_RETURN(pair.cert_chain, ReadPemFile(files.cert_flag, files.cert));
+  WEIGHTD_ASSIGN_OR_RETURN(pair.private_key, ReadPemFile(files.key_flag, files.key));
+  options.pem_key_cert_pairs.push_back(std::move(pair));
+  if (!files.ca.empty()) {
+    WEIGHTD_ASSIGN_OR_RETURN(options.pem_root_certs, ReadPemFile(files.ca_flag, files.ca));
+    options.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
+  }
+  return grpc::SslServerCredentials(options);
+}
+
+absl::StatusOr<ScopedFd> AddTcpPort(const DaemonConfig& config, const std::string& address, const std::string& flag,
+                                    const std::shared_ptr<grpc::ServerCredentials>& tls, grpc::ServerBuilder& builder,
+                                    int* port) {
+  if (tls == nullptr) return ListenTcp(address, port, flag);
+  builder.AddListeningPort(address, tls, port);
+  builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS,
+                             static_cast<int>(config.grpc_first_bytes_timeout_seconds * 1000));
+  return ScopedFd();
+}
+
+absl::StatusOr<std::unique_ptr<GrpcAcceptor>> AcceptTcp(const DaemonConfig& config, ScopedFd listener,
+                                                        const std::string& name, grpc::Server* server) {
+  if (!listener.valid()) return std::unique_ptr<GrpcAcceptor>();
+  GrpcAcceptorOptions accept;
+  accept.listener = std::move(listener);
+  accept.name = name;
+  accept.max_connections = static_cast<size_t>(config.grpc_max_connections);
+  accept.first_bytes_timeout = FirstBytesTimeout(config);
+  return GrpcAcceptor::Start(std::move(accept), server);
+}
 
 absl::StatusOr<ScopedFd> ListenTcp(const std::string& address, int* port, const std::string& flag) {
   absl::StatusOr<AddrInfoPtr> resolved = ResolveTcpAddress(address, AI_PASSIVE);
@@ -66,24 +83,22 @@ absl::StatusOr<std::unique_ptr<TcpListener>> TcpListener::Start(const DaemonConf
   if (config.grpc_tcp_admin && config.grpc_tls_client_ca.empty()) {
     return absl::InvalidArgumentError("--grpc-tcp-admin needs mutual TLS on --grpc-address");
   }
-  WEIGHTD_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials, Credentials(config));
+  // TLS with grpc_tls_cert; mutual TLS with grpc_tls_client_ca too.
+  std::shared_ptr<grpc::ServerCredentials> tls;
+  if (!config.grpc_tls_cert.empty()) {
+    WEIGHTD_ASSIGN_OR_RETURN(tls, ServerTlsCredentials({config.grpc_tls_cert, config.grpc_tls_key,
+                                                        config.grpc_tls_client_ca, "--grpc-tls-cert", "--grpc-tls-key",
+                                                        "--grpc-tls-client-ca"}));
+  }
   std::unique_ptr<TcpListener> tcp(new TcpListener());
   tcp->mode_ = Mode(config);
   tcp->full_ = std::make_unique<WeightdService>(registry, config.fd_socket, config.mlock);
   grpc::ServerBuilder builder;
   // Plain TCP is accepted by our own GrpcAcceptor (bounded, recovers after
-  // EMFILE); TLS only by gRPC's listener, which cannot take TLS connections
-  // from an fd (grpc/grpc_posix.h), so the self-check watches its accept queue.
-  bool plain = config.grpc_tls_cert.empty();
-  ScopedFd plain_listener;
-  if (plain) {
-    WEIGHTD_ASSIGN_OR_RETURN(plain_listener, ListenTcp(config.grpc_address, &tcp->port_, "--grpc-address"));
-  } else {
-    builder.AddListeningPort(config.grpc_address, credentials, &tcp->port_);
-    // The handshake, at least, is bounded in time (no connection count cap there).
-    builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS,
-                               static_cast<int>(config.grpc_first_bytes_timeout_seconds * 1000));
-  }
+  // EMFILE); TLS only by gRPC's listener (AddTcpPort), so the self-check
+  // watches its accept queue.
+  WEIGHTD_ASSIGN_OR_RETURN(ScopedFd listener,
+                           AddTcpPort(config, config.grpc_address, "--grpc-address", tls, builder, &tcp->port_));
   if (config.grpc_tcp_admin) {
     builder.RegisterService(tcp->full_.get());
   } else {
@@ -97,14 +112,9 @@ absl::StatusOr<std::unique_ptr<TcpListener>> TcpListener::Start(const DaemonConf
   if (tcp->server_ == nullptr || tcp->port_ == 0) {
     return absl::UnavailableError(absl::StrCat("cannot listen on --grpc-address ", config.grpc_address));
   }
-  if (plain) {
-    GrpcAcceptorOptions accept;
-    accept.listener = std::move(plain_listener);
-    accept.name = absl::StrCat("gRPC TCP listener ", config.grpc_address);
-    accept.max_connections = static_cast<size_t>(config.grpc_max_connections);
-    accept.first_bytes_timeout = FirstBytesTimeout(config);
-    WEIGHTD_ASSIGN_OR_RETURN(tcp->acceptor_, GrpcAcceptor::Start(std::move(accept), tcp->server_.get()));
-  }
+  WEIGHTD_ASSIGN_OR_RETURN(tcp->acceptor_, AcceptTcp(config, std::move(listener),
+                                                    absl::StrCat("gRPC TCP listener ", config.grpc_address),
+                                                    tcp->server_.get()));
   return tcp;
 }
 

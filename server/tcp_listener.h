@@ -33,6 +33,30 @@ namespace weightd {
 // picks one) and listening; the bound port in *port. Errors name `flag`.
 absl::StatusOr<ScopedFd> ListenTcp(const std::string& address, int* port, const std::string& flag);
 
+// The PEM files of a TLS server, and the flags that name them in errors.
+// `ca` empty: no client certificate is asked for; set: one it signed is
+// required (mutual TLS).
+struct ServerTlsFiles {
+  std::string cert, key, ca;
+  std::string cert_flag, key_flag, ca_flag;
+};
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerTlsCredentials(const ServerTlsFiles& files);
+
+// A TCP port of a gRPC server (grpc_address, peer_address), in two steps.
+// Before BuildAndStart, AddTcpPort: without `tls`, binds `address` now
+// (ListenTcp; *port set) and returns the listener, which AcceptTcp then
+// serves through a GrpcAcceptor (connections bounded by
+// grpc_max_connections, first bytes within grpc_first_bytes_timeout_seconds).
+// With `tls`, gRPC's own listener takes the port (it cannot take TLS
+// connections from an fd; *port set by BuildAndStart), the TLS handshake
+// must finish within grpc_first_bytes_timeout_seconds, and gRPC 1.51 caps
+// no connection count; an invalid fd is returned and AcceptTcp returns null.
+absl::StatusOr<ScopedFd> AddTcpPort(const DaemonConfig& config, const std::string& address, const std::string& flag,
+                                    const std::shared_ptr<grpc::ServerCredentials>& tls, grpc::ServerBuilder& builder,
+                                    int* port);
+absl::StatusOr<std::unique_ptr<GrpcAcceptor>> AcceptTcp(const DaemonConfig& config, ScopedFd listener,
+                                                        const std::string& name, grpc::Server* server);
+
 class TcpListener {
  public:
   // Listens on config.grpc_address ("HOST:PORT"; port 0 picks one) with the
