@@ -73,6 +73,23 @@ class PeerE2e : public ::testing::Test {
     }
     return false;
   }
+  // A transfer session opened by hand, as a joiner that then holds it.
+  struct Session {
+    std::unique_ptr<v1::Peer::Stub> stub;
+    grpc::ClientContext context;
+    std::unique_ptr<grpc::ClientReaderWriter<v1::PeerTransferRequest, v1::PeerTransferReply>> stream;
+    v1::PeerTransferReply reply;
+    bool opened = false;  // the seed described its generation
+  };
+  static std::unique_ptr<Session> OpenSession(DaemonProcess& seed) {
+    auto s = std::make_unique<Session>();
+    s->stub = v1::Peer::NewStub(grpc::CreateChannel(PeerOf(seed), grpc::InsecureChannelCredentials()));
+    s->stream = s->stub->Transfer(&s->context);
+    v1::PeerTransferRequest ask;
+    ask.set_name(kModel);
+    s->opened = s->stream->Write(ask) && s->stream->Read(&s->reply);
+    return s;
+  }
   static void ExpectVerifies(DaemonProcess& d) {
     CommandResult attach = d.Ctl({"attach", kModel, "--verify", d.models_dir() + "/demo", "--json"});
     ASSERT_EQ(attach.code, 0) << attach.err;
@@ -149,14 +166,9 @@ TEST_F(PeerE2e, SeedAtItsJoinerLimitSendsTheJoinerToTheNextPeer) {
   ASSERT_EQ(full->Ctl({"load", kModel, "demo"}).code, 0);
   ASSERT_EQ(other->Ctl({"load", kModel, "demo"}).code, 0);
   // Another joiner holds the only session of `full`.
-  auto stub = v1::Peer::NewStub(grpc::CreateChannel(PeerOf(*full), grpc::InsecureChannelCredentials()));
-  grpc::ClientContext holder;
-  auto stream = stub->Transfer(&holder);
-  v1::PeerTransferRequest ask;
-  ask.set_name(kModel);
-  v1::PeerTransferReply reply;
-  ASSERT_TRUE(stream->Write(ask) && stream->Read(&reply));
-  EXPECT_EQ(reply.model(), kModel);
+  std::unique_ptr<Session> holder = OpenSession(*full);
+  ASSERT_TRUE(holder->opened);
+  EXPECT_EQ(holder->reply.model(), kModel);
   EXPECT_EQ(Metric(*full, "weightd_peer_joiners"), 1);
 
   CommandResult load = b->Ctl({"load", kModel, "demo", "--peer", PeerOf(*full), "--peer", PeerOf(*other)});
@@ -166,29 +178,24 @@ TEST_F(PeerE2e, SeedAtItsJoinerLimitSendsTheJoinerToTheNextPeer) {
   EXPECT_NE(b->process().Stderr().find("peer " + PeerOf(*full) + " did not seed 'm' (unavailable)"),
             std::string::npos)
       << b->process().Stderr();
-  holder.TryCancel();
-  (void)stream->Finish();
+  holder->context.TryCancel();
+  (void)holder->stream->Finish();
   EXPECT_TRUE(AwaitMetric(*full, "weightd_peer_joiners", 0));
 }
 
 TEST_F(PeerE2e, UnloadDrainsUntilTheTransferSessionEnds) {
   auto a = Node();
   ASSERT_EQ(a->Ctl({"load", kModel, "demo"}).code, 0);
-  auto stub = v1::Peer::NewStub(grpc::CreateChannel(PeerOf(*a), grpc::InsecureChannelCredentials()));
-  grpc::ClientContext context;
-  auto stream = stub->Transfer(&context);
-  v1::PeerTransferRequest ask;
-  ask.set_name(kModel);
-  v1::PeerTransferReply reply;
-  ASSERT_TRUE(stream->Write(ask) && stream->Read(&reply));
+  std::unique_ptr<Session> session = OpenSession(*a);
+  ASSERT_TRUE(session->opened);
   CommandResult unload = a->Ctl({"unload", kModel});
   ASSERT_EQ(unload.code, 0) << unload.err;
   EXPECT_EQ(Ls(*a)["state"], "DRAINING");
   v1::PeerTransferRequest done;
   done.set_done(true);
-  ASSERT_TRUE(stream->Write(done));
-  stream->WritesDone();
-  EXPECT_TRUE(stream->Finish().ok());
+  ASSERT_TRUE(session->stream->Write(done));
+  session->stream->WritesDone();
+  EXPECT_TRUE(session->stream->Finish().ok());
   auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
   while (std::chrono::steady_clock::now() < deadline && json::parse(a->Ctl({"ls", "--json"}).out)["models"].size() > 0) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
@@ -201,17 +208,12 @@ TEST_F(PeerE2e, UnloadDrainsUntilTheTransferSessionEnds) {
 TEST_F(PeerE2e, SessionOfAJoinerThatNeverFinishesExpires) {
   auto a = Node({"--peer-deadline-seconds", "1"});
   ASSERT_EQ(a->Ctl({"load", kModel, "demo"}).code, 0);
-  auto stub = v1::Peer::NewStub(grpc::CreateChannel(PeerOf(*a), grpc::InsecureChannelCredentials()));
-  grpc::ClientContext context;
-  auto stream = stub->Transfer(&context);
-  v1::PeerTransferRequest ask;
-  ask.set_name(kModel);
-  v1::PeerTransferReply reply;
-  ASSERT_TRUE(stream->Write(ask) && stream->Read(&reply));
-  EXPECT_EQ(reply.session_seconds(), 1);
+  std::unique_ptr<Session> session = OpenSession(*a);
+  ASSERT_TRUE(session->opened);
+  EXPECT_EQ(session->reply.session_seconds(), 1);
   EXPECT_EQ(Ls(*a)["leases"], 1);
-  EXPECT_FALSE(stream->Read(&reply));  // returns when the seed ends the session
-  grpc::Status ended = stream->Finish();
+  EXPECT_FALSE(session->stream->Read(&session->reply));  // returns when the seed ends the session
+  grpc::Status ended = session->stream->Finish();
   EXPECT_EQ(ended.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << ended.error_message();
   EXPECT_TRUE(AwaitMetric(*a, "weightd_peer_joiners", 0));
   EXPECT_EQ(Ls(*a)["leases"], 0);
