@@ -1,27 +1,24 @@
 #include "tests/testing/fd_store_standin.h"
 
 #include <fcntl.h>
-#include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <cstring>
 #include <fstream>
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "common/transport/unix_socket.h"
 
 extern char** environ;
 
 namespace weightd::testing {
 namespace {
-
-constexpr size_t kMaxFdsPerMessage = 253;  // SCM_MAX_FD
 
 std::string ReadFile(const std::string& path) {
   std::ifstream in(path);
@@ -55,31 +52,12 @@ FdStoreStandIn::~FdStoreStandIn() {
 }
 
 void FdStoreStandIn::Receive() {
-  std::vector<char> data(64 << 10);
-  std::vector<char> control(CMSG_SPACE(sizeof(int) * kMaxFdsPerMessage));
   while (!stop_) {
-    pollfd p{socket_.get(), POLLIN, 0};
-    if (poll(&p, 1, 20) <= 0) continue;
-    iovec iov{data.data(), data.size()};
-    msghdr msg{};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.data();
-    msg.msg_controllen = control.size();
-    ssize_t n = recvmsg(socket_.get(), &msg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
-    if (n < 0) continue;
     std::vector<ScopedFd> fds;
-    for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
-      if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
-      size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-      for (size_t i = 0; i < count; ++i) {
-        int fd;
-        std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
-        fds.emplace_back(fd);
-      }
-    }
+    absl::StatusOr<std::string> data = ReceiveMessage(socket_.get(), &fds, 20);
+    if (!data.ok()) continue;  // nothing within 20 ms
     std::map<std::string, std::string> fields;
-    for (absl::string_view line : absl::StrSplit(absl::string_view(data.data(), n), '\n', absl::SkipEmpty())) {
+    for (absl::string_view line : absl::StrSplit(*data, '\n', absl::SkipEmpty())) {
       std::pair<std::string, std::string> kv = absl::StrSplit(line, absl::MaxSplits('=', 1));
       fields[kv.first] = kv.second;
     }
