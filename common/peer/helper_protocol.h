@@ -59,8 +59,8 @@ struct Head {
   Kind kind;
   uint32_t length;
   uint8_t token[kTokenBytes];  // Ready (seed), Connect
-  int32_t landlock;            // Ready: the Landlock ABI the helper runs under, 0 = none
-  uint32_t reserved;
+  int32_t landlock = 0;        // Ready: the Landlock ABI the helper runs under, 0 = none
+  uint32_t reserved = 0;
 };
 
 struct Read {
@@ -88,7 +88,7 @@ struct AmRequest {
   uint8_t token[kTokenBytes];
   uint64_t id;
   uint32_t region;
-  uint32_t reserved;
+  uint32_t reserved = 0;
   uint64_t offset;
   uint64_t n;
 };
@@ -96,7 +96,7 @@ struct AmRequest {
 struct AmReply {
   uint64_t id;
   int32_t code;  // absl::StatusCode; 0: the data is the n bytes asked for
-  uint32_t reserved;
+  uint32_t reserved = 0;
 };
 
 }  // namespace weightd::peer_helper

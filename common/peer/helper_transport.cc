@@ -73,13 +73,11 @@ class Helper {
     // source still to be moved.
     const int count = static_cast<int>(fds.size());
     const int exe_target = ph::kFirstDataFd + count;
+    std::vector<int> sources = {theirs.get()};  // in target order: control, data..., executable
+    sources.insert(sources.end(), fds.begin(), fds.end());
+    sources.push_back(binary_fd);
     std::vector<ScopedFd> copies;
-    for (int fd : [&] {
-           std::vector<int> all = {theirs.get()};
-           all.insert(all.end(), fds.begin(), fds.end());
-           all.push_back(binary_fd);
-           return all;
-         }()) {
+    for (int fd : sources) {
       int copy = fcntl(fd, F_DUPFD_CLOEXEC, exe_target + 1);
       if (copy < 0) {
         return ErrnoToStatus(absl::StrCat("passing ", count, " segment fds to the peer helper (fd numbers up to ",
