@@ -42,12 +42,14 @@
 
 #include <cstdint>
 
+#include "common/peer/peer_transport.h"
+
 namespace weightd::peer_helper {
 
 inline constexpr int kControlFd = 3;
 inline constexpr int kFirstDataFd = 4;
-inline constexpr uint32_t kTokenBytes = 16;
-inline constexpr uint32_t kMaxAddressBytes = 16 << 10;   // = kMaxPeerWorkerAddressBytes
+inline constexpr uint32_t kTokenBytes = kPeerTokenBytes;
+inline constexpr uint32_t kMaxAddressBytes = kMaxPeerWorkerAddressBytes;
 inline constexpr uint64_t kMaxPieceBytes = 64ull << 20;  // one AmRequest
 inline constexpr uint32_t kMaxSlots = 256;
 inline constexpr uint32_t kMaxTextBytes = 480;
