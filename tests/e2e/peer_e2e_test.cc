@@ -19,6 +19,7 @@
 #include "tests/testing/pki.h"
 #include "tests/testing/process.h"
 #include "tests/testing/scrape.h"
+#include "tests/testing/shared_inputs.h"
 #include "weightd/v1/peer.grpc.pb.h"
 #include "weightd/v1/weightd.grpc.pb.h"
 
@@ -293,6 +294,29 @@ TEST_F(PeerE2e, MutualTlsSeedsOnlyJoinersWithTheFleetsCertificate) {
   char byte;
   EXPECT_EQ(recv(silent.get(), &byte, 1, 0), 0) << "the seed closed the silent connection";
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(4));
+}
+
+// Checkpoints written by other tools (../shared/real-checkpoints): a
+// sharded one (six files, six host segments), a single file and a LoRA
+// adapter, each seeded from a peer and verified byte for byte.
+TEST_F(PeerE2e, RealCheckpointsSeedFromAPeerAndVerify) {
+  WEIGHTD_REQUIRE_SHARED(shared);
+  auto a = Node(), b = Node();
+  std::string real = shared + "/real-checkpoints/";
+  for (const auto& [name, path] : std::vector<std::pair<std::string, std::string>>{
+           {"flux-sharded", real + "fluxml-sharded"},
+           {"flux", real + "fluxml-nonsharded/model.safetensors"},
+           {"lora", real + "gpt2-tigrinya-lora"}}) {
+    CommandResult from_storage = a->Ctl({"load", name, path, "--json"});
+    ASSERT_EQ(from_storage.code, 0) << from_storage.err;
+    CommandResult seeded = b->Ctl({"load", name, path, "--peer", PeerOf(*a), "--json"});
+    ASSERT_EQ(seeded.code, 0) << seeded.err << b->process().Stderr();
+    EXPECT_EQ(json::parse(seeded.out)["source"], "peer " + PeerOf(*a)) << name;
+    EXPECT_EQ(json::parse(seeded.out)["fingerprint"], json::parse(from_storage.out)["fingerprint"]) << name;
+    CommandResult attach = b->Ctl({"attach", name, "--verify", path, "--json"});
+    ASSERT_EQ(attach.code, 0) << attach.err;
+    EXPECT_EQ(json::parse(attach.out)["verified"], true) << name;
+  }
 }
 
 // The node's own transport is checked at start when it seeds or has
