@@ -99,7 +99,7 @@ void AddOption(CLI::App* sub, const OptionSpec& o, Args& args) {
       option = sub->add_option(o.name, args.numbers[o.name])->check(NonNegativeNumber());
       break;
   }
-  option->description(o.help);
+  option->description(o.help)->required(o.required);
   if (!o.value.empty()) option->type_name(o.value);
   if (!o.fallback.empty()) option->default_str(o.fallback);
 }

@@ -13,8 +13,9 @@ typename Map::mapped_type Find(const Map& map, const std::string& name) {
 }
 
 std::string OptionUsage(const OptionSpec& o) {
-  if (o.kind == OptionKind::kFlag) return absl::StrCat("[", o.name, "]");
-  return absl::StrCat("[", o.name, " ", o.value, o.kind == OptionKind::kTextList ? " ...]" : "]");
+  std::string words = o.kind == OptionKind::kFlag ? o.name : absl::StrCat(o.name, " ", o.value);
+  if (o.kind == OptionKind::kTextList) absl::StrAppend(&words, " ...");
+  return o.required ? words : absl::StrCat("[", words, "]");
 }
 
 }  // namespace

@@ -29,6 +29,7 @@ struct OptionSpec {
   std::string fallback;  // the value when not given ("0", "tiny"); empty: none
   int64_t min = 0;       // kInteger only
   int64_t max = 0;
+  bool required = false;  // the command refuses to run without it (usage: no brackets)
 };
 
 struct PositionalSpec {
@@ -43,7 +44,8 @@ struct CommandSpec {
 };
 
 // The arguments part of a usage line, e.g.
-// "NAME [--rank R] [--verify CHECKPOINT_DIR] [--json]".
+// "NAME [--rank R] [--verify CHECKPOINT_DIR] [--json]"; a required option
+// has no brackets ("NAME --from DIR [--json]").
 std::string UsageLine(const CommandSpec& spec);
 
 // What one command's arguments parsed into. The parser validated every value

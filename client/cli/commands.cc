@@ -10,6 +10,10 @@ OptionSpec Rank() {
   return {"--rank", OptionKind::kInteger, "R", "the tensor-parallel rank", "0", 0, 1 << 20};
 }
 PositionalSpec Model() { return {"NAME", "the model's name"}; }
+OptionSpec Required(OptionSpec o) {
+  o.required = true;
+  return o;
+}
 
 }  // namespace
 
@@ -30,8 +34,9 @@ const std::vector<Command>& Commands() {
        RunReload},
       {"update", "publish a checkpoint's tensors into model NAME through the writer path (verified, atomic)",
        {{Model()},
-        {{"--from", OptionKind::kText, "DIR", "a safetensors checkpoint whose tensors (a subset of the model's, same "
-                                              "dtypes and shapes) to write"},
+        {Required({"--from", OptionKind::kText, "DIR",
+                   "a safetensors checkpoint whose tensors (a subset of the model's, same dtypes and shapes) to "
+                   "write"}),
          {"--version-label", OptionKind::kText, "LABEL", "stored with the new generation, e.g. step-1200"},
          Json()}},
        RunUpdate},

@@ -47,9 +47,8 @@ absl::StatusOr<std::map<std::string, std::string>> WriteTensors(const Catalog& c
 }  // namespace
 
 int RunUpdate(const Args& args, Context& ctx) {
-  std::optional<std::string> from = args.Text("--from");
-  if (!from) return ReportError(absl::InvalidArgumentError("--from DIR is required"), ctx.err);
-  absl::StatusOr<Catalog> catalog = BuildCatalog(*from);
+  const std::string from = *args.Text("--from");  // required: the parser refuses a command line without it
+  absl::StatusOr<Catalog> catalog = BuildCatalog(from);
   if (!catalog.ok()) return ReportError(catalog.status(), ctx.err);
   absl::StatusOr<std::unique_ptr<Client>> client = ConnectTo(ctx);
   if (!client.ok()) return ReportError(client.status(), ctx.err);

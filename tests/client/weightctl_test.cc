@@ -135,6 +135,7 @@ TEST(Weightctl, UsageLinesFollowTheDesignContract) {
   for (const Command& command : Commands()) usage[command.name] = Usage(command);
   EXPECT_EQ(usage["load"], "load NAME PATH [--host-resident PATTERN ...] [--tp-size N] [--tp-rule PATTERN:DIM ...] "
                            "[--devices LIST] [--peer HOST:PORT ...] [--json]");
+  EXPECT_EQ(usage["update"], "update NAME --from DIR [--version-label LABEL] [--json]");
   EXPECT_EQ(usage["ls"], "ls [--json]");
   EXPECT_EQ(usage["manifest"], "manifest NAME [--rank R] [--json]");
   EXPECT_EQ(usage["attach"], "attach NAME [--rank R] [--verify CHECKPOINT_DIR] [--hold SECONDS] [--prefault] [--json]");
@@ -173,6 +174,14 @@ TEST(Weightctl, MissingOrExtraPositionalsNameTheUsage) {
   r = Weightctl({"--json", "ls"});
   EXPECT_EQ(r.code, 2);
   EXPECT_EQ(r.err, "weightctl: unknown option --json\n");
+}
+
+TEST(Weightctl, UpdateWithoutFromExitsTwoBeforeConnecting) {
+  Result r = Weightctl({"--socket", "/nowhere.sock", "update", "m"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.out, "");
+  EXPECT_EQ(r.err,
+            "weightctl: --from is required; usage: weightctl update NAME --from DIR [--version-label LABEL] [--json]\n");
 }
 
 TEST(Weightctl, SocketFlagWinsOverTheEnvironment) {
