@@ -11,4 +11,6 @@ void ApplyGrpcLimits(const DaemonConfig& config, grpc::ServerBuilder& builder) {
   builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, config.grpc_max_streams_per_connection);
 }
 
+void RefuseSharedPort(grpc::ServerBuilder& builder) { builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0); }
+
 }  // namespace weightd

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "server/rpc_metrics.h"
+#include "server/grpc_limits.h"
 
 namespace weightd {
 namespace {
@@ -49,6 +50,7 @@ absl::StatusOr<std::unique_ptr<HealthPort>> HealthPort::Start(const std::string&
   std::unique_ptr<HealthPort> health(new HealthPort());
   grpc::ServerBuilder builder;
   builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &health->port_);
+  RefuseSharedPort(builder);
   builder.SetOption(std::make_unique<WithoutReflection>());
   builder.RegisterCallbackGenericService(health->unimplemented_.get());
   CountRpcs(builder, metrics);

@@ -187,7 +187,7 @@ absl::StatusOr<std::unique_ptr<PeerListener>> PeerListener::Start(const DaemonCo
   CountRpcs(builder, metrics);
   peer->server_ = builder.BuildAndStart();
   if (peer->server_ == nullptr || peer->port_ == 0) {
-    return absl::UnavailableError(absl::StrCat("cannot start the peer service on --peer-address ", config.peer_address));
+    return absl::UnavailableError(absl::StrCat("cannot listen on --peer-address ", config.peer_address));
   }
   WEIGHTD_ASSIGN_OR_RETURN(peer->acceptor_, AcceptTcp(config, std::move(listener),
                                                      absl::StrCat("peer listener ", config.peer_address),

@@ -41,6 +41,7 @@ absl::StatusOr<ScopedFd> AddTcpPort(const DaemonConfig& config, const std::strin
                                     int* port) {
   if (tls == nullptr) return ListenTcp(address, port, flag);
   builder.AddListeningPort(address, tls, port);
+  RefuseSharedPort(builder);
   builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS,
                              static_cast<int>(config.grpc_first_bytes_timeout_seconds * 1000));
   return ScopedFd();
