@@ -83,7 +83,11 @@ class DaemonListener final : public RegistryListener {
     LogWarning(absl::StrCat("update of '", name, "' aborted: ", reason));
   }
   void OnLoadFailed(const LoadRequest& request, const absl::Status& status) override {
-    LogWarning(absl::StrCat("load of '", request.name, "' from ", request.checkpoint_path, " failed: ", status.message()));
+    // The name and path may be a refused request's, as the client sent them.
+    // A reload of no model has no path: "(none)" keeps the line's shape.
+    std::string path = request.checkpoint_path.empty() ? "(none)" : ElideName(request.checkpoint_path);
+    LogWarning(absl::StrCat("load of ", QuoteName(request.name), " from ", path, " failed: ",
+                            CapMessage(status.message())));
   }
 
  private:

@@ -23,11 +23,13 @@ namespace weightd {
 namespace {
 
 // The reasons of failures that carry no CheckpointRule, by status code.
-constexpr absl::string_view kCodeReasons[] = {"not_found", "permission_denied", "resource_exhausted", "io", "other"};
+constexpr absl::string_view kCodeReasons[] = {"invalid_request", "already_loading", "not_found", "permission_denied",
+                                                "resource_exhausted", "io", "other"};
 
 std::string ReasonByCode(absl::StatusCode code) {
   switch (code) {
     case absl::StatusCode::kInvalidArgument: return std::string(CheckpointRuleName(CheckpointRule::kInvalid));
+    case absl::StatusCode::kAlreadyExists: return "already_loading";  // a load of the name is running
     case absl::StatusCode::kNotFound: return "not_found";
     case absl::StatusCode::kPermissionDenied: return "permission_denied";
     case absl::StatusCode::kResourceExhausted: return "resource_exhausted";
@@ -125,6 +127,9 @@ ModelsSample SampleModels(const std::vector<std::shared_ptr<ModelGeneration>>& m
 
 std::string CheckpointErrorReason(const absl::Status& status) {
   if (std::optional<CheckpointRule> rule = CheckpointRuleOf(status)) return std::string(CheckpointRuleName(*rule));
+  if (status.code() == absl::StatusCode::kInvalidArgument && status.GetPayload(kInvalidLoadRequestPayload)) {
+    return "invalid_request";
+  }
   return ReasonByCode(status.code());
 }
 

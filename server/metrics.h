@@ -81,8 +81,11 @@ using ModelsSampler = std::function<ModelsSample()>;
 // A short, stable slug for a failed load, for weightd_checkpoint_errors_total
 // {reason}: the name of the CheckpointRule the status carries
 // (common/format/format_error.h: "header_too_large", "truncated", ...), whatever
-// its message says; without one, by status code ("invalid_checkpoint",
-// "not_found", "permission_denied", "resource_exhausted", "io"), else "other".
+// its message says; "invalid_request" for a request refused before any
+// checkpoint was read (kInvalidLoadRequestPayload, server/model.h); else by
+// status code ("invalid_checkpoint", "already_loading" while a load of the
+// name runs, "not_found", "permission_denied", "resource_exhausted", "io"),
+// else "other".
 std::string CheckpointErrorReason(const absl::Status& status);
 // Every value CheckpointErrorReason can return: the rules, then the
 // status-code reasons. Each has its series, at 0 until it happens.

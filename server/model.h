@@ -35,6 +35,12 @@ struct TpRule {
   uint32_t dim = 0;
 };
 
+// A load refused for its request (a model name, a path over its bounds, an
+// empty TP pattern), before any checkpoint was read: INVALID_ARGUMENT with
+// this payload, which weightd_checkpoint_errors_total counts as
+// "invalid_request" rather than as a broken checkpoint.
+inline constexpr char kInvalidLoadRequestPayload[] = "type.weightd.dev/invalid-load-request";
+
 // What a client asked to load (LoadModelRequest in domain types).
 struct LoadRequest {
   std::string name;

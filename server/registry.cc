@@ -192,16 +192,33 @@ std::shared_ptr<ModelGeneration> ModelRegistry::Reusable(const LoadRequest& requ
   return it->second;
 }
 
-absl::StatusOr<ModelRegistry::LoadResult> ModelRegistry::Load(LoadRequest request, const ProgressFn& progress) {
+void ModelRegistry::RefuseLoad(const LoadRequest& request, const absl::Status& status) {
+  if (listener_ == nullptr) return;
+  absl::Status refused = status;  // nothing was read yet: a bad argument is the request's
+  if (refused.code() == absl::StatusCode::kInvalidArgument) refused.SetPayload(kInvalidLoadRequestPayload, absl::Cord());
+  listener_->OnLoadFailed(request, refused);
+}
+
+absl::Status ModelRegistry::AdmitLoad(LoadRequest& request) const {
   WEIGHTD_RETURN_IF_ERROR(ValidateModelName(request.name));
   if (request.tp_size == 0) request.tp_size = 1;
   WEIGHTD_ASSIGN_OR_RETURN(request.checkpoint_path, ResolvePath(request.checkpoint_path));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ModelRegistry::LoadResult> ModelRegistry::Load(LoadRequest request, const ProgressFn& progress) {
+  if (absl::Status refused = AdmitLoad(request); !refused.ok()) {
+    RefuseLoad(request, refused);  // the path as given: it did not resolve
+    return refused;
+  }
   auto record = std::make_shared<ModelGeneration>();  // LOADING
   record->request = request;
   {
     absl::MutexLock lock(&mu_);
     if (!loading_.emplace(request.name, record).second) {
-      return absl::AlreadyExistsError(absl::StrCat("model '", request.name, "' is already being loaded"));
+      absl::Status busy = absl::AlreadyExistsError(absl::StrCat("model '", request.name, "' is already being loaded"));
+      if (listener_) listener_->OnLoadFailed(request, busy);
+      return busy;
     }
   }
   bool accepted = false;  // the plan was accepted: a failure from here on leaves a FAILED record
@@ -251,10 +268,15 @@ absl::StatusOr<ModelRegistry::LoadResult> ModelRegistry::Reload(const std::strin
                                                                 const std::string& checkpoint_path,
                                                                 const ProgressFn& progress) {
   LoadRequest request;
+  absl::StatusOr<std::shared_ptr<ModelGeneration>> current;
   {
     absl::MutexLock lock(&mu_);
-    WEIGHTD_ASSIGN_OR_RETURN(std::shared_ptr<ModelGeneration> current, GetLocked(name));
-    request = current->request;
+    current = GetLocked(name);
+    if (current.ok()) request = (*current)->request;
+  }
+  if (!current.ok()) {
+    RefuseLoad(LoadRequest{.name = name, .checkpoint_path = checkpoint_path}, current.status());
+    return current.status();
   }
   if (!checkpoint_path.empty()) request.checkpoint_path = checkpoint_path;
   return Load(std::move(request), progress);

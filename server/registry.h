@@ -115,6 +115,13 @@ class ModelRegistry {
   // or FAILED_PRECONDITION when the name has no READY generation.
   absl::StatusOr<LoadResult> Reload(const std::string& name, const std::string& checkpoint_path,
                                     const ProgressFn& progress);
+  // Reports a load that the API layer refused before calling Load() (a
+  // request over its bounds) to the listener's OnLoadFailed, so that it is
+  // logged and counted like every other failed load. Load() and Reload()
+  // report each of their own refusals (name, path, a load of the name
+  // already running, no READY generation to reload) the same way.
+  // Thread-safe.
+  void RefuseLoad(const LoadRequest& request, const absl::Status& status);
 
   // Serves `model`, restored from the fd store at start (server/fd_store.h),
   // as the READY generation of its name with its own generation number;
@@ -238,6 +245,9 @@ class ModelRegistry {
   };
 
   absl::StatusOr<std::string> ResolvePath(const std::string& path) const;
+  // The checks of a load before anything is recorded: the name, the TP
+  // size's default, and the path resolved under a model root (in place).
+  absl::Status AdmitLoad(LoadRequest& request) const;
   Env& env() const { return options_.env != nullptr ? *options_.env : *Env::Default(); }
   std::chrono::steady_clock::time_point Now() const {
     return options_.clock ? options_.clock() : std::chrono::steady_clock::now();

@@ -43,14 +43,19 @@ WeightdService::WeightdService(ModelRegistry* registry, std::string fd_socket_pa
 
 grpc::Status WeightdService::LoadModel(grpc::ServerContext* context, const v1::LoadModelRequest* request,
                                        grpc::ServerWriter<v1::LoadModelProgress>* writer) {
-  if (absl::Status bad = CheckLoadRequest(*request); !bad.ok()) return ToGrpcStatus(bad);
+  if (absl::Status bad = CheckLoadRequest(*request); !bad.ok()) {
+    registry_->RefuseLoad(FromProto(*request), bad);
+    return ToGrpcStatus(bad);
+  }
   return FinishLoad(registry_->Load(FromProto(*request), MakeProgress(writer)), writer);
 }
 
 grpc::Status WeightdService::ReloadModel(grpc::ServerContext*, const v1::ReloadModelRequest* request,
                                          grpc::ServerWriter<v1::LoadModelProgress>* writer) {
   if (request->checkpoint_path().size() > kMaxPathBytes) {
-    return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat("checkpoint path is longer than ", kMaxPathBytes, " bytes")));
+    absl::Status bad = absl::InvalidArgumentError(absl::StrCat("checkpoint path is longer than ", kMaxPathBytes, " bytes"));
+    registry_->RefuseLoad(LoadRequest{.name = request->name(), .checkpoint_path = request->checkpoint_path()}, bad);
+    return ToGrpcStatus(bad);
   }
   return FinishLoad(registry_->Reload(request->name(), request->checkpoint_path(), MakeProgress(writer)), writer);
 }

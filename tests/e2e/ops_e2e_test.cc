@@ -178,8 +178,8 @@ TEST(OpsMetrics, EveryCheckpointErrorReasonIsZeroOnAFreshDaemon) {
       "hole_between_tensors", "offsets_not_from_zero", "bad_data_offsets", "unknown_dtype", "shape_overflow",
       "sub_byte_size", "size_mismatch", "negative_value", "duplicate_key", "duplicate_tensor",
       "bad_metadata", "missing_shard", "tensor_absent_from_shard", "shard_outside_checkpoint", "bad_index",
-      "invalid_checkpoint", "not_found", "permission_denied", "resource_exhausted", "io",
-      "other"};
+      "invalid_checkpoint", "invalid_request", "already_loading", "not_found", "permission_denied",
+      "resource_exhausted", "io", "other"};
   for (const char* reason : reasons) {
     EXPECT_EQ(SampleValue(scrape, absl::StrCat(R"(weightd_checkpoint_errors_total{reason=")", reason, R"("})")), 0)
         << reason;
@@ -187,6 +187,60 @@ TEST(OpsMetrics, EveryCheckpointErrorReasonIsZeroOnAFreshDaemon) {
   size_t series = 0;
   for (size_t at = 0; (at = scrape.find("\nweightd_checkpoint_errors_total{", at)) != std::string::npos; ++at) ++series;
   EXPECT_EQ(series, std::size(reasons));
+}
+
+// docs/operations.md promises one WARN line and one counted reason for every
+// failed load. Before, a load refused before the catalog (a missing path, a
+// path outside every --model-root, no root at all, a bad name) reached
+// weightctl but left nothing in the log or the metrics.
+TEST(OpsMetrics, EveryRefusedLoadIsOneLogLineAndOneCountedReason) {
+  OpsDaemon o;
+  EXPECT_EQ(o.d().Ctl({"load", "gone", "missing.safetensors"}).code, 2);
+  EXPECT_EQ(o.d().Ctl({"load", "etc", "/etc"}).code, 2);
+  EXPECT_EQ(o.d().Ctl({"load", "bad\nname\x1b[2J", "m.safetensors"}).code, 2);
+  std::string scrape = o.Scrape();
+  EXPECT_EQ(SampleValue(scrape, R"(weightd_checkpoint_errors_total{reason="not_found"})"), 1);
+  EXPECT_EQ(SampleValue(scrape, R"(weightd_checkpoint_errors_total{reason="permission_denied"})"), 1);
+  EXPECT_EQ(SampleValue(scrape, R"(weightd_checkpoint_errors_total{reason="invalid_request"})"), 1);
+  EXPECT_EQ(SampleValue(scrape, R"(weightd_checkpoint_errors_total{reason="invalid_checkpoint"})"), 0);
+  std::string log = o.d().process().Stderr();
+  EXPECT_NE(log.find("WARN  load of 'gone' from missing.safetensors failed: missing.safetensors: no such checkpoint "
+                     "file or folder\n"),
+            std::string::npos)
+      << log;
+  EXPECT_NE(log.find("WARN  load of 'etc' from /etc failed: /etc: resolves to /etc, outside every --model-root"),
+            std::string::npos)
+      << log;
+  // The hostile name is one line, its control bytes escaped, in the log.
+  EXPECT_NE(log.find("WARN  load of 'bad\\x0aname\\x1b[2J' from m.safetensors failed: model name 'bad\\x0aname"),
+            std::string::npos)
+      << log;
+  EXPECT_EQ(log.find("\x1b"), std::string::npos);
+}
+
+// With no --model-root every load is refused, and each is still logged and
+// counted.
+TEST(OpsMetrics, ALoadWithoutAnyModelRootIsLoggedAndCounted) {
+  TempDir dir;
+  std::string socket = dir.Join("w.sock");
+  Process daemon({testing::WeightdBinary(), "--socket", socket, "--metrics-address", "127.0.0.1:0", "--mlock", "false"},
+                 dir.path());
+  std::vector<std::string> ls = {testing::WeightctlBinary(), "--socket", socket, "ls"};
+  ASSERT_TRUE(Eventually([&] { return testing::RunCommand(ls).code == 0; }, 20)) << daemon.Stderr();
+  CommandResult load = testing::RunCommand({testing::WeightctlBinary(), "--socket", socket, "load", "m", "/tmp"});
+  EXPECT_EQ(load.code, 2) << load.err;
+  EXPECT_NE(load.err.find("no --model-root is configured"), std::string::npos) << load.err;
+  int port = LoggedPort(daemon.Stderr(), "metrics on");
+  ASSERT_GT(port, 0) << daemon.Stderr();
+  absl::StatusOr<std::string> scrape = testing::HttpGet(port, "/metrics");
+  ASSERT_TRUE(scrape.ok()) << scrape.status();
+  EXPECT_EQ(SampleValue(*scrape, R"(weightd_checkpoint_errors_total{reason="permission_denied"})"), 1);
+  EXPECT_NE(daemon.Stderr().find("WARN  load of 'm' from /tmp failed: no --model-root is configured, so no checkpoint "
+                                 "may be loaded"),
+            std::string::npos)
+      << daemon.Stderr();
+  daemon.Signal(SIGTERM);
+  EXPECT_EQ(daemon.Wait(), 0);
 }
 
 TEST(OpsMetrics, RealScrapePassesPromtool) {

@@ -6,6 +6,7 @@
 
 #include "gtest/gtest.h"
 #include "tests/server/registry_fixture.h"
+#include "server/metrics.h"
 #include "tests/testing/status_matchers.h"
 
 namespace weightd {
@@ -66,7 +67,40 @@ TEST_F(RegistryTest, RequestRefusedBeforeItsPlanLeavesNoRecord) {
   request.devices = {"GPU-00000000-0000-0000-0000-000000000000"};
   EXPECT_THAT(registry_.Load(request, nullptr), StatusIs(Code::kInvalidArgument, "no device backend"));
   EXPECT_TRUE(registry_.ListAll().empty());
-  EXPECT_EQ(listener_.failures().size(), 2u);  // the path was refused before any load began
+  EXPECT_EQ(listener_.failures().size(), 3u);  // the missing path too: every refusal is reported
+}
+
+// Every refused load is reported to the listener once (a log line and a
+// counted reason in the daemon), however early it was refused: before, the
+// refusals before the catalog (path, root, name, a load of the name running,
+// a reload of no model) left no trace in the log or the metrics.
+TEST_F(RegistryTest, EveryRefusalBeforeTheCatalogIsReportedWithItsReason) {
+  ::weightd::testing::TempDir elsewhere;
+  std::string outside = ::weightd::registry_test::MakeDir(elsewhere.Join("ck"));
+  Checkpoint("ck", 1);
+  EXPECT_THAT(Load("m", "no-such-model"), StatusIs(Code::kNotFound, "no-such-model"));
+  EXPECT_THAT(Load("m", outside), StatusIs(Code::kPermissionDenied, "outside every --model-root"));
+  EXPECT_THAT(Load("bad name\n", "ck"), StatusIs(Code::kInvalidArgument, "may hold only letters"));
+  EXPECT_THAT(Load("m", ""), StatusIs(Code::kInvalidArgument, "checkpoint path is empty"));
+  EXPECT_THAT(registry_.Reload("nothing", "", nullptr), StatusIs(Code::kNotFound, "nothing"));
+  absl::Status nested;
+  LoadRequest request;
+  request.name = "m";
+  request.checkpoint_path = "ck";
+  WEIGHTD_ASSERT_OK(registry_.Load(request, [&](const LoadProgress&) {
+    if (nested.ok()) nested = Load("m", "ck").status();  // the same name while its load runs
+  }));
+  EXPECT_THAT(nested, StatusIs(Code::kAlreadyExists, "model 'm' is already being loaded"));
+  registry_.RefuseLoad(request, absl::InvalidArgumentError("checkpoint path is longer than 4096 bytes"));
+
+  std::vector<std::string> reasons;
+  for (const absl::Status& s : listener_.failures()) reasons.push_back(CheckpointErrorReason(s));
+  EXPECT_THAT(reasons, ElementsAre("not_found", "permission_denied", "invalid_request", "invalid_request", "not_found",
+                                   "already_loading", "invalid_request"));
+  ModelRegistry no_roots(RegistryOptions{}, &listener_);
+  EXPECT_THAT(Load("m", "ck", &no_roots), StatusIs(Code::kPermissionDenied, "no --model-root"));
+  ASSERT_EQ(listener_.failures().size(), 8u);
+  EXPECT_EQ(CheckpointErrorReason(listener_.failures().back()), "permission_denied");
 }
 
 TEST_F(RegistryTest, CancelledLoadIsListedAsFailed) {
