@@ -2,6 +2,7 @@
 
 #include <grpcpp/grpcpp.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <cstring>
@@ -103,8 +104,17 @@ SegmentInfo FromProto(const v1::SegmentDescriptor& s) {
           s.ipc_handle(), s.export_kind() == v1::SegmentDescriptor::EXPORT_FD};
 }
 
+// A target is a Unix socket path when it is absolute, names an existing
+// socket file, or holds a '/' and no ':' ("d1/wd.sock"); anything else is
+// a gRPC target ("unix://...", "HOST:PORT", "dns:///host:port"). gRPC takes
+// "unix:RELATIVE" relative to the working directory.
 std::string NormalizeTarget(const std::string& target) {
-  return !target.empty() && target[0] == '/' ? "unix://" + target : target;
+  if (target.empty()) return target;
+  if (target[0] == '/') return "unix://" + target;
+  struct stat st {};
+  bool socket_file = stat(target.c_str(), &st) == 0 && S_ISSOCK(st.st_mode);
+  bool path_like = target.find('/') != std::string::npos && target.find(':') == std::string::npos;
+  return socket_file || path_like ? "unix:" + target : target;
 }
 
 // Insecure without a CA; TLS with one; mutual TLS with a certificate and key.

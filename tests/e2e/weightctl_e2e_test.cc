@@ -35,5 +35,27 @@ TEST(WeightctlE2E, SocketFlagWinsOverTheEnvironment) {
   EXPECT_NE(r.err.find(nowhere + ": No such file or directory"), std::string::npos) << r.err;
 }
 
+// A relative socket path is a path, not a DNS name: "DIR/w.sock" (a '/' and
+// no ':') and "w.sock" (an existing socket file) both reach the daemon from
+// the directory they are relative to. Before, both were resolved as host
+// names and failed with a DNS error.
+TEST(WeightctlE2E, ARelativeSocketPathIsAPath) {
+  testing::DaemonProcess d;
+  std::string dir = d.dir().path();
+  std::string parent = dir.substr(0, dir.rfind('/'));
+  std::string base = dir.substr(dir.rfind('/') + 1);
+  auto ctl_in = [](const std::string& cwd, const std::string& socket) {
+    return testing::RunCommand({"/bin/sh", "-c", "cd \"$1\" && exec \"$2\" --socket \"$3\" ls --json", "sh", cwd,
+                                testing::WeightctlBinary(), socket});
+  };
+  CommandResult nested = ctl_in(parent, base + "/w.sock");
+  EXPECT_EQ(nested.code, 0) << nested.err;
+  EXPECT_EQ(nlohmann::json::parse(nested.out), nlohmann::json({{"models", nlohmann::json::array()}}));
+  CommandResult here = ctl_in(dir, "w.sock");
+  EXPECT_EQ(here.code, 0) << here.err;
+  CommandResult host = ctl_in(dir, "no-such-host.invalid:1");  // HOST:PORT stays a gRPC target
+  EXPECT_EQ(host.code, 1);
+}
+
 }  // namespace
 }  // namespace weightd

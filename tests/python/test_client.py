@@ -1,5 +1,6 @@
 """The weightd Python client against a real daemon (fixtures in conftest.py)."""
 import gc
+import pathlib
 import re
 import resource
 import signal
@@ -523,3 +524,18 @@ def test_load_with_an_unreachable_peer_falls_back_to_storage(daemon, demo_small)
     finally:
         daemon.client.unload("demo-peerless")
     assert "peer 127.0.0.1:1 did not seed 'demo-peerless' (unavailable)" in daemon.log.read_text()
+
+
+def test_a_relative_socket_path_is_a_path_not_a_host_name(daemon, monkeypatch):
+    # "DIR/weightd.sock" (a '/' and no ':') and "weightd.sock" (an existing
+    # socket file) name the daemon's socket from the directory they are
+    # relative to; before, both were dialled as DNS names.
+    sock = pathlib.Path(daemon.socket)
+    monkeypatch.chdir(sock.parent.parent)
+    assert weightd.connect(f"{sock.parent.name}/{sock.name}").list() == daemon.client.list()
+    monkeypatch.chdir(sock.parent)
+    assert weightd.connect(sock.name).list() == daemon.client.list()
+    assert weightd._client._target("node-a:7400") == "node-a:7400"
+    assert weightd._client._target("unix:///run/w.sock") == "unix:///run/w.sock"
+    assert weightd._client._target("/run/w.sock") == "unix:///run/w.sock"
+    assert weightd._client._target("d1/w.sock") == "unix:d1/w.sock"

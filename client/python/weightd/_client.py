@@ -1,5 +1,6 @@
 """Control RPCs through grpcio, attach (fd socket + native mapping) and update (fd socket + mmap)."""
 import os
+import stat
 import time
 
 import grpc
@@ -28,7 +29,18 @@ def connect(socket_path=None):
 
 
 def _target(socket_path):
-    return "unix://" + socket_path if socket_path.startswith("/") else socket_path
+    """A Unix socket path (absolute, an existing socket file, or holding a '/'
+    and no ':', such as "d1/wd.sock") as a gRPC unix: target; anything else
+    ("unix://...", "HOST:PORT") unchanged."""
+    if socket_path.startswith("/"):
+        return "unix://" + socket_path
+    try:
+        socket_file = stat.S_ISSOCK(os.stat(socket_path).st_mode)
+    except (OSError, ValueError):
+        socket_file = False
+    if socket_file or ("/" in socket_path and ":" not in socket_path):
+        return "unix:" + socket_path
+    return socket_path
 
 
 # Manifests of 100,000+ tensors exceed grpc's 4 MiB default. Reconnect
