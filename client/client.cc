@@ -505,11 +505,16 @@ absl::StatusOr<UpgradeInfo> Client::UpgradeDaemon() {
   return UpgradeInfo{response.binary(), response.daemon_instance(), response.models()};
 }
 
-absl::StatusOr<std::string> Client::DaemonInstance() {
+absl::StatusOr<Client::DaemonState> Client::Daemon() {
   grpc::ClientContext context;
   v1::ListModelsResponse response;
   WEIGHTD_RETURN_IF_ERROR(FromGrpc(impl_->stub->ListModels(&context, v1::ListModelsRequest(), &response)));
-  return response.daemon_instance();
+  return DaemonState{response.daemon_instance(), response.last_upgrade_error()};
+}
+
+absl::StatusOr<std::string> Client::DaemonInstance() {
+  WEIGHTD_ASSIGN_OR_RETURN(DaemonState state, Daemon());
+  return state.instance;
 }
 
 absl::StatusOr<LoadResult> Client::Load(const std::string& name, const std::string& checkpoint_path,

@@ -37,6 +37,9 @@ int main(int argc, char** argv) {
   if (args->help) return std::cout << weightd::DaemonUsage(), 0;
   if (args->version) return std::cout << "weightd " << WEIGHTD_VERSION << "\n", 0;
   if (args->print_config) return std::cout << weightd::ConfigToJson(args->config).dump(2) << "\n", 0;
+  if (const std::string& failed = weightd::UpgradeFallbackError(); !failed.empty()) {
+    weightd::LogError(absl::StrCat("started again on the running binary: the in-place upgrade failed: ", failed));
+  }
 
   // The binary an in-place upgrade executes: this path, taken now, is the
   // new file once a package manager has replaced it.
@@ -59,13 +62,15 @@ int main(int argc, char** argv) {
     return 1;
   }
   int sig = 0;
+  absl::StatusOr<weightd::ScopedFd> target = absl::UnavailableError("no upgrade asked");
   for (;;) {
     sigwait(&signals, &sig);
     if (sig != SIGHUP) break;
-    // SIGHUP (or UpgradeDaemon): upgrade in place, when the binary allows.
-    absl::Status ready = binary.ok() ? weightd::CheckUpgradable(*binary) : binary.status();
-    if (ready.ok()) break;
-    weightd::LogError(absl::StrCat("SIGHUP: ", ready.message(), "; still serving"));
+    // SIGHUP (or UpgradeDaemon): upgrade in place, when the binary allows;
+    // the fd checked is the fd executed.
+    target = binary.ok() ? weightd::OpenUpgradable(*binary) : binary.status();
+    if (target.ok()) break;
+    weightd::LogError(absl::StrCat("SIGHUP: ", target.status().message(), "; still serving"));
   }
   if (sig != SIGHUP) {
     weightd::LogInfo(sig == SIGTERM ? "SIGTERM: shutting down" : "SIGINT: shutting down");
@@ -77,7 +82,8 @@ int main(int argc, char** argv) {
   std::vector<weightd::NamedFd> fds = (*daemon)->Handoff();
   daemon->reset();  // the copies in `fds` keep every segment alive
   weightd::LogInfo(absl::StrCat("handing ", fds.size(), " fds to the new image"));
-  absl::Status exec = weightd::ExecUpgrade(*binary, std::vector<std::string>(argv, argv + argc), std::move(fds));
+  absl::Status exec =
+      weightd::ExecUpgrade(std::move(*target), *binary, std::vector<std::string>(argv, argv + argc), std::move(fds));
   weightd::LogError(absl::StrCat("in-place upgrade failed: ", exec.message()));
   return 1;
 }

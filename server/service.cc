@@ -11,6 +11,7 @@
 #include "server/convert.h"
 #include "server/manifest_pages.h"
 #include "server/peer_join.h"
+#include "server/upgrade.h"
 #include "server/watch_stream.h"
 
 namespace weightd {
@@ -100,6 +101,7 @@ grpc::Status WeightdService::ListModels(grpc::ServerContext*, const v1::ListMode
                                         v1::ListModelsResponse* response) {
   for (const auto& model : registry_->ListAll()) ToProto(*model, response->add_models());
   response->set_daemon_instance(DaemonInstanceId());
+  response->set_last_upgrade_error(UpgradeFallbackError());
   return grpc::Status::OK;
 }
 

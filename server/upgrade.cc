@@ -6,9 +6,14 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <elf.h>
+#include <string.h>
+
+#include <algorithm>
 #include <cstdlib>
 #include <set>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -23,21 +28,106 @@ absl::StatusOr<std::string> SelfBinaryPath() {
   char path[PATH_MAX];
   ssize_t n = readlink("/proc/self/exe", path, sizeof(path) - 1);
   if (n <= 0) return ErrnoToStatus("readlink /proc/self/exe", errno);
-  return std::string(path, static_cast<size_t>(n));
+  std::string self(path, static_cast<size_t>(n));
+  // proc(5): a running image whose file was replaced or removed reads
+  // "PATH (deleted)"; PATH is where its successor is (an image that an
+  // upgrade fell back to runs such a file).
+  constexpr absl::string_view kDeleted = " (deleted)";
+  if (absl::EndsWith(self, kDeleted)) self.resize(self.size() - kDeleted.size());
+  return self;
 }
 
-absl::Status CheckUpgradable(const std::string& binary) {
-  struct stat st {};
-  if (stat(binary.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) {
-    return absl::FailedPreconditionError(absl::StrCat("cannot upgrade in place: ", binary, " is not a regular file"));
+namespace {
+
+absl::Status NotUpgradable(const std::string& binary, absl::string_view why) {
+  return absl::FailedPreconditionError(absl::StrCat("cannot upgrade in place: ", binary, " ", why));
+}
+
+bool ReadAt(int fd, void* out, size_t n, uint64_t offset) {
+  return pread(fd, out, n, static_cast<off_t>(offset)) == static_cast<ssize_t>(n);
+}
+
+// The ELF header of the running image, read once: what a new binary must match.
+const Elf64_Ehdr* SelfHeader() {
+  static const Elf64_Ehdr* self = [] {
+    auto* header = new Elf64_Ehdr{};
+    ScopedFd fd(open("/proc/self/exe", O_RDONLY | O_CLOEXEC));
+    if (!fd.valid() || !ReadAt(fd.get(), header, sizeof *header, 0)) {
+      delete header;
+      return static_cast<Elf64_Ehdr*>(nullptr);
+    }
+    return header;
+  }();
+  return self;
+}
+
+// The rules of elf(5) that decide whether execve(2) of this file can start:
+// see OpenUpgradable.
+absl::Status CheckElf(int fd, const std::string& binary, uint64_t size) {
+  constexpr size_t kMaxProgramHeaders = 256;
+  constexpr size_t kMaxInterpBytes = 4096;
+  Elf64_Ehdr header{};
+  if (size < sizeof header || !ReadAt(fd, &header, sizeof header, 0) ||
+      memcmp(header.e_ident, ELFMAG, SELFMAG) != 0) {
+    return NotUpgradable(binary, "is not an ELF executable (execve(2) would fail with ENOEXEC)");
   }
-  if (access(binary.c_str(), X_OK) != 0) {
-    return absl::FailedPreconditionError(absl::StrCat("cannot upgrade in place: ", binary, " is not executable"));
+  const Elf64_Ehdr* self = SelfHeader();
+  if (self == nullptr) return NotUpgradable(binary, "cannot be compared with the running image (/proc/self/exe)");
+  if (header.e_ident[EI_CLASS] != self->e_ident[EI_CLASS] || header.e_ident[EI_DATA] != self->e_ident[EI_DATA] ||
+      header.e_machine != self->e_machine) {
+    return NotUpgradable(binary, absl::StrCat("is an ELF file for another machine (class ", header.e_ident[EI_CLASS],
+                                              ", byte order ", header.e_ident[EI_DATA], ", e_machine ",
+                                              header.e_machine, "; this one runs e_machine ", self->e_machine, ")"));
   }
+  if (header.e_type != ET_EXEC && header.e_type != ET_DYN) {
+    return NotUpgradable(binary, absl::StrCat("is an ELF file of type ", header.e_type, ", not an executable"));
+  }
+  if (header.e_phentsize != sizeof(Elf64_Phdr) || header.e_phnum == 0 || header.e_phnum > kMaxProgramHeaders ||
+      header.e_phoff > size || (size - header.e_phoff) / sizeof(Elf64_Phdr) < header.e_phnum) {
+    return NotUpgradable(binary, "has no valid program header table within the file (truncated?)");
+  }
+  std::vector<Elf64_Phdr> headers(header.e_phnum);
+  if (!ReadAt(fd, headers.data(), headers.size() * sizeof(Elf64_Phdr), header.e_phoff)) {
+    return NotUpgradable(binary, "has a program header table that cannot be read");
+  }
+  bool loads = false;
+  for (const Elf64_Phdr& ph : headers) {
+    if (ph.p_type != PT_LOAD && ph.p_type != PT_INTERP) continue;
+    if (ph.p_offset > size || ph.p_filesz > size - ph.p_offset) {
+      return NotUpgradable(binary, absl::StrCat("is truncated: a segment ends at byte ", ph.p_offset + ph.p_filesz,
+                                                " of a ", size, "-byte file"));
+    }
+    loads = loads || ph.p_type == PT_LOAD;
+    if (ph.p_type != PT_INTERP) continue;
+    std::string interp(std::min<uint64_t>(ph.p_filesz, kMaxInterpBytes), '\0');
+    if (!ReadAt(fd, interp.data(), interp.size(), ph.p_offset)) return NotUpgradable(binary, "has an unreadable PT_INTERP");
+    interp.resize(strnlen(interp.c_str(), interp.size()));
+    if (interp.empty() || access(interp.c_str(), X_OK) != 0) {
+      return NotUpgradable(binary, absl::StrCat("needs the loader ", ElideName(interp), ", which is not executable here"));
+    }
+  }
+  if (!loads) return NotUpgradable(binary, "has no loadable segment");
   return absl::OkStatus();
 }
 
-absl::Status ExecUpgrade(const std::string& binary, const std::vector<std::string>& argv, std::vector<NamedFd> fds) {
+}  // namespace
+
+absl::StatusOr<ScopedFd> OpenUpgradable(const std::string& binary) {
+  ScopedFd fd(open(binary.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!fd.valid()) return NotUpgradable(binary, absl::StrCat("cannot be opened: ", strerror(errno)));
+  struct stat st {};
+  if (fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode)) return NotUpgradable(binary, "is not a regular file");
+  // access(2) on the path checks what exec(2) checks: the mode for this
+  // process's ids, and a noexec mount.
+  if (access(binary.c_str(), X_OK) != 0) return NotUpgradable(binary, "is not executable");
+  WEIGHTD_RETURN_IF_ERROR(CheckElf(fd.get(), binary, static_cast<uint64_t>(st.st_size)));
+  return fd;
+}
+
+absl::Status CheckUpgradable(const std::string& binary) { return OpenUpgradable(binary).status(); }
+
+absl::Status ExecUpgrade(ScopedFd binary_fd, const std::string& binary, const std::vector<std::string>& argv,
+                         std::vector<NamedFd> fds) {
   std::string list;
   for (const NamedFd& f : fds) {
     if (!f.fd.valid()) continue;
@@ -51,16 +141,38 @@ absl::Status ExecUpgrade(const std::string& binary, const std::vector<std::strin
   if (fcntl(list_fd->get(), F_SETFD, 0) != 0) return ErrnoToStatus("clear FD_CLOEXEC", errno);
   std::vector<std::string> env;
   for (char** e = environ; *e != nullptr; ++e) {
-    if (std::string(*e).rfind(absl::StrCat(kHandoffEnv, "="), 0) != 0) env.push_back(*e);
+    absl::string_view var(*e);
+    if (!absl::StartsWith(var, absl::StrCat(kHandoffEnv, "=")) && !absl::StartsWith(var, absl::StrCat(kUpgradeErrorEnv, "="))) {
+      env.emplace_back(var);
+    }
   }
   env.push_back(absl::StrCat(kHandoffEnv, "=", list_fd->get()));
-  std::vector<char*> cargv, cenv;
-  for (const std::string& a : argv) cargv.push_back(const_cast<char*>(a.c_str()));
-  cargv.push_back(nullptr);
-  for (const std::string& e : env) cenv.push_back(const_cast<char*>(e.c_str()));
-  cenv.push_back(nullptr);
-  execve(binary.c_str(), cargv.data(), cenv.data());
-  return ErrnoToStatus(absl::StrCat("execve ", binary), errno);  // the copies close with `fds`
+  auto exec = [&](int fd, const char* path) {
+    std::vector<char*> cargv, cenv;
+    for (const std::string& a : argv) cargv.push_back(const_cast<char*>(a.c_str()));
+    cargv.push_back(nullptr);
+    for (const std::string& e : env) cenv.push_back(const_cast<char*>(e.c_str()));
+    cenv.push_back(nullptr);
+    if (fd >= 0) return fexecve(fd, cargv.data(), cenv.data());
+    return execve(path, cargv.data(), cenv.data());
+  };
+  exec(binary_fd.get(), nullptr);
+  std::string failure = CapMessage(absl::StrCat("execve ", binary, ": ", strerror(errno)), kMaxUpgradeErrorBytes);
+  LogError(absl::StrCat("in-place upgrade failed: ", failure,
+                        "; executing the running image (/proc/self/exe) again so that every model keeps being served"));
+  env.push_back(absl::StrCat(kUpgradeErrorEnv, "=", failure));
+  exec(-1, "/proc/self/exe");
+  return ErrnoToStatus(absl::StrCat(failure, "; and execve /proc/self/exe"), errno);  // the copies close with `fds`
+}
+
+const std::string& UpgradeFallbackError() {
+  static const std::string* error = [] {
+    const char* value = std::getenv(kUpgradeErrorEnv);
+    auto* taken = new std::string(value == nullptr ? "" : CapMessage(value, kMaxUpgradeErrorBytes));
+    unsetenv(kUpgradeErrorEnv);
+    return taken;
+  }();
+  return *error;
 }
 
 std::optional<std::vector<NamedFd>> TakeHandoffFds() {

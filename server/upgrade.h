@@ -32,13 +32,40 @@ inline constexpr size_t kMaxHandoffFds = 1 << 20;
 // manager has replaced the file.
 absl::StatusOr<std::string> SelfBinaryPath();
 
-// OK when `binary` is a regular file this process may execute; otherwise
-// FAILED_PRECONDITION naming it. Checked before the daemon stops serving.
+// Set in the environment of an image that an in-place upgrade fell back to.
+inline constexpr char kUpgradeErrorEnv[] = "WEIGHTD_UPGRADE_ERROR";
+inline constexpr size_t kMaxUpgradeErrorBytes = 1024;
+
+// `binary` opened once (O_RDONLY) and checked before the daemon stops
+// serving, so that what stops it is only a binary this machine can run; the
+// upgrade then executes this fd (fexecve), so the file checked is the file
+// executed even if the path is replaced in between. FAILED_PRECONDITION
+// naming `binary` and the rule broken: not a regular file; not executable
+// by this process; not an ELF executable (a script, a text file: execve(2)
+// would fail with ENOEXEC after the daemon stopped); another ELF class, byte
+// order or machine than the running image (elf(5): e_ident, e_machine); a
+// program header table or a PT_LOAD segment past the end of the file (a
+// truncated copy); a PT_INTERP loader that is missing or not executable.
+absl::StatusOr<ScopedFd> OpenUpgradable(const std::string& binary);
+// OpenUpgradable, the fd closed: for a caller that only reports.
 absl::Status CheckUpgradable(const std::string& binary);
 
-// Hands `fds` to a new image of `binary` with `argv` (argv[0] included).
-// Returns only on failure.
-absl::Status ExecUpgrade(const std::string& binary, const std::vector<std::string>& argv, std::vector<NamedFd> fds);
+// Hands `fds` to a new image executed from `binary_fd` (OpenUpgradable of
+// `binary`) with `argv` (argv[0] included). When that exec fails all the
+// same (ETXTBSY: the file is still open for writing, E2BIG, ENOMEM, ...),
+// re-executes the running image (/proc/self/exe: the inode this process
+// runs, even when the path now names another file) with the same fds and
+// kUpgradeErrorEnv saying why, so the daemon comes back serving every model
+// on its old binary and reports the failure (UpgradeFallbackError). Returns
+// only when both execs fail.
+absl::Status ExecUpgrade(ScopedFd binary_fd, const std::string& binary, const std::vector<std::string>& argv,
+                         std::vector<NamedFd> fds);
+
+// Why the in-place upgrade that started this image fell back to the old
+// binary; "" when this image is not such a fallback. Taken from
+// kUpgradeErrorEnv (which it unsets, capped at kMaxUpgradeErrorBytes) on the
+// first call; main() calls it first thing. Thread-safe.
+const std::string& UpgradeFallbackError();
 
 // The new image's side: the fds of WEIGHTD_HANDOFF_FD (which it unsets),
 // made close-on-exec; std::nullopt when the variable is not set. A list

@@ -22,16 +22,24 @@ int RunUpgrade(const Args& args, Context& ctx) {
   // Back when another instance answers; until then calls fail (UNAVAILABLE)
   // and the client reconnects on the next one.
   auto deadline = start + std::chrono::duration<double>(args.Number("--timeout"));
-  absl::StatusOr<std::string> instance = absl::UnavailableError("not asked yet");
+  absl::StatusOr<Client::DaemonState> state = absl::UnavailableError("not asked yet");
   while (std::chrono::steady_clock::now() < deadline) {
-    instance = (*client)->DaemonInstance();
-    if (instance.ok() && *instance != started->daemon_instance) break;
+    state = (*client)->Daemon();
+    if (state.ok() && state->instance != started->daemon_instance) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  if (!instance.ok() || *instance == started->daemon_instance) {
+  if (!state.ok() || state->instance == started->daemon_instance) {
     return ReportError(absl::DeadlineExceededError(absl::StrFormat(
                            "the daemon did not come back within %.0f s of the upgrade to %s (see its log)",
                            args.Number("--timeout"), started->binary)),
+                       ctx.err);
+  }
+  const std::string* instance = &state->instance;
+  if (!state->last_upgrade_error.empty()) {
+    // Back, but on the old binary: the upgrade itself did not happen.
+    return ReportError(absl::AbortedError(absl::StrCat("the upgrade to ", started->binary, " failed (",
+                                                       state->last_upgrade_error,
+                                                       "); the daemon is serving again on its running binary")),
                        ctx.err);
   }
   double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

@@ -378,6 +378,13 @@ class Client {
   // The daemon's instance: random per daemon process image, so it changes
   // when the daemon restarts or upgrades (its leases are then gone).
   absl::StatusOr<std::string> DaemonInstance();
+  // DaemonInstance() and, when this image is the fallback of an in-place
+  // upgrade whose new binary could not be executed, why (else "").
+  struct DaemonState {
+    std::string instance;
+    std::string last_upgrade_error;
+  };
+  absl::StatusOr<DaemonState> Daemon();
 
   struct Impl;
 
