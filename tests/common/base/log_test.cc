@@ -5,15 +5,32 @@
 namespace weightd {
 namespace {
 
-TEST(EscapeControlBytes, WritesNewlineEscAndDelAsHex) {
-  EXPECT_EQ(EscapeControlBytes("a\nb\x1b[31mc\x7f"), "a\\x0ab\\x1b[31mc\\x7f");
-  EXPECT_EQ(EscapeControlBytes(std::string("nul\0end", 7)), "nul\\x00end");
-  EXPECT_EQ(EscapeControlBytes("tab\there\r"), "tab\\x09here\\x0d");
+TEST(EscapeForLog, WritesAsciiControlBytesAsHex) {
+  EXPECT_EQ(EscapeForLog("a\nb\x1b[31mc\x7f"), "a\\x0ab\\x1b[31mc\\x7f");
+  EXPECT_EQ(EscapeForLog(std::string("nul\0end", 7)), "nul\\x00end");
+  EXPECT_EQ(EscapeForLog("tab\there\r"), "tab\\x09here\\x0d");
 }
 
-TEST(EscapeControlBytes, KeepsPrintableAsciiAndUtf8) {
-  EXPECT_EQ(EscapeControlBytes("load of 'llama' from /models/ллама…: ok ~"), "load of 'llama' from /models/ллама…: ok ~");
-  EXPECT_EQ(EscapeControlBytes(""), "");
+TEST(EscapeForLog, ABackslashCannotImitateAnEscape) {
+  EXPECT_EQ(EscapeForLog("a\\x0ab"), "a\\\\x0ab");  // typed by a client: not a newline
+}
+
+TEST(EscapeForLog, C1ControlsAndBidiOverridesAreWrittenAsCodePoints) {
+  EXPECT_EQ(EscapeForLog("csi\xc2\x9b" "2J"), "csi\\u{009b}2J");             // U+009B, a terminal's CSI
+  EXPECT_EQ(EscapeForLog("gpj.\xe2\x80\xae" "exe"), "gpj.\\u{202e}exe");        // U+202E RIGHT-TO-LEFT OVERRIDE
+  EXPECT_EQ(EscapeForLog("\xe2\x81\xa6x\xe2\x81\xa9"), "\\u{2066}x\\u{2069}");  // isolates
+}
+
+TEST(EscapeForLog, InvalidUtf8BytesAreWrittenAsHex) {
+  EXPECT_EQ(EscapeForLog("a\xff" "b"), "a\\xffb");
+  EXPECT_EQ(EscapeForLog("\xc0\xaf"), "\\xc0\\xaf");          // an overlong '/'
+  EXPECT_EQ(EscapeForLog("\xed\xa0\x80"), "\\xed\\xa0\\x80");  // a surrogate
+  EXPECT_EQ(EscapeForLog("cut\xe2\x80"), "cut\\xe2\\x80");     // a sequence cut short
+}
+
+TEST(EscapeForLog, KeepsPrintableAsciiAndUtf8) {
+  EXPECT_EQ(EscapeForLog("load of 'llama' from /models/ллама…: ok ~ 🦙"), "load of 'llama' from /models/ллама…: ok ~ 🦙");
+  EXPECT_EQ(EscapeForLog(""), "");
 }
 
 }  // namespace
