@@ -1,8 +1,9 @@
 #include "weightd/client.h"
 
 #include <grpcpp/grpcpp.h>
+#include <limits.h>
 #include <sys/mman.h>
-#include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
@@ -104,17 +105,18 @@ SegmentInfo FromProto(const v1::SegmentDescriptor& s) {
           s.ipc_handle(), s.export_kind() == v1::SegmentDescriptor::EXPORT_FD};
 }
 
-// A target is a Unix socket path when it is absolute, names an existing
-// socket file, or holds a '/' and no ':' ("d1/wd.sock"); anything else is
-// a gRPC target ("unix://...", "HOST:PORT", "dns:///host:port"). gRPC takes
-// "unix:RELATIVE" relative to the working directory.
+// A target is a Unix socket path when it is absolute or holds no ':'
+// ("w.sock", "d1/w.sock", "./w.sock"), made absolute against the working
+// directory once, at Connect, so a later chdir or a reconnect cannot change
+// which socket it names; anything else is a gRPC target ("unix://...",
+// "HOST:PORT", "dns:///host:port"). A relative path with a ':' needs
+// "unix:" before it.
 std::string NormalizeTarget(const std::string& target) {
-  if (target.empty()) return target;
+  if (target.empty() || (target[0] != '/' && target.find(':') != std::string::npos)) return target;
   if (target[0] == '/') return "unix://" + target;
-  struct stat st {};
-  bool socket_file = stat(target.c_str(), &st) == 0 && S_ISSOCK(st.st_mode);
-  bool path_like = target.find('/') != std::string::npos && target.find(':') == std::string::npos;
-  return socket_file || path_like ? "unix:" + target : target;
+  char cwd[PATH_MAX];
+  if (getcwd(cwd, sizeof cwd) == nullptr) return "unix:" + target;  // relative to the directory then
+  return absl::StrCat("unix://", cwd, "/", target);
 }
 
 // Insecure without a CA; TLS with one; mutual TLS with a certificate and key.
@@ -468,7 +470,7 @@ struct Client::Impl {
     args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
     args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
     auto s = std::make_shared<ClientStubs>();
-    s->channel = grpc::CreateCustomChannel(NormalizeTarget(target), credentials, args);
+    s->channel = grpc::CreateCustomChannel(target, credentials, args);
     s->weightd = v1::Weightd::NewStub(s->channel);
     s->health = grpc::health::v1::Health::NewStub(s->channel);
     return s;
@@ -489,7 +491,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& targe
   if (target.empty()) return absl::InvalidArgumentError("empty daemon target");
   WEIGHTD_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials, ChannelCredentials(options));
   auto impl = std::make_unique<Impl>();
-  impl->target = target;
+  impl->target = NormalizeTarget(target);
   impl->credentials = std::move(credentials);
   {
     absl::MutexLock lock(&impl->mu);

@@ -35,10 +35,10 @@ TEST(WeightctlE2E, SocketFlagWinsOverTheEnvironment) {
   EXPECT_NE(r.err.find(nowhere + ": No such file or directory"), std::string::npos) << r.err;
 }
 
-// A relative socket path is a path, not a DNS name: "DIR/w.sock" (a '/' and
-// no ':') and "w.sock" (an existing socket file) both reach the daemon from
-// the directory they are relative to. Before, both were resolved as host
-// names and failed with a DNS error.
+// A relative socket path is a path, not a DNS name: "DIR/w.sock" and
+// "w.sock" (no ':') reach the daemon from the directory they are relative
+// to, and a missing one says so. Before, both were resolved as host names
+// and failed with a DNS error.
 TEST(WeightctlE2E, ARelativeSocketPathIsAPath) {
   testing::DaemonProcess d;
   std::string dir = d.dir().path();
@@ -53,8 +53,12 @@ TEST(WeightctlE2E, ARelativeSocketPathIsAPath) {
   EXPECT_EQ(nlohmann::json::parse(nested.out), nlohmann::json({{"models", nlohmann::json::array()}}));
   CommandResult here = ctl_in(dir, "w.sock");
   EXPECT_EQ(here.code, 0) << here.err;
-  CommandResult host = ctl_in(dir, "no-such-host.invalid:1");  // HOST:PORT stays a gRPC target
-  EXPECT_EQ(host.code, 1);
+  CommandResult missing = ctl_in(dir, "nosuch.sock");
+  EXPECT_EQ(missing.code, 1);
+  EXPECT_NE(missing.err.find(dir + "/nosuch.sock: No such file or directory"), std::string::npos) << missing.err;
+  CommandResult tcp = ctl_in(dir, "127.0.0.1:1");  // HOST:PORT stays a TCP target
+  EXPECT_EQ(tcp.code, 1);
+  EXPECT_NE(tcp.err.find("ipv4:127.0.0.1:1"), std::string::npos) << tcp.err;
 }
 
 }  // namespace

@@ -527,9 +527,9 @@ def test_load_with_an_unreachable_peer_falls_back_to_storage(daemon, demo_small)
 
 
 def test_a_relative_socket_path_is_a_path_not_a_host_name(daemon, monkeypatch):
-    # "DIR/weightd.sock" (a '/' and no ':') and "weightd.sock" (an existing
-    # socket file) name the daemon's socket from the directory they are
-    # relative to; before, both were dialled as DNS names.
+    # "DIR/weightd.sock" and "weightd.sock" (no ':') name the daemon's socket
+    # from the directory they are relative to; before, both were dialled as
+    # DNS names.
     sock = pathlib.Path(daemon.socket)
     monkeypatch.chdir(sock.parent.parent)
     assert weightd.connect(f"{sock.parent.name}/{sock.name}").list() == daemon.client.list()
@@ -538,4 +538,7 @@ def test_a_relative_socket_path_is_a_path_not_a_host_name(daemon, monkeypatch):
     assert weightd._client._target("node-a:7400") == "node-a:7400"
     assert weightd._client._target("unix:///run/w.sock") == "unix:///run/w.sock"
     assert weightd._client._target("/run/w.sock") == "unix:///run/w.sock"
-    assert weightd._client._target("d1/w.sock") == "unix:d1/w.sock"
+    assert weightd._client._target("d1/w.sock") == "unix://" + str(sock.parent / "d1/w.sock")
+    client = weightd.connect(sock.name)
+    monkeypatch.chdir("/")  # resolved once, at connect
+    assert client.list() == daemon.client.list()

@@ -320,8 +320,9 @@ class Updater {
 
 class Client {
  public:
-  // `target`: "unix:///run/weightd/weightd.sock", a plain socket path, or
-  // "HOST:PORT". Does not block; the first call reports an unreachable daemon
+  // `target`: "unix:///run/weightd/weightd.sock", a socket path (absolute,
+  // or any value without ':', such as "d1/wd.sock", taken relative to the
+  // working directory at this call), or "HOST:PORT". Does not block; the first call reports an unreachable daemon
   // (or a refused TLS handshake) as UNAVAILABLE. INVALID_ARGUMENT/NOT_FOUND
   // for bad `options` (a certificate without its key, an unreadable file).
   static absl::StatusOr<std::unique_ptr<Client>> Connect(const std::string& target,

@@ -1,6 +1,5 @@
 """Control RPCs through grpcio, attach (fd socket + native mapping) and update (fd socket + mmap)."""
 import os
-import stat
 import time
 
 import grpc
@@ -22,25 +21,21 @@ def connect(socket_path=None):
     """A Client for the daemon at `socket_path`.
 
     Default: $WEIGHTD_SOCKET, then /run/weightd/weightd.sock. Accepts a
-    socket path, "unix://PATH" or "HOST:PORT". Does not block: the first call
+    socket path (absolute, or any value without ':', taken relative to the
+    working directory now), "unix://PATH" or "HOST:PORT". Does not block: the first call
     reports an unreachable daemon (WeightdError with code UNAVAILABLE).
     """
     return Client(socket_path or os.environ.get("WEIGHTD_SOCKET") or DEFAULT_SOCKET)
 
 
 def _target(socket_path):
-    """A Unix socket path (absolute, an existing socket file, or holding a '/'
-    and no ':', such as "d1/wd.sock") as a gRPC unix: target; anything else
-    ("unix://...", "HOST:PORT") unchanged."""
-    if socket_path.startswith("/"):
-        return "unix://" + socket_path
-    try:
-        socket_file = stat.S_ISSOCK(os.stat(socket_path).st_mode)
-    except (OSError, ValueError):
-        socket_file = False
-    if socket_file or ("/" in socket_path and ":" not in socket_path):
-        return "unix:" + socket_path
-    return socket_path
+    """A Unix socket path (absolute, or any value without ':', such as
+    "d1/wd.sock", made absolute against the working directory now) as a
+    gRPC unix:// target; anything else ("unix://...", "HOST:PORT")
+    unchanged. A relative path with a ':' needs "unix:" before it."""
+    if ":" in socket_path and not socket_path.startswith("/"):
+        return socket_path
+    return "unix://" + os.path.abspath(socket_path)
 
 
 # Manifests of 100,000+ tensors exceed grpc's 4 MiB default. Reconnect
