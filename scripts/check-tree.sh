@@ -15,8 +15,15 @@ if [ -f scripts/large-files.allow ]; then
     [ -n "$line" ] && allow+=("$line")
   done < scripts/large-files.allow
 fi
+files="$(mktemp)"
+trap 'rm -f "$files"' EXIT
+if ! git ls-files -z >"$files"; then
+  echo "check-tree: git ls-files failed in $repo: cannot tell what is tracked" >&2
+  exit 2
+fi
 bad=0
 while IFS= read -r -d '' path; do
+  [ -L "$path" ] && continue  # a symlink's target is checked where it is tracked
   [ -f "$path" ] || continue
   head4="$(head -c 4 -- "$path" | od -An -tx1 | tr -d ' \n')"
   if [ "$head4" = "7f454c46" ]; then
@@ -24,7 +31,7 @@ while IFS= read -r -d '' path; do
     bad=1
     continue
   fi
-  if [ -x "$path" ] && ! grep -qI . -- "$path" && [ -s "$path" ]; then
+  if [ -x "$path" ] && [ -s "$path" ] && ! grep -qI '' -- "$path"; then
     echo "check-tree: $path: an executable binary file is tracked in git" >&2
     bad=1
     continue
@@ -38,6 +45,6 @@ while IFS= read -r -d '' path; do
       bad=1
     fi
   fi
-done < <(git ls-files -z)
+done <"$files"
 if [ "$bad" -ne 0 ]; then exit 1; fi
-echo "check-tree: $(git ls-files | wc -l) tracked files: no binaries, none over 1 MiB"
+echo "check-tree: $(tr -cd '\0' <"$files" | wc -c) tracked files: no binaries, none over 1 MiB"
