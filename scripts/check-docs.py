@@ -526,7 +526,9 @@ def ScrapeFreshDaemon(weightd, weightctl):
             preexec_fn=DiePdeathsig)
         url = WaitForMetricsUrl(proc)
         Run([weightctl, "--socket", sock, "ls"])
-        body = urllib.request.urlopen(url, timeout=10).read().decode()
+        # Loopback only: never through an http_proxy the environment names.
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        body = opener.open(url, timeout=10).read().decode()
         return ExportedNames(body)
     finally:
         if proc is not None:
@@ -632,8 +634,8 @@ class Package:
                 if not (e.name == name or name.startswith(e.name + ".")):  # a dependency is missing
                     self.notes.append(f"{name}: read from source ({e})")
                     return None, parts[n:]
-            except ImportError as e:
-                self.notes.append(f"{name}: read from source ({e})")
+            except Exception as e:  # ImportError, or a dependency failing as it loads (torch: RuntimeError, OSError)
+                self.notes.append(f"{name}: read from source ({type(e).__name__}: {e})")
                 return None, parts[n:]
         self.notes.append(f"{parts[0]}: not importable from {sys.path[0]}, read from source")
         return None, parts
