@@ -204,18 +204,22 @@ TEST(OpsMetrics, EveryRefusedLoadIsOneLogLineAndOneCountedReason) {
   EXPECT_EQ(SampleValue(scrape, R"(weightd_checkpoint_errors_total{reason="invalid_request"})"), 1);
   EXPECT_EQ(SampleValue(scrape, R"(weightd_checkpoint_errors_total{reason="invalid_checkpoint"})"), 0);
   std::string log = o.d().process().Stderr();
-  EXPECT_NE(log.find("WARN  load of 'gone' from missing.safetensors failed: missing.safetensors: no such checkpoint "
-                     "file or folder\n"),
-            std::string::npos)
+  auto count = [&](const std::string& needle) {
+    size_t n = 0;
+    for (size_t at = log.find(needle); at != std::string::npos; at = log.find(needle, at + 1)) ++n;
+    return n;
+  };
+  EXPECT_EQ(count("WARN  load of 'gone' from missing.safetensors failed: missing.safetensors: no such checkpoint "
+                  "file or folder\n"),
+            1u)
       << log;
-  EXPECT_NE(log.find("WARN  load of 'etc' from /etc failed: /etc: resolves to /etc, outside every --model-root"),
-            std::string::npos)
+  EXPECT_EQ(count("WARN  load of 'etc' from /etc failed: /etc: resolves to /etc, outside every --model-root"), 1u)
       << log;
   // The hostile name is one line, its control bytes escaped, in the log.
-  EXPECT_NE(log.find("WARN  load of 'bad\\x0aname\\x1b[2J' from m.safetensors failed: model name 'bad\\x0aname"),
-            std::string::npos)
+  EXPECT_EQ(count("WARN  load of 'bad\\x0aname\\x1b[2J' from m.safetensors failed: model name 'bad\\x0aname"), 1u)
       << log;
-  EXPECT_EQ(log.find("\x1b"), std::string::npos);
+  EXPECT_EQ(count("\x1b"), 0u);
+  EXPECT_EQ(count("WARN  load of "), 3u) << log;
 }
 
 // With no --model-root every load is refused, and each is still logged and

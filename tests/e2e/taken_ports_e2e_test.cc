@@ -8,7 +8,9 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <ostream>
+#include <thread>
 #include <string>
 #include <vector>
 
@@ -73,7 +75,13 @@ TEST_P(TakenPort, ASecondDaemonRefusesToStartAndTheFirstAnswersAlone) {
   ASSERT_GT(port, 0) << first.process().Stderr();
   std::string taken = absl::StrCat("127.0.0.1:", port);
 
-  DaemonProcess second(args(taken));  // returns once it answers or exits
+  // Its Unix socket may answer for a moment before the TCP listeners start:
+  // the refusal is the exit within 10 s.
+  DaemonProcess second(args(taken));
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (second.process().Running() && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
   bool started = second.process().Running();
   if (started) second.process().Signal(SIGKILL);
   ASSERT_FALSE(started) << "a second daemon started on the taken port " << taken << ":\n" << second.process().Stderr();
