@@ -150,7 +150,8 @@ std::string BoundAddress(const std::string& address, int port) {
 
 class DaemonImpl final : public Daemon {
  public:
-  explicit DaemonImpl(const DaemonConfig& config) : config_(config), binary_(SelfBinaryPath()) {
+  DaemonImpl(const DaemonConfig& config, std::vector<NamedFd> inherited)
+      : config_(config), binary_(SelfBinaryPath()), inherited_(std::move(inherited)) {
     listeners_.Add(&listener_);
     fd_store_ = std::make_unique<FdStoreKeeper>(MakeSystemdFdStore());
     listeners_.Add(fd_store_.get());
@@ -283,7 +284,7 @@ class DaemonImpl final : public Daemon {
   // in-place upgrade handed over), before any socket answers: a client never
   // sees a restored model missing. See server/restore.h.
   void Restore() {
-    std::vector<NamedFd> fds = TakeListenFds();
+    std::vector<NamedFd> fds = std::move(inherited_);
     if (fds.empty()) return;
     auto start = std::chrono::steady_clock::now();
     size_t passed = fds.size();
@@ -465,6 +466,7 @@ class DaemonImpl final : public Daemon {
   std::unique_ptr<PeerSeed> peer_seed_;
   std::unique_ptr<PeerListener> peer_listener_;  // destroyed first: its sessions use the seed, registry, transport
   std::thread preload_thread_, self_check_thread_;
+  std::vector<NamedFd> inherited_;  // the fds passed at start, until Restore() takes them
   absl::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::atomic<bool> shut_down_{false};
@@ -472,8 +474,8 @@ class DaemonImpl final : public Daemon {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config) {
-  auto daemon = std::make_unique<DaemonImpl>(config);
+absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config, std::vector<NamedFd> inherited) {
+  auto daemon = std::make_unique<DaemonImpl>(config, std::move(inherited));
   if (absl::Status started = daemon->Init(); !started.ok()) return started;
   return daemon;
 }

@@ -19,7 +19,10 @@ class Daemon {
  public:
   // Listens on every configured socket, sends READY=1 to systemd (when
   // NOTIFY_SOCKET is set), then starts the preloads in the background.
-  static absl::StatusOr<std::unique_ptr<Daemon>> Start(const DaemonConfig& config);
+  // `inherited`: the fds passed at start (TakeListenFds, taken first thing
+  // in main()), restored before any socket answers.
+  static absl::StatusOr<std::unique_ptr<Daemon>> Start(const DaemonConfig& config,
+                                                       std::vector<NamedFd> inherited = {});
   virtual ~Daemon() = default;
   // Stops accepting, lets in-flight calls finish (up to 10 s), ends leases.
   virtual void Shutdown() = 0;

@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <set>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/base/log.h"
@@ -57,12 +58,47 @@ std::unique_ptr<FdStoreSink> MakeSystemdFdStore() {
   return std::make_unique<SystemdFdStore>();
 }
 
+std::string InheritedFdProblem(int fd, const std::string& name) {
+  struct stat st {};
+  if (fstat(fd, &st) != 0) return "it is not open";
+  if (S_ISSOCK(st.st_mode) || S_ISDIR(st.st_mode) || S_ISFIFO(st.st_mode)) {
+    return "it is a socket, directory or FIFO, not a memory segment";
+  }
+  if (absl::StartsWith(name, "wd-rec-")) {
+    constexpr int kSealed = F_SEAL_WRITE | F_SEAL_SHRINK | F_SEAL_GROW;
+    int seals = fcntl(fd, F_GET_SEALS);
+    if (seals < 0 || (seals & kSealed) != kSealed) return "a state record must be a memfd sealed against writes";
+  }
+  return "";
+}
+
+// Keeps the fds that are what their names claim; closes the others (those
+// that are open) with one log line each.
+static std::vector<NamedFd> KeepGenuine(std::vector<NamedFd> fds, const std::string& source) {
+  std::vector<NamedFd> kept;
+  for (NamedFd& f : fds) {
+    std::string problem = InheritedFdProblem(f.fd.get(), f.name);
+    if (problem.empty()) {
+      kept.push_back(std::move(f));
+      continue;
+    }
+    LogWarning(absl::StrCat(source, " names fd ", f.fd.get(), " (", ElideName(f.name), "), refused: ", problem));
+    if (problem == "it is not open") (void)f.fd.Release();  // nothing to close: the number may be reused later
+  }
+  return kept;
+}
+
 std::vector<NamedFd> TakeListenFds() {
   std::optional<std::vector<NamedFd>> handed = TakeHandoffFds();
-  if (handed && !handed->empty()) return std::move(*handed);  // else: what the service manager passed, if anything
+  if (handed && !handed->empty()) return KeepGenuine(std::move(*handed), kHandoffEnv);
   char** names = nullptr;
   int n = sd_listen_fds_with_names(/*unset_environment=*/1, &names);
   std::vector<NamedFd> fds;
+  if (n == -EBADF) {  // sd_listen_fds(3) could not mark one of them close-on-exec
+    LogWarning(absl::StrCat("LISTEN_FDS names fds from ", SD_LISTEN_FDS_START,
+                            " on that were not passed (not open): nothing adopted"));
+    return fds;
+  }
   if (n < 0) {
     LogWarning(absl::StrCat("cannot read the fds passed at start (LISTEN_FDS): ", ErrnoToStatus("sd_listen_fds", -n).message()));
     return fds;
@@ -76,7 +112,7 @@ std::vector<NamedFd> TakeListenFds() {
     for (int i = 0; i < n; ++i) std::free(names[i]);
     std::free(names);
   }
-  return fds;
+  return KeepGenuine(std::move(fds), "LISTEN_FDS");
 }
 
 absl::StatusOr<ScopedFd> SealedMemfd(const std::string& model, const std::string& bytes) {

@@ -64,7 +64,21 @@ struct NamedFd {
 // upgrade's (WEIGHTD_HANDOFF_FD, server/upgrade.h), else the service
 // manager's (sd_listen_fds_with_names(3): LISTEN_PID must be this process;
 // LISTEN_* are then unset). Empty when none were passed.
+//
+// Both name fd *numbers*, so main() calls this first, before the process
+// opens anything: taken later, a number such as LISTEN_FDS=2's fd 4 could be
+// one of the daemon's own (a socket lock), which restore would then adopt
+// and close. Each fd is checked to be what its name claims, and refused
+// (closed unless it is not open, one log line each) otherwise: a state
+// record ("wd-rec-*") must be a memfd sealed against writes, shrinking and
+// growing; a segment ("wd-seg-*": a host memfd or an exported device arena)
+// must be open and neither a socket, a directory nor a FIFO. Restore checks
+// each record and segment in full later (server/restore.h).
 std::vector<NamedFd> TakeListenFds();
+
+// Why `fd`, passed as `name`, is not what its name claims (see
+// TakeListenFds); "" when it is.
+std::string InheritedFdProblem(int fd, const std::string& name);
 
 // Keeps the store in step with the registry (a RegistryListener). The sink
 // may be null: the keeper still knows what an upgrade must hand on.

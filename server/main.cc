@@ -8,6 +8,7 @@
 #include "common/base/log.h"
 #include "server/config.h"
 #include "server/daemon.h"
+#include "server/fd_store.h"
 #include "server/upgrade.h"
 
 namespace {
@@ -29,6 +30,9 @@ void RaiseFdLimit() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Before anything is opened: LISTEN_FDS and WEIGHTD_HANDOFF_FD name fd
+  // numbers, and only now can every such number be nothing but inherited.
+  std::vector<weightd::NamedFd> inherited = weightd::TakeListenFds();
   absl::StatusOr<weightd::ParsedArgs> args = weightd::ParseDaemonArgs(std::vector<std::string>(argv + 1, argv + argc));
   if (!args.ok()) {
     std::cerr << "weightd: " << args.status().message() << "\n";
@@ -56,7 +60,7 @@ int main(int argc, char** argv) {
   signal(SIGPIPE, SIG_IGN);
 
   RaiseFdLimit();
-  absl::StatusOr<std::unique_ptr<weightd::Daemon>> daemon = weightd::Daemon::Start(args->config);
+  absl::StatusOr<std::unique_ptr<weightd::Daemon>> daemon = weightd::Daemon::Start(args->config, std::move(inherited));
   if (!daemon.ok()) {
     weightd::LogError(daemon.status().message());
     return 1;

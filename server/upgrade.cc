@@ -186,6 +186,14 @@ std::optional<std::vector<NamedFd>> TakeHandoffFds() {
     LogWarning(absl::StrCat(kHandoffEnv, "=", value, " is not an open fd: nothing handed over"));
     return fds;
   }
+  // The list an upgrade writes is a sealed memfd; any other fd under that
+  // number was not handed over by an upgrade, and is left alone.
+  constexpr int kSealed = F_SEAL_WRITE | F_SEAL_SHRINK | F_SEAL_GROW;
+  int seals = fcntl(list_fd, F_GET_SEALS);
+  if (seals < 0 || (seals & kSealed) != kSealed) {
+    LogWarning(absl::StrCat(kHandoffEnv, "=", list_fd, " is not a sealed fd list: nothing handed over"));
+    return fds;
+  }
   ScopedFd list(list_fd);
   struct stat st {};
   if (fstat(list.get(), &st) != 0 || st.st_size < 0 || static_cast<uint64_t>(st.st_size) > (64ull << 20)) {

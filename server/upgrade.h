@@ -68,9 +68,11 @@ absl::Status ExecUpgrade(ScopedFd binary_fd, const std::string& binary, const st
 const std::string& UpgradeFallbackError();
 
 // The new image's side: the fds of WEIGHTD_HANDOFF_FD (which it unsets),
-// made close-on-exec; std::nullopt when the variable is not set. A list
-// that does not parse, or names an fd that is not open, yields what did
-// parse and a warning in the log.
+// made close-on-exec; std::nullopt when the variable is not set. A list fd
+// that is not open or not a sealed memfd yields nothing (and is left
+// alone); a list that does not parse, or names an fd that is not open,
+// yields what did parse; each with a warning in the log. Called through
+// TakeListenFds, first thing in main().
 std::optional<std::vector<NamedFd>> TakeHandoffFds();
 
 }  // namespace weightd

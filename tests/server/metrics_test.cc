@@ -141,12 +141,13 @@ TEST(CheckpointErrorReason, FollowsTheRuleWhateverTheMessageSays) {
 
 TEST(CheckpointErrorReason, ListsEveryReasonOnce) {
   std::vector<std::string> reasons = CheckpointErrorReasons();
-  EXPECT_EQ(reasons.size(), 31u);
+  EXPECT_EQ(reasons.size(), 33u);
   EXPECT_EQ(std::set<std::string>(reasons.begin(), reasons.end()).size(), reasons.size());
   for (const auto& [name, reason] : ExpectedReasons()) {
     EXPECT_NE(std::find(reasons.begin(), reasons.end(), reason), reasons.end()) << reason;
   }
-  for (const char* reason : {"invalid_checkpoint", "not_found", "permission_denied", "resource_exhausted", "io", "other"}) {
+  for (const char* reason : {"invalid_checkpoint", "invalid_request", "already_loading", "not_found", "permission_denied",
+                             "resource_exhausted", "io", "other"}) {
     EXPECT_NE(std::find(reasons.begin(), reasons.end(), reason), reasons.end()) << reason;
   }
 }
