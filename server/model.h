@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
+
 #include "common/memory/device.h"
 #include "common/format/dtype.h"
 #include "common/io/env.h"
@@ -40,6 +42,12 @@ struct TpRule {
 // this payload, which weightd_checkpoint_errors_total counts as
 // "invalid_request" rather than as a broken checkpoint.
 inline constexpr char kInvalidLoadRequestPayload[] = "type.weightd.dev/invalid-load-request";
+
+// A writer's version label: at most this many bytes of printable ASCII
+// (0x20-0x7e), so it is safe in logs and metric labels. CommitUpdate refuses
+// any other, and restore drops a record that carries one.
+inline constexpr size_t kMaxVersionLabelBytes = 128;
+absl::Status ValidateVersionLabel(const std::string& label);
 
 // What a client asked to load (LoadModelRequest in domain types).
 struct LoadRequest {

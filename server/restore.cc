@@ -5,13 +5,16 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <map>
 #include <set>
+#include <thread>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/base/status.h"
+#include "common/format/content_hash.h"
 #include "server/state_record.h"
 
 namespace weightd {
@@ -157,6 +160,49 @@ class Restorer {
     }
     for (SegmentRecord& s : m.segments) {
       s.fd = s.placement == Placement::kHost ? m.host_segments[s.owner]->fd() : m.arenas[s.owner]->export_fd();
+    }
+    return VerifyHostTensors(m);
+  }
+
+  // A record is checksummed, not authenticated: whoever hands the daemon
+  // fds at start could name a sealed memfd of their own and recompute the
+  // checksum. So every host tensor is hashed again from its segment and
+  // must equal the content hash its record gives (which the fingerprint
+  // covers); a tensor shared by several ranks is hashed once. In parallel.
+  static std::optional<Refusal> VerifyHostTensors(const ModelGeneration& m) {
+    struct Range {
+      const char* data;
+      uint64_t nbytes, hash;
+      const TensorRecord* tensor;
+    };
+    std::vector<Range> ranges;
+    std::set<std::pair<const char*, uint64_t>> seen;
+    for (const RankManifest& rank : m.ranks) {
+      for (const TensorRecord& t : rank.tensors) {
+        if (t.placement != Placement::kHost || t.segment >= rank.segments.size()) continue;
+        const SegmentRecord& seg = m.segments[rank.segments[t.segment]];
+        const char* data = m.host_segments[seg.owner]->data() + t.offset;
+        if (seen.insert({data, t.nbytes}).second) ranges.push_back({data, t.nbytes, t.content_hash, &t});
+      }
+    }
+    std::atomic<size_t> next{0};
+    std::atomic<const Range*> bad{nullptr};
+    auto work = [&] {
+      for (size_t i = next++; i < ranges.size() && bad.load() == nullptr; i = next++) {
+        if (TensorContentHash(ranges[i].data, ranges[i].nbytes) != ranges[i].hash) bad = &ranges[i];
+      }
+    };
+    size_t threads = std::min<size_t>(std::max(1u, std::thread::hardware_concurrency()), 8);
+    threads = std::min(threads, std::max<size_t>(ranges.size(), 1));
+    std::vector<std::thread> pool;
+    for (size_t i = 1; i < threads; ++i) pool.emplace_back(work);
+    work();
+    for (std::thread& t : pool) t.join();
+    if (const Range* r = bad.load()) {
+      return Refusal{"content_mismatch",
+                     absl::StrCat("tensor ", QuoteName(r->tensor->name), ": its bytes hash to ",
+                                  ContentHashHex(TensorContentHash(r->data, r->nbytes)), ", the record says ",
+                                  ContentHashHex(r->hash), " (not the bytes that were verified at load)")};
     }
     return std::nullopt;
   }

@@ -15,9 +15,17 @@
 //     that were verified when it was sealed;
 //   - every device arena's GPU is one this daemon's backend has, and the
 //     backend can adopt it.
+//   - every host tensor's bytes, hashed again from its segment (in
+//     parallel), equal the content hash the record gives: a record is
+//     checksummed, not authenticated, so whoever can hand the daemon fds at
+//     start could otherwise name a sealed memfd of their own under the
+//     genuine hashes and fingerprint. (Device arenas are not hashed here:
+//     the backend adopts them by handle, and a device arena's fd names
+//     memory on a GPU only the driver can read back.)
 // A record that fails any check is dropped with its reason; the others are
-// restored. Sealed memfds cannot change, so restored bytes are not hashed
-// again.
+// restored. Fields a live request would have checked are checked again: the
+// model name, a version label of printable ASCII, a checkpoint path that is
+// absolute and resolved (no '.', '..' or empty parts).
 //
 // Thread-safety: a plain function; call it once, at start.
 #ifndef WEIGHTD_SERVER_RESTORE_H_
@@ -42,6 +50,7 @@ inline constexpr const char* kRestoreDropReasons[] = {
     "outside_model_roots", // its checkpoint path is under no configured --model-root
     "device_unavailable",  // a GPU it needs is absent, or the backend cannot adopt its arenas
     "duplicate",           // an older record of a model name restored from a newer one
+    "content_mismatch",    // a host tensor's bytes do not hash to the content hash its record gives
 };
 
 struct RestoredModel {

@@ -141,6 +141,23 @@ absl::StatusOr<StoredSegment> DecodeSegment(const json& j, const std::string& wh
   return s;
 }
 
+// A live load stores the path realpath(3) gave: absolute, with no ".", ".."
+// or empty component. A record's path must be one too, so that the model
+// root check, which is lexical, cannot be passed by "ROOT/../../etc".
+absl::Status CheckResolvedPath(const std::string& path) {
+  bool resolved = !path.empty() && path[0] == '/' && path.size() <= 4096 && path.find('\0') == std::string::npos;
+  for (size_t at = 1; resolved && at <= path.size(); ) {
+    size_t end = path.find('/', at);
+    if (end == std::string::npos) end = path.size();
+    std::string_view part(path.data() + at, end - at);
+    resolved = !(part.empty() && path.size() > 1) && part != "." && part != "..";
+    at = end + 1;
+  }
+  if (resolved) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("request.checkpoint_path ", QuoteName(path),
+                                                 " is not a resolved absolute path (no '.', '..' or empty parts)"));
+}
+
 absl::StatusOr<LoadRequest> DecodeRequest(const json& j) {
   const std::string where = "request";
   if (!j.is_object()) return absl::InvalidArgumentError("request is not an object");
@@ -148,6 +165,7 @@ absl::StatusOr<LoadRequest> DecodeRequest(const json& j) {
   WEIGHTD_ASSIGN_OR_RETURN(r.name, Field<std::string>(j, "name", where));
   WEIGHTD_RETURN_IF_ERROR(ValidateModelName(r.name));
   WEIGHTD_ASSIGN_OR_RETURN(r.checkpoint_path, Field<std::string>(j, "checkpoint_path", where));
+  WEIGHTD_RETURN_IF_ERROR(CheckResolvedPath(r.checkpoint_path));
   WEIGHTD_ASSIGN_OR_RETURN(r.host_resident_patterns, Field<std::vector<std::string>>(j, "host_resident_patterns", where));
   WEIGHTD_ASSIGN_OR_RETURN(r.tp_size, Field<uint32_t>(j, "tp_size", where));
   WEIGHTD_ASSIGN_OR_RETURN(r.devices, Field<std::vector<std::string>>(j, "devices", where));
@@ -287,6 +305,9 @@ absl::Status DecodeModel(const json& j, StateRecord& out) {
   WEIGHTD_ASSIGN_OR_RETURN(m.generation, Field<uint64_t>(j, "generation", "record"));
   if (m.generation == 0) return absl::InvalidArgumentError("record.generation must be at least 1");
   WEIGHTD_ASSIGN_OR_RETURN(m.version_label, Field<std::string>(j, "version_label", "record"));
+  if (absl::Status label = ValidateVersionLabel(m.version_label); !label.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("record.version_label: ", label.message()));
+  }
   WEIGHTD_ASSIGN_OR_RETURN(m.fingerprint, Field<std::string>(j, "fingerprint", "record"));
   WEIGHTD_ASSIGN_OR_RETURN(m.warnings, Field<std::vector<std::string>>(j, "warnings", "record"));
   WEIGHTD_ASSIGN_OR_RETURN(m.load_seconds, Field<double>(j, "load_seconds", "record"));

@@ -236,8 +236,7 @@ absl::StatusOr<std::unique_ptr<StagedUpdate>> StageUpdate(std::shared_ptr<ModelG
   return update;
 }
 
-absl::Status CheckCommitOptions(const StagedUpdate& update, const CommitOptions& options) {
-  const std::string& label = options.version_label;
+absl::Status ValidateVersionLabel(const std::string& label) {
   if (label.size() > kMaxVersionLabelBytes) {
     return absl::InvalidArgumentError(
         absl::StrCat("version label is ", label.size(), " bytes; at most ", kMaxVersionLabelBytes, " are allowed"));
@@ -247,6 +246,11 @@ absl::Status CheckCommitOptions(const StagedUpdate& update, const CommitOptions&
       return absl::InvalidArgumentError("version label may hold only printable ASCII characters");
     }
   }
+  return absl::OkStatus();
+}
+
+absl::Status CheckCommitOptions(const StagedUpdate& update, const CommitOptions& options) {
+  WEIGHTD_RETURN_IF_ERROR(ValidateVersionLabel(options.version_label));
   if (options.expected_hashes.size() > update.tensors.size()) {
     return absl::InvalidArgumentError(absl::StrCat(options.expected_hashes.size(), " expected hashes for an update of ",
                                                    update.tensors.size(), " tensors"));

@@ -48,8 +48,8 @@
 
 namespace weightd {
 
-// Bounds of a BeginUpdate/CommitUpdate request.
-inline constexpr size_t kMaxVersionLabelBytes = 128;
+// Bounds of a BeginUpdate/CommitUpdate request: kMaxVersionLabelBytes and
+// ValidateVersionLabel (server/model.h), which restore applies too.
 
 // One staged segment: a writable copy of base segment `base_id`, or the
 // host staging of device tensors (base_id == kDeviceStaging).

@@ -15,6 +15,7 @@
 
 #include "absl/strings/match.h"
 #include "common/format/catalog.h"
+#include "common/format/content_hash.h"
 #include "common/io/env.h"
 #include "common/memory/device.h"
 #include "gtest/gtest.h"
@@ -320,6 +321,77 @@ TEST_F(Restore, EveryTruncationAndAForgedFingerprintAreRefused) {
   }
   forged += body;
   EXPECT_THAT(DecodeStateRecord(forged), StatusIs(absl::StatusCode::kInvalidArgument, "record fingerprint"));
+}
+
+// A record is checksummed, not authenticated. Before, whoever could hand
+// the daemon fds at start could rewrite a record to name a sealed memfd of
+// their own (its inode, the right size) and recompute the checksum, and
+// restore served those bytes under the genuine hashes and fingerprint.
+// Now every host tensor is hashed again from its segment.
+TEST_F(Restore, ARecordNamingAnotherMemfdWithOtherBytesIsDroppedAsContentMismatch) {
+  std::shared_ptr<ModelGeneration> model = Load("m", 1);
+  ASSERT_EQ(model->host_segments.size(), 1u);
+  const HostSegment& genuine = *model->host_segments[0];
+  auto passed = [&](const std::string& host_bytes) {
+    ScopedFd host = Sealed(host_bytes);
+    struct stat st {};
+    EXPECT_EQ(fstat(host.get(), &st), 0);
+    std::vector<StoredSegment> hosts = {{"wd-seg-1", SegmentBackend::kMemfd, genuine.size(),
+                                         static_cast<uint64_t>(st.st_ino), false, ""}};
+    std::vector<StoredSegment> arenas;
+    std::vector<NamedFd> fds;
+    fds.push_back({"wd-seg-1", std::move(host)});
+    for (size_t i = 0; i < model->arenas.size(); ++i) {
+      const DeviceArena& a = *model->arenas[i];
+      std::string name = absl::StrCat("wd-seg-", 2 + i);
+      arenas.push_back({name, SegmentBackend::kEmulated, a.size(), 0, false, a.device().uuid});
+      fds.push_back({name, ScopedFd(fcntl(a.export_fd(), F_DUPFD_CLOEXEC, 3))});
+    }
+    absl::StatusOr<std::string> record = EncodeStateRecord(*model, hosts, arenas);
+    EXPECT_TRUE(record.ok()) << record.status();
+    fds.push_back({"wd-rec-1", Sealed(*record)});
+    return fds;
+  };
+  std::string bytes(genuine.data(), genuine.size());
+  std::string forged = bytes;
+  forged[0] ^= 0x5a;  // the first byte of embed.table
+  RestoreResult attack = RestoreAll(passed(forged), backend_.get());
+  EXPECT_EQ(attack.models.size(), 0u);
+  ASSERT_EQ(attack.dropped.size(), 1u);
+  EXPECT_EQ(attack.dropped[0].reason, "content_mismatch");
+  EXPECT_TRUE(absl::StartsWith(attack.dropped[0].message, "tensor 'embed.table': its bytes hash to "))
+      << attack.dropped[0].message;
+  EXPECT_TRUE(absl::StrContains(attack.dropped[0].message,
+                                absl::StrCat(", the record says ", ContentHashHex(model->ranks[0].tensors[0].content_hash))))
+      << attack.dropped[0].message;
+  // The same bytes in another memfd are the verified bytes: restored.
+  RestoreResult copy = RestoreAll(passed(bytes), backend_.get());
+  ASSERT_EQ(copy.models.size(), 1u) << (copy.dropped.empty() ? "" : copy.dropped[0].message);
+  EXPECT_EQ(HostBytes(*copy.models[0].model), bytes);
+}
+
+// Fields a live request would have refused are refused in a record too.
+TEST_F(Restore, ARecordWithAControlCharacterLabelOrAnUnresolvedPathIsCorrupt) {
+  std::shared_ptr<ModelGeneration> model = Load("m", 1);
+  std::vector<StoredSegment> host = {{"wd-seg-1", SegmentBackend::kMemfd, model->host_segments[0]->size(), 1, false, ""}};
+  std::vector<StoredSegment> arenas;
+  for (const auto& a : model->arenas) arenas.push_back({"wd-seg-x", SegmentBackend::kEmulated, a->size(), 1, false, a->device().uuid});
+  model->version_label = "step-1\n2026 WARN forged";
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(std::string labelled, EncodeStateRecord(*model, host, arenas));
+  EXPECT_THAT(DecodeStateRecord(labelled),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "record.version_label: version label may hold only printable ASCII characters"));
+  model->version_label = "step-1";
+  for (const std::string& path : {dir_.path() + "/../../etc", dir_.path() + "/./x", dir_.path() + "//x",
+                                  std::string("relative/path"), std::string("")}) {
+    model->request.checkpoint_path = path;
+    WEIGHTD_ASSERT_OK_AND_ASSIGN(std::string record, EncodeStateRecord(*model, host, arenas));
+    EXPECT_THAT(DecodeStateRecord(record),
+                StatusIs(absl::StatusCode::kInvalidArgument, "is not a resolved absolute path")) << path;
+  }
+  model->request.checkpoint_path = dir_.path();
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(std::string fine, EncodeStateRecord(*model, host, arenas));
+  WEIGHTD_EXPECT_OK(DecodeStateRecord(fine).status());
 }
 
 // Regression (review): the size check multiplied before comparing, and
