@@ -1,5 +1,6 @@
 #include "server/update.h"
 
+#include <unistd.h>
 #include <xxhash.h>
 
 #include <algorithm>
@@ -127,6 +128,47 @@ absl::Status ParallelFor(size_t n, const std::function<absl::Status(size_t)>& fn
   for (std::thread& th : pool) th.join();
   for (const absl::Status& e : errors) WEIGHTD_RETURN_IF_ERROR(e);
   return absl::OkStatus();
+}
+
+// A writer may change tensor bytes only: every byte of a sealed staged copy
+// that no tensor covers (alignment padding between tensors, and the tail of
+// the last page past the segment's size, which every mapping of that page
+// shows) must equal the base segment's. FAILED_PRECONDITION naming the first
+// byte that differs.
+absl::Status CheckUncoveredBytes(const ModelGeneration& base, const StagedSegment& staged, size_t index) {
+  if (staged.base_id == kDeviceStaging) return absl::OkStatus();  // copied to arenas tensor by tensor
+  const SegmentRecord& record = base.segments[staged.base_id];
+  const HostSegment& from = *base.host_segments[record.owner];
+  const HostSegment& copy = *staged.memory;
+  if (copy.size() != from.size()) {
+    return absl::InternalError(absl::StrCat("staged segment ", index, " is ", copy.size(), " bytes, its base ", from.size()));
+  }
+  std::vector<std::pair<uint64_t, uint64_t>> covered;  // [begin, end) of each tensor
+  for (const RankManifest& rank : base.ranks) {
+    for (const TensorRecord& t : rank.tensors) {
+      if (t.placement == Placement::kHost && rank.segments[t.segment] == staged.base_id) {
+        covered.emplace_back(t.offset, t.offset + t.nbytes);
+      }
+    }
+  }
+  std::sort(covered.begin(), covered.end());
+  const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  const uint64_t end = copy.size() == 0 ? 0 : (copy.size() + page - 1) / page * page;  // mapped whole pages
+  auto check = [&](uint64_t begin, uint64_t stop) -> absl::Status {
+    if (begin >= stop || memcmp(copy.data() + begin, from.data() + begin, stop - begin) == 0) return absl::OkStatus();
+    uint64_t at = begin;
+    while (copy.data()[at] == from.data()[at]) ++at;
+    return absl::FailedPreconditionError(
+        absl::StrCat("staged segment ", index, ": byte ", at, " lies outside every tensor and was changed (",
+                     at >= copy.size() ? "the tail of the last page" : "padding between tensors",
+                     "); a writer may change tensor bytes only"));
+  };
+  uint64_t at = 0;
+  for (const auto& [begin, stop] : covered) {
+    WEIGHTD_RETURN_IF_ERROR(check(at, std::min(begin, end)));
+    at = std::max(at, stop);
+  }
+  return check(std::min(at, end), end);
 }
 
 }  // namespace
@@ -281,6 +323,9 @@ absl::StatusOr<CommitOutcome> SealAndVerify(StagedUpdate& update, const CommitOp
     if (!status.ok()) return Annotate(status, absl::StrCat("sealing staged segment ", i));
   }
   *sealed = true;
+  for (size_t i = 0; i < update.segments.size(); ++i) {
+    WEIGHTD_RETURN_IF_ERROR(CheckUncoveredBytes(base, update.segments[i], i));
+  }
 
   // Every tensor held by a staged segment, hashed from the sealed bytes.
   absl::flat_hash_map<uint32_t, const HostSegment*> staged;  // base id -> sealed copy

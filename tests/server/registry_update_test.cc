@@ -135,6 +135,36 @@ TEST_F(UpdateTest, TheSizeOfAStagedSegmentIsSealedBeforeItsFdLeaves) {
   EXPECT_EQ(errno, EPERM);
 }
 
+// Before, commit hashed tensor ranges only, so a writer could change the
+// padding between tensors or the tail of the last page (which every client
+// mapping that page sees) and have it published unchecked.
+TEST_F(UpdateTest, AByteChangedOutsideEveryTensorFailsVerification) {
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto gen1, registry_.Get("m"));
+  std::vector<std::pair<uint64_t, std::string>> outside;  // offset, what it is
+  const HostSegment& base = *gen1->host_segments[0];
+  outside.emplace_back(base.size(), "the tail of the last page");
+  uint64_t a_end = Record(*gen1, "a.weight").offset + Record(*gen1, "a.weight").nbytes;
+  if (Record(*gen1, "b.bias").offset > a_end) outside.emplace_back(a_end, "padding between tensors");
+  for (const auto& [offset, what] : outside) {
+    WEIGHTD_ASSERT_OK_AND_ASSIGN(auto grant, registry_.BeginUpdate("m", {"b.bias"}));
+    std::memcpy(Staged(*grant.update, "b.bias"), "xyz", 3);
+    grant.update->segments[0].memory->writable()[offset] ^= 0x40;
+    EXPECT_THAT(registry_.CommitUpdate(grant.update_id, {{}, "", false}),
+                StatusIs(Code::kFailedPrecondition,
+                         absl::StrCat("staged segment 0: byte ", offset, " lies outside every tensor and was changed (",
+                                      what, "); a writer may change tensor bytes only")));
+    EXPECT_FALSE(registry_.IsUpdateOpen(grant.update_id));
+    WEIGHTD_ASSERT_OK_AND_ASSIGN(auto current, registry_.Get("m"));
+    EXPECT_EQ(current, gen1);
+  }
+  ASSERT_GE(listener_.aborts().size(), 1u);
+  EXPECT_EQ(listener_.aborts().back().second, "verification_failed");
+  // A commit that changes tensor bytes only still goes through.
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto grant, registry_.BeginUpdate("m", {"b.bias"}));
+  std::memcpy(Staged(*grant.update, "b.bias"), "xyz", 3);
+  WEIGHTD_EXPECT_OK(registry_.CommitUpdate(grant.update_id, {{}, "", false}).status());
+}
+
 TEST_F(UpdateTest, BadRequestsAreRefusedNamingWhatIsWrong) {
   EXPECT_THAT(registry_.BeginUpdate("m", {"zzz"}), StatusIs(Code::kInvalidArgument, "model 'm' has no tensor 'zzz'"));
   EXPECT_THAT(registry_.BeginUpdate("m", {"a.weight", "a.weight"}),
