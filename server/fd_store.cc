@@ -58,16 +58,20 @@ std::unique_ptr<FdStoreSink> MakeSystemdFdStore() {
   return std::make_unique<SystemdFdStore>();
 }
 
+bool SealedAgainstWrites(int fd) {
+  constexpr int kSealed = F_SEAL_WRITE | F_SEAL_SHRINK | F_SEAL_GROW;
+  int seals = fcntl(fd, F_GET_SEALS);
+  return seals >= 0 && (seals & kSealed) == kSealed;
+}
+
 std::string InheritedFdProblem(int fd, const std::string& name) {
   struct stat st {};
   if (fstat(fd, &st) != 0) return "it is not open";
   if (S_ISSOCK(st.st_mode) || S_ISDIR(st.st_mode) || S_ISFIFO(st.st_mode)) {
     return "it is a socket, directory or FIFO, not a memory segment";
   }
-  if (absl::StartsWith(name, "wd-rec-")) {
-    constexpr int kSealed = F_SEAL_WRITE | F_SEAL_SHRINK | F_SEAL_GROW;
-    int seals = fcntl(fd, F_GET_SEALS);
-    if (seals < 0 || (seals & kSealed) != kSealed) return "a state record must be a memfd sealed against writes";
+  if (absl::StartsWith(name, "wd-rec-") && !SealedAgainstWrites(fd)) {
+    return "a state record must be a memfd sealed against writes";
   }
   return "";
 }

@@ -76,6 +76,11 @@ struct NamedFd {
 // each record and segment in full later (server/restore.h).
 std::vector<NamedFd> TakeListenFds();
 
+// Whether `fd` is a memfd carrying F_SEAL_WRITE, F_SEAL_SHRINK and
+// F_SEAL_GROW (fcntl(2) F_GET_SEALS): bytes no process can change, as a
+// state record and the upgrade's fd list are written (SealedMemfd).
+bool SealedAgainstWrites(int fd);
+
 // Why `fd`, passed as `name`, is not what its name claims (see
 // TakeListenFds); "" when it is.
 std::string InheritedFdProblem(int fd, const std::string& name);

@@ -5,14 +5,13 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <map>
 #include <set>
-#include <thread>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/base/parallel.h"
 #include "common/base/status.h"
 #include "common/format/content_hash.h"
 #include "server/state_record.h"
@@ -27,11 +26,7 @@ struct Refusal {
 };
 
 absl::StatusOr<std::string> ReadRecord(int fd) {
-  constexpr int kWriteSeals = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE;
-  int seals = fcntl(fd, F_GET_SEALS);
-  if (seals < 0 || (seals & kWriteSeals) != kWriteSeals) {
-    return absl::FailedPreconditionError("the record is not a memfd sealed against writes");
-  }
+  if (!SealedAgainstWrites(fd)) return absl::FailedPreconditionError("the record is not a memfd sealed against writes");
   struct stat st {};
   if (fstat(fd, &st) != 0) return ErrnoToStatus("fstat record", errno);
   uint64_t size = static_cast<uint64_t>(st.st_size);
@@ -170,40 +165,32 @@ class Restorer {
   // must equal the content hash its record gives (which the fingerprint
   // covers); a tensor shared by several ranks is hashed once. In parallel.
   static std::optional<Refusal> VerifyHostTensors(const ModelGeneration& m) {
-    struct Range {
-      const char* data;
-      uint64_t nbytes, hash;
-      const TensorRecord* tensor;
-    };
-    std::vector<Range> ranges;
+    constexpr size_t kMaxHashThreads = 8;
+    std::vector<const TensorRecord*> tensors;
+    std::vector<const char*> data;
     std::set<std::pair<const char*, uint64_t>> seen;
     for (const RankManifest& rank : m.ranks) {
       for (const TensorRecord& t : rank.tensors) {
         if (t.placement != Placement::kHost || t.segment >= rank.segments.size()) continue;
         const SegmentRecord& seg = m.segments[rank.segments[t.segment]];
-        const char* data = m.host_segments[seg.owner]->data() + t.offset;
-        if (seen.insert({data, t.nbytes}).second) ranges.push_back({data, t.nbytes, t.content_hash, &t});
+        const char* at = m.host_segments[seg.owner]->data() + t.offset;
+        if (!seen.insert({at, t.nbytes}).second) continue;
+        tensors.push_back(&t);
+        data.push_back(at);
       }
     }
-    std::atomic<size_t> next{0};
-    std::atomic<const Range*> bad{nullptr};
-    auto work = [&] {
-      for (size_t i = next++; i < ranges.size() && bad.load() == nullptr; i = next++) {
-        if (TensorContentHash(ranges[i].data, ranges[i].nbytes) != ranges[i].hash) bad = &ranges[i];
-      }
-    };
-    size_t threads = std::min<size_t>(std::max(1u, std::thread::hardware_concurrency()), 8);
-    threads = std::min(threads, std::max<size_t>(ranges.size(), 1));
-    std::vector<std::thread> pool;
-    for (size_t i = 1; i < threads; ++i) pool.emplace_back(work);
-    work();
-    for (std::thread& t : pool) t.join();
-    if (const Range* r = bad.load()) {
-      return Refusal{"content_mismatch",
-                     absl::StrCat("tensor ", QuoteName(r->tensor->name), ": its bytes hash to ",
-                                  ContentHashHex(TensorContentHash(r->data, r->nbytes)), ", the record says ",
-                                  ContentHashHex(r->hash), " (not the bytes that were verified at load)")};
-    }
+    absl::Status hashed = ParallelFor(
+        tensors.size(),
+        [&](size_t i) -> absl::Status {
+          uint64_t hash = TensorContentHash(data[i], tensors[i]->nbytes);
+          if (hash == tensors[i]->content_hash) return absl::OkStatus();
+          return absl::DataLossError(absl::StrCat("tensor ", QuoteName(tensors[i]->name), ": its bytes hash to ",
+                                                  ContentHashHex(hash), ", the record says ",
+                                                  ContentHashHex(tensors[i]->content_hash),
+                                                  " (not the bytes that were verified at load)"));
+        },
+        kMaxHashThreads);
+    if (!hashed.ok()) return Refusal{"content_mismatch", std::string(hashed.message())};
     return std::nullopt;
   }
 

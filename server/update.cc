@@ -4,9 +4,7 @@
 #include <xxhash.h>
 
 #include <algorithm>
-#include <atomic>
 #include <functional>
-#include <thread>
 #include <cstring>
 
 #include "absl/container/flat_hash_map.h"
@@ -15,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "common/base/parallel.h"
 #include "common/base/status.h"
 #include "common/base/align.h"
 #include "server/loader.h"
@@ -103,55 +102,17 @@ absl::StatusOr<std::shared_ptr<DeviceArena>> CopyArena(DeviceBackend& backend, D
   return std::shared_ptr<DeviceArena>(std::move(fresh));
 }
 
-// Runs fn(i) for i in [0, n) on up to one thread per core (memory-bound
-// copies and hashes of large segments); returns the first error.
-absl::Status ParallelFor(size_t n, const std::function<absl::Status(size_t)>& fn) {
-  size_t threads = std::min<size_t>(n, std::max(1u, std::thread::hardware_concurrency()));
-  if (threads <= 1) {
-    for (size_t i = 0; i < n; ++i) WEIGHTD_RETURN_IF_ERROR(fn(i));
-    return absl::OkStatus();
-  }
-  std::atomic<size_t> next{0};
-  std::vector<absl::Status> errors(threads);
-  std::vector<std::thread> pool;
-  for (size_t t = 0; t < threads; ++t) {
-    pool.emplace_back([&, t] {
-      for (size_t i; (i = next.fetch_add(1)) < n;) {
-        absl::Status status = fn(i);
-        if (!status.ok()) {
-          errors[t] = status;
-          next = n;
-        }
-      }
-    });
-  }
-  for (std::thread& th : pool) th.join();
-  for (const absl::Status& e : errors) WEIGHTD_RETURN_IF_ERROR(e);
-  return absl::OkStatus();
-}
-
-// A writer may change tensor bytes only: every byte of a sealed staged copy
-// that no tensor covers (alignment padding between tensors, and the tail of
-// the last page past the segment's size, which every mapping of that page
-// shows) must equal the base segment's. FAILED_PRECONDITION naming the first
-// byte that differs.
-absl::Status CheckUncoveredBytes(const ModelGeneration& base, const StagedSegment& staged, size_t index) {
-  if (staged.base_id == kDeviceStaging) return absl::OkStatus();  // copied to arenas tensor by tensor
-  const SegmentRecord& record = base.segments[staged.base_id];
-  const HostSegment& from = *base.host_segments[record.owner];
+// Every byte of the sealed staged copy `staged` (the `index`th) outside the
+// byte ranges `covered` (its tensors, sorted) equals the base segment's, up
+// to the end of its last page; FAILED_PRECONDITION naming the first that
+// differs.
+absl::Status CheckUncoveredBytes(const ModelGeneration& base, const StagedSegment& staged, size_t index,
+                                 const std::vector<std::pair<uint64_t, uint64_t>>& covered) {
+  const HostSegment& from = *base.host_segments[base.segments[staged.base_id].owner];
   const HostSegment& copy = *staged.memory;
   if (copy.size() != from.size()) {
     return absl::InternalError(absl::StrCat("staged segment ", index, " is ", copy.size(), " bytes, its base ", from.size()));
   }
-  std::vector<std::pair<uint64_t, uint64_t>> covered;  // [begin, end) of each tensor
-  for (const RankManifest& rank : base.ranks) {
-    for (const TensorRecord& t : rank.tensors) {
-      if (t.placement == Placement::kHost && rank.segments[t.segment] == staged.base_id) {
-        covered.emplace_back(t.offset, t.offset + t.nbytes);
-      }
-    }
-  }
-  std::sort(covered.begin(), covered.end());
   const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
   const uint64_t end = copy.size() == 0 ? 0 : (copy.size() + page - 1) / page * page;  // mapped whole pages
   auto check = [&](uint64_t begin, uint64_t stop) -> absl::Status {
@@ -169,6 +130,33 @@ absl::Status CheckUncoveredBytes(const ModelGeneration& base, const StagedSegmen
     at = std::max(at, stop);
   }
   return check(std::min(at, end), end);
+}
+
+// A writer may change tensor bytes only: every byte of a sealed staged host
+// copy that no tensor covers (alignment padding between tensors, and the
+// tail of the last page past the segment's size, which every mapping of that
+// page shows) must equal the base segment's. The device staging segment is
+// copied to arenas tensor by tensor, so its other bytes are never served.
+absl::Status CheckUncoveredBytes(const StagedUpdate& update) {
+  const ModelGeneration& base = *update.base;
+  absl::flat_hash_map<uint32_t, size_t> staged;  // base segment id -> index into update.segments
+  for (size_t i = 0; i < update.segments.size(); ++i) {
+    if (update.segments[i].base_id != kDeviceStaging) staged[update.segments[i].base_id] = i;
+  }
+  std::vector<std::vector<std::pair<uint64_t, uint64_t>>> covered(update.segments.size());  // [begin, end)
+  for (const RankManifest& rank : base.ranks) {
+    for (const TensorRecord& t : rank.tensors) {
+      if (t.placement != Placement::kHost) continue;
+      auto it = staged.find(rank.segments[t.segment]);
+      if (it != staged.end()) covered[it->second].emplace_back(t.offset, t.offset + t.nbytes);
+    }
+  }
+  for (size_t i = 0; i < update.segments.size(); ++i) {
+    if (update.segments[i].base_id == kDeviceStaging) continue;
+    std::sort(covered[i].begin(), covered[i].end());
+    WEIGHTD_RETURN_IF_ERROR(CheckUncoveredBytes(base, update.segments[i], i, covered[i]));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -323,9 +311,7 @@ absl::StatusOr<CommitOutcome> SealAndVerify(StagedUpdate& update, const CommitOp
     if (!status.ok()) return Annotate(status, absl::StrCat("sealing staged segment ", i));
   }
   *sealed = true;
-  for (size_t i = 0; i < update.segments.size(); ++i) {
-    WEIGHTD_RETURN_IF_ERROR(CheckUncoveredBytes(base, update.segments[i], i));
-  }
+  WEIGHTD_RETURN_IF_ERROR(CheckUncoveredBytes(update));
 
   // Every tensor held by a staged segment, hashed from the sealed bytes.
   absl::flat_hash_map<uint32_t, const HostSegment*> staged;  // base id -> sealed copy

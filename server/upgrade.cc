@@ -188,9 +188,7 @@ std::optional<std::vector<NamedFd>> TakeHandoffFds() {
   }
   // The list an upgrade writes is a sealed memfd; any other fd under that
   // number was not handed over by an upgrade, and is left alone.
-  constexpr int kSealed = F_SEAL_WRITE | F_SEAL_SHRINK | F_SEAL_GROW;
-  int seals = fcntl(list_fd, F_GET_SEALS);
-  if (seals < 0 || (seals & kSealed) != kSealed) {
+  if (!SealedAgainstWrites(list_fd)) {
     LogWarning(absl::StrCat(kHandoffEnv, "=", list_fd, " is not a sealed fd list: nothing handed over"));
     return fds;
   }
