@@ -213,13 +213,15 @@ absl::StatusOr<ModelRegistry::LoadResult> ModelRegistry::Load(LoadRequest reques
   }
   auto record = std::make_shared<ModelGeneration>();  // LOADING
   record->request = request;
+  bool busy = false;
   {
     absl::MutexLock lock(&mu_);
-    if (!loading_.emplace(request.name, record).second) {
-      absl::Status busy = absl::AlreadyExistsError(absl::StrCat("model '", request.name, "' is already being loaded"));
-      if (listener_) listener_->OnLoadFailed(request, busy);
-      return busy;
-    }
+    busy = !loading_.emplace(request.name, record).second;
+  }
+  if (busy) {
+    absl::Status refused = absl::AlreadyExistsError(absl::StrCat("model '", request.name, "' is already being loaded"));
+    RefuseLoad(request, refused);
+    return refused;
   }
   bool accepted = false;  // the plan was accepted: a failure from here on leaves a FAILED record
   absl::Status failure;

@@ -64,7 +64,7 @@ absl::Status ExecUpgrade(ScopedFd binary_fd, const std::string& binary, const st
 // Why the in-place upgrade that started this image fell back to the old
 // binary; "" when this image is not such a fallback. Taken from
 // kUpgradeErrorEnv (which it unsets, capped at kMaxUpgradeErrorBytes) on the
-// first call; main() calls it first thing. Thread-safe.
+// first call; main() calls it at start, before the daemon starts. Thread-safe.
 const std::string& UpgradeFallbackError();
 
 // The new image's side: the fds of WEIGHTD_HANDOFF_FD (which it unsets),

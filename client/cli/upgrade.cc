@@ -34,7 +34,6 @@ int RunUpgrade(const Args& args, Context& ctx) {
                            args.Number("--timeout"), started->binary)),
                        ctx.err);
   }
-  const std::string* instance = &state->instance;
   if (!state->last_upgrade_error.empty()) {
     // Back, but on the old binary: the upgrade itself did not happen.
     return ReportError(absl::AbortedError(absl::StrCat("the upgrade to ", started->binary, " failed (",
@@ -54,7 +53,7 @@ int RunUpgrade(const Args& args, Context& ctx) {
   }
   if (args.Flag("--json")) {
     ctx.out << nlohmann::json{{"binary", started->binary},       {"seconds", seconds},
-                              {"daemon_instance", *instance},   {"models_handed_over", started->models},
+                              {"daemon_instance", state->instance},   {"models_handed_over", started->models},
                               {"models", list}}
                    .dump(2)
             << "\n";
