@@ -12,7 +12,6 @@
 
 #include <chrono>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -40,7 +39,7 @@ class InheritedFds : public ::testing::Test {
     auto p = std::make_unique<Process>(
         std::vector<std::string>{"/bin/sh", "-c", script, testing::WeightdBinary(), Socket(), dir_.path()},
         dir_.path());
-    Await([&] { return Ctl({"ls"}).code == 0 || !p->Running(); });
+    testing::WaitFor([&] { return Ctl({"ls"}).code == 0 || !p->Running(); }, std::chrono::seconds(20));
     return p;
   }
   CommandResult Ctl(const std::vector<std::string>& args) const {
@@ -48,17 +47,11 @@ class InheritedFds : public ::testing::Test {
     argv.insert(argv.end(), args.begin(), args.end());
     return testing::RunCommand(argv);
   }
-  static void Await(const std::function<bool()>& done) {
-    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-    while (!done() && std::chrono::steady_clock::now() < deadline) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-  }
   // The first daemon still holds its socket: a second one is refused.
   void ExpectSocketStillHeld() {
     Process second({testing::WeightdBinary(), "--socket", Socket(), "--metrics-address", "", "--mlock", "false"},
                    dir_.path());
-    Await([&] { return !second.Running(); });
+    testing::WaitFor([&] { return !second.Running(); }, std::chrono::seconds(20));
     bool took_over = second.Running();
     if (took_over) second.Signal(SIGKILL);
     ASSERT_FALSE(took_over) << "a second daemon took over " << Socket() << ":\n" << second.Stderr();

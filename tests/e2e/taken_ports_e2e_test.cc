@@ -10,7 +10,6 @@
 
 #include <chrono>
 #include <ostream>
-#include <thread>
 #include <string>
 #include <vector>
 
@@ -78,10 +77,7 @@ TEST_P(TakenPort, ASecondDaemonRefusesToStartAndTheFirstAnswersAlone) {
   // Its Unix socket may answer for a moment before the TCP listeners start:
   // the refusal is the exit within 10 s.
   DaemonProcess second(args(taken));
-  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  while (second.process().Running() && std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
+  testing::WaitFor([&] { return !second.process().Running(); }, std::chrono::seconds(10));
   bool started = second.process().Running();
   if (started) second.process().Signal(SIGKILL);
   ASSERT_FALSE(started) << "a second daemon started on the taken port " << taken << ":\n" << second.process().Stderr();

@@ -18,7 +18,6 @@
 #include <fstream>
 #include <map>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -57,7 +56,7 @@ class UpgradeE2E : public ::testing::Test {
         std::vector<std::string>{binary_, "--socket", socket_, "--model-root", dir_.Join("models"),
                                  "--metrics-address", "", "--device-backend", "emulated", "--mlock", "false"},
         dir_.path());
-    ASSERT_TRUE(WaitUntil([&] { return Ctl({"ls"}).code == 0; })) << daemon_->Stderr();
+    ASSERT_TRUE(testing::WaitFor([&] { return Ctl({"ls"}).code == 0; }, std::chrono::seconds(20))) << daemon_->Stderr();
     ASSERT_EQ(Ctl({"make-demo", dir_.Join("models/tiny"), "--preset", "tiny"}).code, 0);
     CommandResult load = Ctl({"load", "tiny", dir_.Join("models/tiny")});
     ASSERT_EQ(load.code, 0) << load.err;
@@ -78,14 +77,6 @@ class UpgradeE2E : public ::testing::Test {
     std::vector<std::string> argv = {testing::WeightctlBinary(), "--socket", socket_};
     argv.insert(argv.end(), args.begin(), args.end());
     return testing::RunCommand(argv);
-  }
-  static bool WaitUntil(const std::function<bool()>& done, std::chrono::seconds limit = std::chrono::seconds(20)) {
-    auto deadline = std::chrono::steady_clock::now() + limit;
-    while (!done()) {
-      if (std::chrono::steady_clock::now() > deadline) return false;
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
-    return true;
   }
   // name -> {generation, state, fingerprint}, and the daemon instance.
   std::map<std::string, json> Models() {

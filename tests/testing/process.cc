@@ -81,6 +81,15 @@ void Process::Signal(int sig) {
 std::string Process::Stdout() const { return ReadAll(out_path_); }
 std::string Process::Stderr() const { return ReadAll(err_path_); }
 
+bool WaitFor(const std::function<bool()>& done, std::chrono::milliseconds timeout) {
+  auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (!done()) {
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return true;
+}
+
 CommandResult RunCommand(const std::vector<std::string>& argv) {
   TempDir dir;
   Process p(argv, dir.path());

@@ -6,6 +6,8 @@
 
 #include <sys/types.h>
 
+#include <chrono>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -42,6 +44,9 @@ struct CommandResult {
 };
 // Runs a command to completion.
 CommandResult RunCommand(const std::vector<std::string>& argv);
+
+// Polls `done` every 20 ms until it holds (true) or `timeout` passes (false).
+bool WaitFor(const std::function<bool()>& done, std::chrono::milliseconds timeout);
 
 // The pids of `parent`'s children whose comm (/proc/PID/stat) is `comm`,
 // e.g. "wd-peer-helper" (weightd's peer transfer helpers).
