@@ -310,22 +310,25 @@ struct Seed {
   uint8_t token[kTokenBytes];
   bool stall = false;
   size_t in_flight = 0;  // replies UCX still sends
+  uint64_t sent = 0;     // bytes of region data in replies UCX completed
 };
 
 struct Sending {
   Seed* seed;
   AmReply reply;  // the header stays valid until the send completes
+  uint64_t n;     // bytes of region data it carries
 };
 
-void OnReplySent(void* request, ucs_status_t, void* user_data) {
+void OnReplySent(void* request, ucs_status_t status, void* user_data) {
   auto* s = static_cast<Sending*>(user_data);
   --s->seed->in_flight;
+  if (status == UCS_OK) s->seed->sent += s->n;
   delete s;
   ucp_request_free(request);
 }
 
 void SendReply(Seed& seed, ucp_ep_h ep, uint64_t id, int code, const char* data, uint64_t n) {
-  auto* s = new Sending{&seed, AmReply{id, code, 0}};
+  auto* s = new Sending{&seed, AmReply{id, code, 0}, n};
   ucp_request_param_t param{};
   param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
   param.cb.send = &OnReplySent;
@@ -334,6 +337,7 @@ void SendReply(Seed& seed, ucp_ep_h ep, uint64_t id, int code, const char* data,
   ucs_status_ptr_t sp = ucp_am_send_nbx(ep, kAmReply, &s->reply, sizeof s->reply, data, n, &param);
   if (sp == nullptr || UCS_PTR_IS_ERR(sp)) {  // done at once, or that joiner's connection failed
     --seed.in_flight;
+    if (sp == nullptr) seed.sent += n;
     delete s;
   }
 }
@@ -394,7 +398,14 @@ ucs_status_t OnRequest(void* arg, const void* header, size_t header_length, void
   SendControl(&ready, sizeof ready, seed.ucx.address.data(), seed.ucx.address.size());
   char buf[64];
   Run(seed.ucx, [&] {
-    while (ReceiveControl(buf, sizeof buf) > 0) Fail("unexpected control message");
+    for (size_t n; (n = ReceiveControl(buf, sizeof buf)) > 0;) {
+      Count ask;
+      if (n != sizeof ask) Fail("unexpected control message");
+      std::memcpy(&ask, buf, sizeof ask);
+      if (ask.kind != Kind::kCount) Fail("unexpected control message");
+      Count answer{Kind::kCount, 0, seed.sent};
+      SendControl(&answer, sizeof answer);
+    }
   });
 }
 

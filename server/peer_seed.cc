@@ -125,12 +125,24 @@ void PeerSeed::Closed() {
 }
 
 void PeerSeed::Session::Finished(uint64_t bytes_read, bool verified) {
-  if (seed_->metrics_) seed_->metrics_->PeerBytesSent(seed_->JoinerLabel(joiner_), bytes_read);
-  LogInfo(absl::StrCat("peer ", joiner_, " finished reading '", model_->request.name, "' generation ",
-                       model_->generation, ": ", bytes_read, " bytes, ", verified ? "verified" : "NOT verified"));
+  report_ = Report{bytes_read, verified};
 }
 
 PeerSeed::Session::~Session() {
+  if (export_ != nullptr) {
+    // What this seed sent, as its transport counted it; the joiner's report
+    // arrived over an unauthenticated stream and is logged as its claim.
+    absl::StatusOr<uint64_t> sent = export_->BytesSent(std::chrono::steady_clock::now() + kCountTimeout);
+    if (sent.ok() && seed_->metrics_) seed_->metrics_->PeerBytesSent(seed_->JoinerLabel(joiner_), *sent);
+    std::string claim = report_.has_value()
+                            ? absl::StrCat("; the joiner reports it read ", report_->bytes_read, " bytes, ",
+                                           report_->verified ? "verified" : "NOT verified", " (its claim)")
+                            : "; the joiner sent no report";
+    LogInfo(absl::StrCat("peer ", joiner_, " ended its transfer of '", model_->request.name, "' generation ",
+                         model_->generation, ": this seed sent ",
+                         sent.ok() ? absl::StrCat(*sent, " bytes") : absl::StrCat("an unknown count of bytes (", sent.status().message(), ")"),
+                         claim));
+  }
   export_.reset();  // nothing more is sent once this returns
   if (!lease_id_.empty()) seed_->registry_->Release(lease_id_);
   model_.reset();

@@ -18,6 +18,7 @@
 
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -56,12 +57,22 @@ class PeerSeed {
     const std::string& joiner() const { return joiner_; }
     // How a joiner reaches the host segments (regions in plan order).
     const PeerOffer& offer() const { return export_->offer(); }
-    // The joiner's report at the end: bytes it read, and whether they verified.
+    // The joiner's report at the end: bytes it read, and whether they
+    // verified. Only its claim: the seed logs it as such when the session
+    // ends, beside the bytes its own transport counted as sent (which alone
+    // feed weightd_peer_bytes_sent_total).
     void Finished(uint64_t bytes_read, bool verified);
 
    private:
     friend class PeerSeed;
     Session() = default;
+    struct Report {
+      uint64_t bytes_read;
+      bool verified;
+    };
+    // How long the end of a session waits for the transport's count.
+    static constexpr std::chrono::milliseconds kCountTimeout{500};
+    std::optional<Report> report_;
     PeerSeed* seed_ = nullptr;
     std::string joiner_;
     std::string lease_id_;

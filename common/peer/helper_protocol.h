@@ -28,6 +28,8 @@
 //   seed:  weightd-peer-helper seed N [--user NAME] [--stall] [--no-sandbox]
 //          fds 4 .. 4+N-1: the regions (their whole st_size is served)
 //          helper -> daemon: Ready (token + worker address) or Error
+//          daemon -> helper: Count; helper -> daemon: Count with the bytes
+//          of the regions it has sent (replies UCX completed)
 //   join:  weightd-peer-helper join SLOT_BYTES SLOTS [--user NAME] [--no-sandbox]
 //          fd 4: the staging memfd, SLOT_BYTES * SLOTS bytes
 //          daemon -> helper: Connect, then Read ...
@@ -54,7 +56,7 @@ inline constexpr uint64_t kMaxPieceBytes = 64ull << 20;  // one AmRequest
 inline constexpr uint32_t kMaxSlots = 256;
 inline constexpr uint32_t kMaxTextBytes = 480;
 
-enum class Kind : uint32_t { kReady = 1, kError = 2, kConnect = 3, kRead = 4, kDone = 5 };
+enum class Kind : uint32_t { kReady = 1, kError = 2, kConnect = 3, kRead = 4, kDone = 5, kCount = 6 };
 
 // Ready, Error, Connect: a fixed head, then `length` bytes (address or text).
 struct Head {
@@ -80,6 +82,15 @@ struct Done {
   int32_t code;     // absl::StatusCode; 0 = the slot holds the bytes
   uint64_t id;
   char text[kMaxTextBytes];  // NUL-terminated reason when code != 0
+};
+
+// Count: weightd asks with bytes = 0; a seed's helper answers with the
+// bytes of region data whose replies UCX completed, counted on the seed's
+// side (a joiner's own report of what it read is only a claim).
+struct Count {
+  Kind kind = Kind::kCount;
+  uint32_t reserved = 0;
+  uint64_t bytes = 0;
 };
 
 // UCX active message ids and headers.

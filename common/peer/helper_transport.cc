@@ -239,6 +239,17 @@ class HelperExport final : public PeerExport {
   HelperExport(std::unique_ptr<Helper> helper, PeerOffer offer) : helper_(std::move(helper)), offer_(std::move(offer)) {}
   const PeerOffer& offer() const override { return offer_; }
 
+  absl::StatusOr<uint64_t> BytesSent(Clock::time_point deadline) override {
+    ph::Count ask;
+    WEIGHTD_RETURN_IF_ERROR(helper_->Send(&ask, sizeof ask, deadline));
+    WEIGHTD_ASSIGN_OR_RETURN(std::string message, helper_->Receive(deadline));
+    ph::Count answer;
+    if (message.size() != sizeof answer) return absl::InternalError("the peer helper sent a malformed count");
+    std::memcpy(&answer, message.data(), sizeof answer);
+    if (answer.kind != ph::Kind::kCount) return absl::InternalError("the peer helper sent an unexpected message");
+    return answer.bytes;
+  }
+
  private:
   std::unique_ptr<Helper> helper_;  // destroyed: stops, then reaps (SIGKILL after 1 s)
   PeerOffer offer_;

@@ -62,6 +62,11 @@ class PeerExport {
  public:
   virtual ~PeerExport() = default;
   virtual const PeerOffer& offer() const = 0;
+  // Bytes of the regions sent to joiners so far, counted on this side by the
+  // transport (a joiner's report of what it read is only its claim).
+  // DEADLINE_EXCEEDED when the transport cannot tell by `deadline`,
+  // UNAVAILABLE when it is gone. Calls are serialized by the caller.
+  virtual absl::StatusOr<uint64_t> BytesSent(std::chrono::steady_clock::time_point deadline) = 0;
 };
 
 // One read: bytes [offset, offset + n) of region `region` (an index into the

@@ -115,6 +115,17 @@ TEST_F(PeerE2e, ChainSeedsEachNodeFromThePreviousAndVerifies) {
   EXPECT_EQ(Metric(*b, absl::StrCat("weightd_peer_bytes_received_total{peer=\"", PeerOf(*a), "\"}")),
             static_cast<double>(host_bytes));
   EXPECT_TRUE(AwaitMetric(*a, "weightd_peer_joiners", 0));
+  // The seed counts what its own helper sent, once the session has ended.
+  char host[256] = {};
+  ASSERT_EQ(gethostname(host, sizeof host - 1), 0);
+  std::string joiner = std::string(host).substr(0, 64);
+  EXPECT_EQ(Metric(*a, absl::StrCat("weightd_peer_bytes_sent_total{peer=\"", joiner, "\"}")),
+            static_cast<double>(host_bytes));
+  EXPECT_NE(a->process().Stderr().find(absl::StrCat("peer ", joiner, " ended its transfer of 'm' generation 1: this seed sent ",
+                                                    host_bytes, " bytes; the joiner reports it read ", host_bytes,
+                                                    " bytes, verified (its claim)")),
+            std::string::npos)
+      << a->process().Stderr();
 
   // Fan-out: B, seeded, is a seed in turn.
   CommandResult load_c = c->Ctl({"load", kModel, "demo", "--peer", PeerOf(*b)});
@@ -182,6 +193,31 @@ TEST_F(PeerE2e, SeedAtItsJoinerLimitSendsTheJoinerToTheNextPeer) {
   holder->context.TryCancel();
   (void)holder->stream->Finish();
   EXPECT_TRUE(AwaitMetric(*full, "weightd_peer_joiners", 0));
+}
+
+// A joiner's report of what it read is its claim: a seed's bytes-sent
+// counter and log line say what the seed's helper sent.
+TEST_F(PeerE2e, SeedCountsWhatItSentNotWhatTheJoinerClaims) {
+  auto a = Node();
+  ASSERT_EQ(a->Ctl({"load", kModel, "demo"}).code, 0);
+  std::unique_ptr<Session> session = OpenSession(*a);
+  ASSERT_TRUE(session->opened) << a->process().Stderr();
+  v1::PeerTransferRequest done;
+  done.set_done(true);
+  done.set_bytes_read(UINT64_MAX);  // read nothing, claim everything
+  done.set_verified(true);
+  ASSERT_TRUE(session->stream->Write(done));
+  session->stream->WritesDone();
+  v1::PeerTransferReply ignored;
+  while (session->stream->Read(&ignored)) {
+  }
+  EXPECT_TRUE(session->stream->Finish().ok());
+  ASSERT_TRUE(AwaitMetric(*a, "weightd_peer_joiners", 0));
+  EXPECT_EQ(Metric(*a, "weightd_peer_bytes_sent_total{peer=\"unnamed\"}"), 0);
+  EXPECT_NE(a->process().Stderr().find("peer unnamed ended its transfer of 'm' generation 1: this seed sent 0 bytes; "
+                                       "the joiner reports it read 18446744073709551615 bytes, verified (its claim)"),
+            std::string::npos)
+      << a->process().Stderr();
 }
 
 TEST_F(PeerE2e, UnloadDrainsUntilTheTransferSessionEnds) {

@@ -70,8 +70,13 @@ class FakePeerTransport final : public PeerTransport {
       --t->open_exports;
     }
     const PeerOffer& offer() const override { return offer_; }
+    absl::StatusOr<uint64_t> BytesSent(std::chrono::steady_clock::time_point) override {
+      absl::MutexLock lock(&t->mu_);
+      return sent;
+    }
     FakePeerTransport* t;
     PeerOffer offer_;
+    uint64_t sent = 0;  // under t->mu_
     std::vector<std::pair<const char*, uint64_t>> maps;
   };
 
@@ -93,6 +98,7 @@ class FakePeerTransport final : public PeerTransport {
         auto it = t_->exports_.find(worker_);
         if (it == t_->exports_.end()) return absl::UnavailableError("the fake seed is gone");
         std::memcpy(r.dst, it->second->maps[r.region].first + r.offset, r.n);
+        it->second->sent += r.n;
         int64_t at = t_->corrupt_at.load();
         if (r.region == 0 && at >= static_cast<int64_t>(r.offset) && at < static_cast<int64_t>(r.offset + r.n)) {
           r.dst[at - r.offset] ^= 0x5a;
