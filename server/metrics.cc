@@ -11,7 +11,17 @@
 #include <prometheus/registry.h>
 #include <prometheus/text_serializer.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
 #include <exception>
+#include <optional>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -142,10 +152,72 @@ std::vector<std::string> CheckpointErrorReasons() {
 
 // ---------------------------------------------------------------- Prometheus
 
+// Where a connection reaches a listener bound to `host` (from HOST:PORT):
+// loopback for a wildcard. Numeric addresses only; nullopt for a name.
+std::optional<sockaddr_storage> WakeAddress(std::string host) {
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+  if (host.empty() || host == "0.0.0.0") host = "127.0.0.1";
+  if (host == "::") host = "::1";
+  sockaddr_storage addr{};
+  auto* v4 = reinterpret_cast<sockaddr_in*>(&addr);
+  auto* v6 = reinterpret_cast<sockaddr_in6*>(&addr);
+  if (inet_pton(AF_INET, host.c_str(), &v4->sin_addr) == 1) {
+    v4->sin_family = AF_INET;
+  } else if (inet_pton(AF_INET6, host.c_str(), &v6->sin6_addr) == 1) {
+    v6->sin6_family = AF_INET6;
+  } else {
+    return std::nullopt;
+  }
+  return addr;
+}
+
+// Opens and closes one connection to `addr` at `port`, waiting 50 ms at
+// most for it to be accepted by the kernel.
+void Knock(sockaddr_storage addr, int port) {
+  socklen_t len = sizeof(sockaddr_in);
+  if (addr.ss_family == AF_INET6) {
+    reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port = htons(static_cast<uint16_t>(port));
+    len = sizeof(sockaddr_in6);
+  } else {
+    reinterpret_cast<sockaddr_in*>(&addr)->sin_port = htons(static_cast<uint16_t>(port));
+  }
+  int fd = socket(addr.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) return;
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), len) != 0 && errno == EINPROGRESS) {
+    pollfd p{fd, POLLOUT, 0};
+    (void)poll(&p, 1, 50);
+  }
+  close(fd);
+}
+
+// Stops the HTTP server. civetweb's listening thread (under
+// prometheus::Exposer) polls its sockets with a 2 s timeout
+// (SOCKET_TIMEOUT_QUANTUM, civetweb 1.15 src/civetweb.c master_thread_run)
+// and looks at the stop flag mg_stop() sets only when that poll returns, so
+// a stop took up to 2 s, all of it added to a restart or an upgrade. While
+// the exposer stops on a thread of its own, a connection to each of its
+// ports every 5 ms wakes that poll; once the flag is set the thread exits
+// without accepting it.
+void StopExposer(std::unique_ptr<prometheus::Exposer> exposer, const std::optional<sockaddr_storage>& wake) {
+  if (exposer == nullptr) return;
+  std::vector<int> ports = exposer->GetListeningPorts();
+  std::atomic<bool> stopped{false};
+  std::thread stopper([&] {
+    exposer.reset();
+    stopped = true;
+  });
+  while (wake.has_value() && !stopped) {
+    for (int port : ports) Knock(*wake, port);
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  stopper.join();
+}
+
 struct PrometheusMetrics::State {
   std::shared_ptr<prometheus::Registry> registry = std::make_shared<prometheus::Registry>();
   std::shared_ptr<SampledGauges> sampled;
   std::unique_ptr<prometheus::Exposer> exposer;
+  std::optional<sockaddr_storage> wake;  // where a connection reaches the exposer (StopExposer)
 
   prometheus::Counter* load_bytes;
   prometheus::Histogram* load_duration;
@@ -230,7 +302,7 @@ struct PrometheusMetrics::State {
 
 PrometheusMetrics::PrometheusMetrics(std::unique_ptr<State> state) : state_(std::move(state)) {}
 
-PrometheusMetrics::~PrometheusMetrics() { state_->exposer.reset(); }
+PrometheusMetrics::~PrometheusMetrics() { StopExposer(std::move(state_->exposer), state_->wake); }
 
 absl::StatusOr<std::unique_ptr<PrometheusMetrics>> PrometheusMetrics::Create(PrometheusOptions options) {
   auto state = std::make_unique<State>(options);
@@ -244,6 +316,7 @@ absl::StatusOr<std::unique_ptr<PrometheusMetrics>> PrometheusMetrics::Create(Pro
       return absl::UnavailableError(
           absl::StrCat("cannot serve metrics on --metrics-address ", options.address, ": ", e.what()));
     }
+    state->wake = WakeAddress(options.address.substr(0, options.address.rfind(':')));
     state->exposer->RegisterCollectable(state->registry);
     state->exposer->RegisterCollectable(state->sampled);
   }
