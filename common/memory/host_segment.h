@@ -103,6 +103,8 @@ class HostSegment {
   // locked(). A refusal (RLIMIT_MEMLOCK, EPERM, ENOMEM) is kept in
   // lock_errno() and not retried. Thread-safe; concurrent calls lock once.
   bool Pin() const;
+  // Pin() locks this many bytes per mlock(2) call (a multiple of 2 MiB).
+  static constexpr uint64_t kPinPieceBytes = 64ull << 20;
 
   const char* data() const { return base_; }
   uint64_t size() const { return size_; }  // kHugetlb: rounded up to 2 MiB
