@@ -7,7 +7,7 @@ packages=(
   build-essential cmake ninja-build pkg-config
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev nlohmann-json3-dev prometheus-cpp-dev libcli11-dev
-  libgtest-dev libgmock-dev libxxhash-dev libsystemd-dev libdlpack-dev libucx-dev libseccomp-dev
+  libssl-dev libgtest-dev libgmock-dev libxxhash-dev libsystemd-dev libdlpack-dev libucx-dev libseccomp-dev
   python3-yaml
   python3-dev pybind11-dev python3-pybind11 python3-grpcio python3-grpc-tools
   python3-pytest python3-numpy python3-torch

@@ -24,6 +24,7 @@
 #include "absl/time/time.h"
 #include "server/fd_channel.h"
 #include "server/fd_store.h"
+#include "server/record_key.h"
 #include "server/restore.h"
 #include "server/upgrade.h"
 #include "server/grpc_acceptor.h"
@@ -148,12 +149,25 @@ std::string BoundAddress(const std::string& address, int port) {
   return absl::StrCat(address.substr(0, address.rfind(':')), ":", port);
 }
 
+// The record key beside `socket` (server/record_key.h); without one (a
+// warning says why) records carry no HMAC and restores hash every host byte.
+std::optional<RecordKey> LoadRecordKey(const std::string& socket) {
+  absl::StatusOr<RecordKey> key = RecordKey::Load(RecordKeyPath(socket));
+  if (key.ok()) return std::move(*key);
+  LogWarning(absl::StrCat(key.status().message(), "; state records are not authenticated, so a restart or upgrade "
+                          "hashes every host tensor again before serving it"));
+  return std::nullopt;
+}
+
 class DaemonImpl final : public Daemon {
  public:
   DaemonImpl(const DaemonConfig& config, std::vector<NamedFd> inherited)
-      : config_(config), binary_(SelfBinaryPath()), inherited_(std::move(inherited)) {
+      : config_(config),
+        binary_(SelfBinaryPath()),
+        record_key_(LoadRecordKey(config.socket)),
+        inherited_(std::move(inherited)) {
     listeners_.Add(&listener_);
-    fd_store_ = std::make_unique<FdStoreKeeper>(MakeSystemdFdStore());
+    fd_store_ = std::make_unique<FdStoreKeeper>(MakeSystemdFdStore(), record_key_ ? &*record_key_ : nullptr);
     listeners_.Add(fd_store_.get());
   }
   ~DaemonImpl() override { Shutdown(); }
@@ -289,7 +303,8 @@ class DaemonImpl final : public Daemon {
     auto start = std::chrono::steady_clock::now();
     size_t passed = fds.size();
     ModelRoots roots = ModelRoots::Resolve(*Env::Default(), config_.model_root);
-    RestoreResult result = RestoreFromFdStore(std::move(fds), {&roots, device_backend_.get()});
+    RestoreResult result =
+        RestoreFromFdStore(std::move(fds), {&roots, device_backend_.get(), record_key_ ? &*record_key_ : nullptr});
     int restored = 0;
     for (RestoredModel& r : result.models) {
       std::shared_ptr<ModelGeneration> model = std::move(r.model);
@@ -299,10 +314,12 @@ class DaemonImpl final : public Daemon {
         continue;
       }
       ++restored;
-      LogInfo(absl::StrFormat("restored '%s' generation %d from the fd store in %.1f ms without reading the checkpoint: "
-                              "%d tensors, %d host bytes, %d segments, fingerprint %s%s",
-                              model->request.name, model->generation, r.seconds * 1e3, model->tensor_count,
-                              model->host_bytes, model->segments.size(), model->fingerprint,
+      LogInfo(absl::StrFormat("restored '%s' generation %d from the fd store in %.1f ms without reading the checkpoint "
+                              "(%s): %d tensors, %d host bytes, %d segments, fingerprint %s%s",
+                              model->request.name, model->generation, r.seconds * 1e3,
+                              r.authenticated ? "record authenticated by its HMAC"
+                                              : "record not authenticated: every host tensor hashed again",
+                              model->tensor_count, model->host_bytes, model->segments.size(), model->fingerprint,
                               model->version_label.empty() ? "" : absl::StrCat(", version label ", model->version_label)));
     }
     for (const DroppedRecord& d : result.dropped) {
@@ -445,6 +462,7 @@ class DaemonImpl final : public Daemon {
 
   const DaemonConfig config_;
   const absl::StatusOr<std::string> binary_;  // what an upgrade executes: this binary's path at start
+  const std::optional<RecordKey> record_key_;  // authenticates state records; outlives fd_store_
   std::vector<PathLock> locks_;  // one per bound Unix path, held until exit
   bool owns_socket_ = false;     // every lock is ours: the socket paths may be unlinked
   DaemonListener listener_;

@@ -135,7 +135,8 @@ absl::StatusOr<ScopedFd> SealedMemfd(const std::string& model, const std::string
   return fd;
 }
 
-FdStoreKeeper::FdStoreKeeper(std::unique_ptr<FdStoreSink> sink) : sink_(std::move(sink)) {
+FdStoreKeeper::FdStoreKeeper(std::unique_ptr<FdStoreSink> sink, const RecordKey* key)
+    : key_(key), sink_(std::move(sink)) {
   worker_ = std::thread([this] { Run(); });
 }
 
@@ -268,10 +269,10 @@ void FdStoreKeeper::Publish(const std::shared_ptr<ModelGeneration>& model) {
 }
 
 absl::StatusOr<ScopedFd> FdStoreKeeper::WriteRecord(const ModelGeneration& model, const std::vector<StoredSegment>& host,
-                                                    const std::vector<StoredSegment>& arenas) {
+                                                    const std::vector<StoredSegment>& arenas) const {
   absl::StatusOr<ScopedFd> record;
   {
-    absl::StatusOr<std::string> bytes = EncodeStateRecord(model, host, arenas);
+    absl::StatusOr<std::string> bytes = EncodeStateRecord(model, host, arenas, key_);
     record = bytes.ok() ? SealedMemfd(model.request.name, *bytes) : bytes.status();
   }
   malloc_trim(0);  // the encoder's many small allocations: give them back now, not at the next load

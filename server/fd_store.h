@@ -34,6 +34,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "common/base/scoped_fd.h"
+#include "server/record_key.h"
 #include "server/registry.h"
 #include "server/state_record.h"
 
@@ -89,7 +90,8 @@ std::string InheritedFdProblem(int fd, const std::string& name);
 // may be null: the keeper still knows what an upgrade must hand on.
 class FdStoreKeeper final : public RegistryListener {
  public:
-  explicit FdStoreKeeper(std::unique_ptr<FdStoreSink> sink);
+  // `key` (may be null: records carry no HMAC) must outlive this.
+  explicit FdStoreKeeper(std::unique_ptr<FdStoreSink> sink, const RecordKey* key = nullptr);
   ~FdStoreKeeper() override;  // finishes the queued work
   FdStoreKeeper(const FdStoreKeeper&) = delete;
   FdStoreKeeper& operator=(const FdStoreKeeper&) = delete;
@@ -147,10 +149,11 @@ class FdStoreKeeper final : public RegistryListener {
   void AdoptSegment(std::shared_ptr<const void> object, int fd, const std::string& name, Stored& stored)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
   void Note(const absl::Status& status, const std::string& what) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
-  // The state record of `model` in a sealed memfd.
-  static absl::StatusOr<ScopedFd> WriteRecord(const ModelGeneration& model, const std::vector<StoredSegment>& host,
-                                              const std::vector<StoredSegment>& arenas);
+  // The state record of `model` in a sealed memfd, with an HMAC under key_.
+  absl::StatusOr<ScopedFd> WriteRecord(const ModelGeneration& model, const std::vector<StoredSegment>& host,
+                                       const std::vector<StoredSegment>& arenas) const;
 
+  const RecordKey* key_;
   std::unique_ptr<FdStoreSink> sink_;
   // The queue, taken under the registry lock: never held while storing.
   mutable absl::Mutex mu_;

@@ -66,7 +66,7 @@ class Restorer {
     std::vector<NamedFd> record_fds;
     for (NamedFd& f : records_) {
       absl::StatusOr<std::string> bytes = ReadRecord(f.fd.get());
-      absl::StatusOr<StateRecord> record = bytes.ok() ? DecodeStateRecord(*bytes) : bytes.status();
+      absl::StatusOr<StateRecord> record = bytes.ok() ? DecodeStateRecord(*bytes, options_.key) : bytes.status();
       if (!record.ok()) {
         result_.dropped.push_back({f.name, "", "corrupt", std::string(record.status().message())});
         continue;
@@ -156,14 +156,21 @@ class Restorer {
     for (SegmentRecord& s : m.segments) {
       s.fd = s.placement == Placement::kHost ? m.host_segments[s.owner]->fd() : m.arenas[s.owner]->export_fd();
     }
+    // An authenticated record was written by a daemon holding the key, and
+    // each of its segments was checked above to be the very memfd it stored
+    // (inode), sealed against writes: its bytes are the ones verified at
+    // load. Any other record may name memfds of whoever passed the fds.
+    out.authenticated = record.authenticated;
+    if (record.authenticated) return std::nullopt;
     return VerifyHostTensors(m);
   }
 
-  // A record is checksummed, not authenticated: whoever hands the daemon
-  // fds at start could name a sealed memfd of their own and recompute the
-  // checksum. So every host tensor is hashed again from its segment and
-  // must equal the content hash its record gives (which the fingerprint
-  // covers); a tensor shared by several ranks is hashed once. In parallel.
+  // A record without a valid HMAC may have been written by whoever handed
+  // the daemon fds at start (naming a sealed memfd of their own, with its
+  // checksum recomputed). So every host tensor is hashed again from its
+  // segment and must equal the content hash its record gives (which the
+  // fingerprint covers); a tensor shared by several ranks is hashed once. In
+  // parallel.
   static std::optional<Refusal> VerifyHostTensors(const ModelGeneration& m) {
     constexpr size_t kMaxHashThreads = 8;
     std::vector<const TensorRecord*> tensors;

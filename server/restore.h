@@ -38,6 +38,7 @@
 #include "common/io/model_roots.h"
 #include "common/memory/device.h"
 #include "server/fd_store.h"
+#include "server/record_key.h"
 #include "server/model.h"
 
 namespace weightd {
@@ -60,6 +61,7 @@ struct RestoredModel {
   std::vector<std::string> host_segment_names;  // parallel to model->host_segments
   std::vector<std::string> arena_names;         // parallel to model->arenas
   double seconds = 0;                           // to check and adopt it
+  bool authenticated = false;                   // its record's HMAC verified: its host bytes were not hashed again
 };
 
 struct DroppedRecord {
@@ -80,6 +82,10 @@ struct RestoreResult {
 struct RestoreOptions {
   const ModelRoots* model_roots = nullptr;  // required
   DeviceBackend* device_backend = nullptr;  // null: records with arenas are dropped
+  // The daemon's record key (null: none). A record whose HMAC verifies under
+  // it is restored without hashing its host tensors again; any other is
+  // hashed in full.
+  const RecordKey* key = nullptr;
 };
 
 // Consumes `fds` (closing what is not adopted).

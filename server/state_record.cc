@@ -347,7 +347,7 @@ absl::Status DecodeModel(const json& j, StateRecord& out) {
 }  // namespace
 
 absl::StatusOr<std::string> EncodeStateRecord(const ModelGeneration& model, const std::vector<StoredSegment>& host_segments,
-                                              const std::vector<StoredSegment>& arenas) {
+                                              const std::vector<StoredSegment>& arenas, const RecordKey* key) {
   if (host_segments.size() != model.host_segments.size() || arenas.size() != model.arenas.size()) {
     return absl::InvalidArgumentError("stored segments do not match the generation's");
   }
@@ -371,19 +371,22 @@ absl::StatusOr<std::string> EncodeStateRecord(const ModelGeneration& model, cons
   PutU64(out, text.size());
   PutU64(out, XXH3_64bits(text.data(), text.size()));
   out += text;
+  if (key != nullptr) out += key->Mac(out);
   return out;
 }
 
-absl::StatusOr<StateRecord> DecodeStateRecord(absl::string_view bytes) {
+absl::StatusOr<StateRecord> DecodeStateRecord(absl::string_view bytes, const RecordKey* key) {
   if (bytes.size() < kStateRecordHeaderBytes || std::memcmp(bytes.data(), kMagic, sizeof(kMagic)) != 0) {
     return absl::DataLossError("not a weightd state record (magic WDSTATE1 missing)");
   }
   uint64_t length = GetU64(bytes, 8);
-  if (length > kMaxStateRecordBytes || length != bytes.size() - kStateRecordHeaderBytes) {
-    return absl::DataLossError(absl::StrCat("state record body is ", bytes.size() - kStateRecordHeaderBytes,
-                                            " bytes, its header says ", length));
+  const uint64_t after_header = bytes.size() - kStateRecordHeaderBytes;
+  if (length > kMaxStateRecordBytes || (length != after_header && length + kRecordMacBytes != after_header)) {
+    return absl::DataLossError(absl::StrCat("state record body is ", after_header, " bytes, its header says ", length,
+                                            " (", kRecordMacBytes, " more with an HMAC)"));
   }
-  absl::string_view body = bytes.substr(kStateRecordHeaderBytes);
+  absl::string_view body = bytes.substr(kStateRecordHeaderBytes, length);
+  absl::string_view mac = bytes.substr(kStateRecordHeaderBytes + length);
   if (XXH3_64bits(body.data(), body.size()) != GetU64(bytes, 16)) {
     return absl::DataLossError("state record checksum (XXH3-64 of the body) does not match");
   }
@@ -391,6 +394,7 @@ absl::StatusOr<StateRecord> DecodeStateRecord(absl::string_view bytes) {
   if (j.is_discarded() || !j.is_object()) return absl::InvalidArgumentError("state record body is not a JSON object");
   StateRecord out;
   out.model = std::make_unique<ModelGeneration>();
+  out.authenticated = key != nullptr && !mac.empty() && key->Verify(bytes.substr(0, kStateRecordHeaderBytes + length), mac);
   WEIGHTD_RETURN_IF_ERROR(DecodeModel(j, out));
   return out;
 }

@@ -11,9 +11,13 @@
 //   bytes 16..23  XXH3-64 of the body
 //   bytes 24..    body: one JSON object (docs/operations.md, "What the
 //                 record holds")
+//   then, when the daemon has a record key (server/record_key.h), 32 bytes:
+//                 HMAC-SHA256 under that key of everything before it
 // The daemon writes it into a memfd that it seals (F_SEAL_WRITE and the
 // rest) before handing it to the store, so no process can change it later;
-// the checksum catches a record that is corrupt anyway.
+// the checksum catches a record that is corrupt anyway, and the HMAC tells a
+// record of this daemon's (or its predecessor's) from one written by
+// whoever handed the fds over.
 //
 // Pure functions; thread-safe.
 #ifndef WEIGHTD_SERVER_STATE_RECORD_H_
@@ -28,6 +32,7 @@
 #include "absl/strings/string_view.h"
 #include "common/memory/segment_backend.h"
 #include "server/model.h"
+#include "server/record_key.h"
 
 namespace weightd {
 
@@ -49,24 +54,31 @@ struct StoredSegment {
 // hold them, in ModelGeneration::host_segments and ::arenas order.
 struct StateRecord {
   std::unique_ptr<ModelGeneration> model;
+  // It carries an HMAC that verifies under the key it was decoded with.
+  bool authenticated = false;
   std::vector<StoredSegment> host_segments;
   std::vector<StoredSegment> arenas;
 };
 
 // The record of `model` (READY), whose host segments and arenas are stored
 // under the fds described by `host_segments` and `arenas` (parallel to the
-// model's). INVALID_ARGUMENT when the vectors do not match the model or the
-// record would exceed kMaxStateRecordBytes.
+// model's), with an HMAC under `key` unless it is null. INVALID_ARGUMENT
+// when the vectors do not match the model or the record would exceed
+// kMaxStateRecordBytes.
 absl::StatusOr<std::string> EncodeStateRecord(const ModelGeneration& model,
                                               const std::vector<StoredSegment>& host_segments,
-                                              const std::vector<StoredSegment>& arenas);
+                                              const std::vector<StoredSegment>& arenas,
+                                              const RecordKey* key = nullptr);
 
 // Checks and decodes a record: magic, length, checksum, every field's type,
 // a valid model name, every index in range, every tensor inside its
 // segment with nbytes matching its dtype and shape, and the fingerprint
 // recomputed from the tensors' hashes. DATA_LOSS for a damaged record
 // (magic, length, checksum), INVALID_ARGUMENT naming the field otherwise.
-absl::StatusOr<StateRecord> DecodeStateRecord(absl::string_view bytes);
+// StateRecord::authenticated when `key` is not null and the record's HMAC
+// verifies under it; a record without one, or with one that does not
+// verify, decodes as unauthenticated (not an error).
+absl::StatusOr<StateRecord> DecodeStateRecord(absl::string_view bytes, const RecordKey* key = nullptr);
 
 }  // namespace weightd
 

@@ -506,7 +506,9 @@ def _():
     s = read_unit()["Service"]
     want = {"Type": "notify", "NotifyAccess": "main", "LimitMEMLOCK": "infinity",
             "RuntimeDirectory": "weightd", "Restart": "on-failure", "User": "weightd",
-            "Group": "weightd"}
+            "Group": "weightd",
+            # the record key (weightd.sock.key) outlives a restart, as the fd store does
+            "RuntimeDirectoryPreserve": "restart"}
     expect_settings(s, want)
     expect(s.get("RuntimeDirectoryMode") in ("0750", "0755"), "RuntimeDirectoryMode=%r" % s.get("RuntimeDirectoryMode"))
     wd = seconds(s.get("WatchdogSec", ""))

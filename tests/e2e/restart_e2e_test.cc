@@ -146,8 +146,14 @@ TEST_F(RestartE2E, SigkilledDaemonServesEveryModelAgainWithoutReadingACheckpoint
   EXPECT_EQ(after["tiny"]["state"], "READY");
   EXPECT_EQ(after["llama"]["state"], "READY");
   std::string log = store_.Stderr(1);
-  EXPECT_TRUE(absl::StrContains(log, "restored 'tiny' generation 1 from the fd store")) << log;
-  EXPECT_TRUE(absl::StrContains(log, "restored 'llama' generation 2 from the fd store")) << log;
+  // Records of this daemon's key (beside its socket): no second pass over the bytes.
+  EXPECT_TRUE(absl::StrContains(log, "restored 'tiny' generation 1 from the fd store in ")) << log;
+  EXPECT_TRUE(std::regex_search(log, std::regex("restored 'tiny' generation 1 from the fd store in [0-9.]+ ms without "
+                                                "reading the checkpoint \\(record authenticated by its HMAC\\)")))
+      << log;
+  EXPECT_TRUE(std::regex_search(log, std::regex("restored 'llama' generation 2 from the fd store in [0-9.]+ ms without "
+                                                "reading the checkpoint \\(record authenticated by its HMAC\\)")))
+      << log;
   EXPECT_FALSE(absl::StrContains(log, "loaded '")) << log;
   Verify("tiny", tiny + ".moved");
   Verify("llama", small + ".moved", 0);
@@ -163,6 +169,42 @@ TEST_F(RestartE2E, SigkilledDaemonServesEveryModelAgainWithoutReadingACheckpoint
   CommandResult again = Ctl({"load", "tiny2", tiny, "--json"});
   ASSERT_EQ(again.code, 0) << again.err;
   EXPECT_EQ(json::parse(again.out)["generation"], 3);
+}
+
+// Without the key (removed, or refused) records are not authenticated:
+// every host tensor is hashed again before it is served, and the daemon
+// makes a new key for the records it writes from then on.
+TEST_F(RestartE2E, ALostRecordKeyCostsAHashOfEveryByteNotAModel) {
+  std::string tiny = Demo("tiny", "tiny");
+  Start();
+  ASSERT_EQ(Ctl({"load", "tiny", tiny}).code, 0);
+  std::map<std::string, json> before = Models();
+  WaitForRecords(1);
+  std::string key = socket_ + ".key";
+  struct stat st {};
+  ASSERT_EQ(stat(key.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 07777, 0600u);
+  EXPECT_EQ(st.st_size, 32);
+  EXPECT_EQ(store_.Kill(SIGKILL), 128 + SIGKILL);
+  ASSERT_EQ(unlink(key.c_str()), 0);
+  Start();
+  EXPECT_EQ(Models(), before) << store_.Stderr(1);
+  std::string log = store_.Stderr(1);
+  EXPECT_TRUE(absl::StrContains(log, "without reading the checkpoint (record not authenticated: every host tensor "
+                                     "hashed again)"))
+      << log;
+  EXPECT_EQ(stat(key.c_str(), &st), 0);  // a new one
+  Verify("tiny", tiny);
+  // A key others may read is refused by name, and restores hash.
+  EXPECT_EQ(store_.Kill(SIGKILL), 128 + SIGKILL);
+  ASSERT_EQ(chmod(key.c_str(), 0644), 0);
+  Start();
+  EXPECT_EQ(Models(), before) << store_.Stderr(2);
+  log = store_.Stderr(2);
+  EXPECT_TRUE(absl::StrContains(log, "record key " + key + ": has mode 0644 (group or others have access; must be "
+                                     "0600); state records are not authenticated"))
+      << log;
+  EXPECT_TRUE(absl::StrContains(log, "record not authenticated: every host tensor hashed again")) << log;
 }
 
 TEST_F(RestartE2E, DamagedRecordsAreDroppedAndTheOthersRestored) {

@@ -108,8 +108,8 @@ class Restore : public ::testing::Test {
     keeper.Flush();
   }
 
-  RestoreResult RestoreAll(std::vector<NamedFd> fds, DeviceBackend* backend) {
-    return RestoreFromFdStore(std::move(fds), {&roots_, backend});
+  RestoreResult RestoreAll(std::vector<NamedFd> fds, DeviceBackend* backend, const RecordKey* key = nullptr) {
+    return RestoreFromFdStore(std::move(fds), {&roots_, backend, key});
   }
 
   TempDir dir_;
@@ -368,6 +368,91 @@ TEST_F(Restore, ARecordNamingAnotherMemfdWithOtherBytesIsDroppedAsContentMismatc
   RestoreResult copy = RestoreAll(passed(bytes), backend_.get());
   ASSERT_EQ(copy.models.size(), 1u) << (copy.dropped.empty() ? "" : copy.dropped[0].message);
   EXPECT_EQ(HostBytes(*copy.models[0].model), bytes);
+}
+
+RecordKey KeyOf(uint8_t fill) {
+  std::array<uint8_t, kRecordKeyBytes> bytes;
+  bytes.fill(fill);
+  return RecordKey::FromBytes(bytes);
+}
+
+// A record with a valid HMAC under the daemon's key is restored without a
+// second pass over its bytes; one under another key, or none, is hashed.
+TEST_F(Restore, AnAuthenticatedRecordSkipsTheHashingAndAnyOtherIsHashed) {
+  const RecordKey key = KeyOf(7), other = KeyOf(8);
+  std::shared_ptr<ModelGeneration> model = Load("m", 1);
+  auto* sink = new FakeSink;
+  FdStoreKeeper keeper{std::unique_ptr<FdStoreSink>(sink), &key};
+  Store(keeper, model);
+  RestoreResult ours = RestoreAll(sink->Passed(), backend_.get(), &key);
+  ASSERT_EQ(ours.models.size(), 1u) << (ours.dropped.empty() ? "" : ours.dropped[0].message);
+  EXPECT_TRUE(ours.models[0].authenticated);
+  EXPECT_EQ(HostBytes(*ours.models[0].model), HostBytes(*model));
+  EXPECT_EQ(ours.models[0].model->fingerprint, model->fingerprint);
+  for (const RecordKey* k : {&other, static_cast<const RecordKey*>(nullptr)}) {
+    RestoreResult hashed = RestoreAll(sink->Passed(), backend_.get(), k);
+    ASSERT_EQ(hashed.models.size(), 1u);
+    EXPECT_FALSE(hashed.models[0].authenticated);
+  }
+  // One byte of the body changed, checksum recomputed, HMAC kept: not
+  // authenticated, so hashed (and here refused by the fingerprint check).
+  std::vector<NamedFd> passed = sink->Passed();
+  auto rec = std::find_if(passed.begin(), passed.end(), [](const NamedFd& f) { return f.name == "wd-rec-1"; });
+  ASSERT_NE(rec, passed.end());
+  std::string record = ReadAll(rec->fd.get());
+  uint64_t length = 0;
+  for (int i = 0; i < 8; ++i) length |= uint64_t{static_cast<unsigned char>(record[8 + i])} << (8 * i);
+  ASSERT_EQ(record.size(), kStateRecordHeaderBytes + length + kRecordMacBytes);
+  std::string body = record.substr(kStateRecordHeaderBytes, length);
+  size_t at = body.find("\"generation\":1");
+  ASSERT_NE(at, std::string::npos);
+  body.replace(at, 14, "\"generation\":3");
+  uint64_t sum = XXH3_64bits(body.data(), body.size());
+  std::string forged = record.substr(0, 16);
+  for (int i = 0; i < 8; ++i) forged.push_back(static_cast<char>((sum >> (8 * i)) & 0xff));
+  forged += body + record.substr(kStateRecordHeaderBytes + length);
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(StateRecord decoded, DecodeStateRecord(forged, &key));
+  EXPECT_FALSE(decoded.authenticated);
+  EXPECT_EQ(decoded.model->generation, 3u);
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(StateRecord genuine, DecodeStateRecord(record, &key));
+  EXPECT_TRUE(genuine.authenticated);
+}
+
+// What the HMAC vouches for is what was verified at load: a record the key
+// signed over other bytes is served as is, which is why only the daemon may
+// read the key (server/record_key.h). Without the key the same record is
+// hashed and dropped.
+TEST_F(Restore, TheKeyIsWhatVouchesForAnAuthenticatedRecordsBytes) {
+  const RecordKey key = KeyOf(7);
+  std::shared_ptr<ModelGeneration> model = Load("m", 1);
+  std::string bytes(model->host_segments[0]->data(), model->host_segments[0]->size());
+  bytes[0] ^= 0x5a;
+  auto passed = [&] {
+    ScopedFd host = Sealed(bytes);
+    struct stat st {};
+    EXPECT_EQ(fstat(host.get(), &st), 0);
+    std::vector<StoredSegment> hosts = {{"wd-seg-1", SegmentBackend::kMemfd, bytes.size(),
+                                         static_cast<uint64_t>(st.st_ino), false, ""}};
+    std::vector<StoredSegment> arenas;
+    std::vector<NamedFd> fds;
+    fds.push_back({"wd-seg-1", std::move(host)});
+    for (size_t i = 0; i < model->arenas.size(); ++i) {
+      const DeviceArena& a = *model->arenas[i];
+      std::string name = absl::StrCat("wd-seg-", 2 + i);
+      arenas.push_back({name, SegmentBackend::kEmulated, a.size(), 0, false, a.device().uuid});
+      fds.push_back({name, ScopedFd(fcntl(a.export_fd(), F_DUPFD_CLOEXEC, 3))});
+    }
+    absl::StatusOr<std::string> record = EncodeStateRecord(*model, hosts, arenas, &key);
+    EXPECT_TRUE(record.ok()) << record.status();
+    fds.push_back({"wd-rec-1", Sealed(*record)});
+    return fds;
+  };
+  RestoreResult signed_ = RestoreAll(passed(), backend_.get(), &key);
+  ASSERT_EQ(signed_.models.size(), 1u);
+  EXPECT_TRUE(signed_.models[0].authenticated);
+  RestoreResult unsigned_ = RestoreAll(passed(), backend_.get(), nullptr);
+  ASSERT_EQ(unsigned_.dropped.size(), 1u);
+  EXPECT_EQ(unsigned_.dropped[0].reason, "content_mismatch");
 }
 
 // Fields a live request would have refused are refused in a record too.
