@@ -511,7 +511,9 @@ absl::StatusOr<Client::DaemonState> Client::Daemon() {
   grpc::ClientContext context;
   v1::ListModelsResponse response;
   WEIGHTD_RETURN_IF_ERROR(FromGrpc(impl_->stub->ListModels(&context, v1::ListModelsRequest(), &response)));
-  return DaemonState{response.daemon_instance(), response.last_upgrade_error()};
+  DaemonState state{response.daemon_instance(), response.last_upgrade_error(), {}};
+  for (const auto& m : response.models()) state.models.push_back(FromProto(m));
+  return state;
 }
 
 absl::StatusOr<std::string> Client::DaemonInstance() {

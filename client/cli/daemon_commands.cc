@@ -134,8 +134,9 @@ int RunReload(const Args& args, Context& ctx) {
 int RunList(const Args& args, Context& ctx) {
   absl::StatusOr<std::unique_ptr<Client>> client = ConnectTo(ctx);
   if (!client.ok()) return ReportError(client.status(), ctx.err);
-  absl::StatusOr<std::vector<ModelSummary>> models = (*client)->List();
-  if (!models.ok()) return ReportError(models.status(), ctx.err);
+  absl::StatusOr<Client::DaemonState> daemon = (*client)->Daemon();
+  if (!daemon.ok()) return ReportError(daemon.status(), ctx.err);
+  const std::vector<ModelSummary>* models = &daemon->models;
   if (args.Flag("--json")) {
     json list = json::array();
     for (const ModelSummary& m : *models) {
@@ -147,7 +148,7 @@ int RunList(const Args& args, Context& ctx) {
       entry["error"] = m.error;
       list.push_back(entry);
     }
-    ctx.out << json{{"models", list}}.dump(2) << "\n";
+    ctx.out << json{{"daemon_instance", daemon->instance}, {"models", list}}.dump(2) << "\n";
     return kExitOk;
   }
   ctx.out << absl::StrFormat("%-24s %5s %-9s %12s %12s %12s %6s  %-16s %-24s %s\n", "NAME", "GEN", "STATE", "HOST",

@@ -169,11 +169,17 @@ TEST_F(UpgradeE2E, AnExecThatFailsAnywayComesBackOnTheRunningImageWithEveryModel
       << log;
   EXPECT_TRUE(absl::StrContains(log, "started again on the running binary: the in-place upgrade failed")) << log;
 
-  // Once the file is complete, the same upgrade goes through.
+  // Once the file is complete, the same upgrade goes through; `ls --json`
+  // names the new image's instance, the one `upgrade --json` reported.
   writer.Reset();
+  std::string instance = json::parse(Ctl({"ls", "--json"}).out)["daemon_instance"];
+  EXPECT_EQ(instance.size(), 16u) << instance;
   CommandResult again = Ctl({"upgrade", "--json"});
   ASSERT_EQ(again.code, 0) << again.err;
-  EXPECT_EQ(json::parse(again.out)["models"].size(), 1u);
+  json upgraded = json::parse(again.out);
+  EXPECT_EQ(upgraded["models"].size(), 1u);
+  EXPECT_NE(upgraded["daemon_instance"], instance);
+  EXPECT_EQ(json::parse(Ctl({"ls", "--json"}).out)["daemon_instance"], upgraded["daemon_instance"]);
   EXPECT_EQ(Models(), before_);
 }
 

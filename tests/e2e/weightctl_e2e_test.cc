@@ -22,7 +22,9 @@ TEST(WeightctlE2E, SocketFromTheEnvironment) {
   CommandResult r = CtlWithEnv(d.socket(), {"ls", "--json"});
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_EQ(r.err, "");
-  EXPECT_EQ(nlohmann::json::parse(r.out), nlohmann::json({{"models", nlohmann::json::array()}}));
+  nlohmann::json listed_r = nlohmann::json::parse(r.out);
+  EXPECT_EQ(listed_r["models"], nlohmann::json::array());
+  EXPECT_EQ(listed_r["daemon_instance"].get<std::string>().size(), 16u) << r.out;  // 64 random bits, hex
 }
 
 TEST(WeightctlE2E, SocketFlagWinsOverTheEnvironment) {
@@ -50,7 +52,9 @@ TEST(WeightctlE2E, ARelativeSocketPathIsAPath) {
   };
   CommandResult nested = ctl_in(parent, base + "/w.sock");
   EXPECT_EQ(nested.code, 0) << nested.err;
-  EXPECT_EQ(nlohmann::json::parse(nested.out), nlohmann::json({{"models", nlohmann::json::array()}}));
+  nlohmann::json listed_nested = nlohmann::json::parse(nested.out);
+  EXPECT_EQ(listed_nested["models"], nlohmann::json::array());
+  EXPECT_EQ(listed_nested["daemon_instance"].get<std::string>().size(), 16u) << nested.out;  // 64 random bits, hex
   CommandResult here = ctl_in(dir, "w.sock");
   EXPECT_EQ(here.code, 0) << here.err;
   CommandResult missing = ctl_in(dir, "nosuch.sock");

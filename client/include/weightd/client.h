@@ -379,11 +379,14 @@ class Client {
   // The daemon's instance: random per daemon process image, so it changes
   // when the daemon restarts or upgrades (its leases are then gone).
   absl::StatusOr<std::string> DaemonInstance();
-  // DaemonInstance() and, when this image is the fallback of an in-place
-  // upgrade whose new binary could not be executed, why (else "").
+  // DaemonInstance(), when this image is the fallback of an in-place
+  // upgrade whose new binary could not be executed, why (else ""), and
+  // List()'s models: all from one ListModels call, so the models are the
+  // ones that instance serves.
   struct DaemonState {
     std::string instance;
     std::string last_upgrade_error;
+    std::vector<ModelSummary> models;
   };
   absl::StatusOr<DaemonState> Daemon();
 
