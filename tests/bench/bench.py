@@ -306,6 +306,24 @@ class Bench:
                                  f"{r['exec_p50'] * 1e3:.0f} ms and gRPC server set-up most of the rest; the restore "
                                  f"itself takes {r['restore_ms_p50']:.1f} ms"))
 
+        log("down time of an upgrade and a restart, metrics on; first attach after a load")
+        t = daemon_restart.measure_downtime(self, 3 if self.quick else 5)
+        self.raw["downtime"] = t
+        n = len(t["upgrade_s"])
+        self.table.add(f"`weightctl upgrade` (systemctl reload) with a model loaded, metrics on ({label}), command to "
+                       f"READY (median of {n}) vs the restore step",
+                       f"{t['upgrade_p50'] * 1e3:.0f} ms", f"{t['restore_ms_p50']:.1f} ms", "-", "<= 300 ms",
+                       at_most(t["upgrade_p50"], 0.3, "see the log of each start in the run folder"))
+        self.table.add(f"SIGTERM, then a start with the stored fds (systemctl restart), metrics on ({label}), "
+                       f"signal to READY (median of {n}) vs the restore step",
+                       f"{t['restart_p50'] * 1e3:.0f} ms", f"{t['restore_ms_p50']:.1f} ms", "-", "<= 300 ms",
+                       at_most(t["restart_p50"], 0.3, "see the log of each start in the run folder"))
+        ratio = t["first_attach_p50"] / t["later_attach_p50"]
+        self.table.add(f"first attach right after a load (pinning under way) vs one after pinning ({label}, "
+                       f"fresh process, median of {n})",
+                       f"{t['first_attach_p50'] * 1e3:.1f} ms", f"{t['later_attach_p50'] * 1e3:.1f} ms",
+                       f"{ratio:.2f}x", "<= 2x", at_most(ratio, 2, "the first attach waits on the pinning thread"))
+
     def catalog(self):
         path = self.synthetic(200000, 200000 * 4)
         runs = self.reps

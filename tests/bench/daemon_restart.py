@@ -146,6 +146,80 @@ def measure(ctx, reps):
             "ready_p50": med(ready_s), "exec_s": exec_s, "exec_p50": med(exec_s)}
 
 
+def _attach_s(ctx, sock, name):
+    """Seconds a fresh process takes to attach `name` (gRPC connection, manifest, every view)."""
+    out = subprocess.run([ctx.bench, "restart", "--mode", "attach", "--socket", sock, "--name", name],
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)["seconds"]
+
+
+def _wait_pinned(weightctl, sock, name, timeout=60):
+    deadline = time.perf_counter() + timeout
+    while time.perf_counter() < deadline:
+        out = subprocess.run([weightctl, "--socket", sock, "ls", "--json"], capture_output=True, text=True)
+        models = json.loads(out.stdout)["models"] if out.returncode == 0 else []
+        if any(m["name"] == name and m["host_bytes"] > 0 and m["locked_bytes"] == m["host_bytes"] for m in models):
+            return
+        time.sleep(0.02)
+    raise RuntimeError(f"{name} was not pinned within {timeout} s")
+
+
+def measure_downtime(ctx, reps):
+    """Down time with one model loaded and the metrics listener on, as operators restart a daemon:
+    `weightctl upgrade` (what `systemctl reload` runs), and SIGTERM then a new start with the stored
+    fds (what `systemctl restart` does), each from the command until `weightctl ls` answers READY;
+    plus the first attach right after a load (pinning under way) against one after pinning."""
+    run = os.path.join(ctx.run_dir, "downtime")
+    os.makedirs(run, exist_ok=True)
+    sock = os.path.join(run, "w.sock")
+    argv = [ctx.weightd, "--socket", sock, "--model-root", ctx.data_dir, "--metrics-address", "127.0.0.1:0",
+            "--device-backend", "none"]
+    store = StandIn(os.path.join(run, "notify.sock"))
+    logs = [os.path.join(run, "start-0.log")]
+    daemon = store.start(argv, logs[0])
+    upgrade_s, restart_s, restore_ms, first_attach, later_attach = [], [], [], [], []
+    try:
+        wait_for_socket(ctx.weightctl, sock)
+        for i in range(reps):  # first attach: right after each load returns, while pinning runs
+            name = f"a{i}"
+            subprocess.run([ctx.weightctl, "--socket", sock, "load", name, ctx.ckpt], capture_output=True, check=True)
+            first_attach.append(_attach_s(ctx, sock, name))
+            _wait_pinned(ctx.weightctl, sock, name)
+            later_attach.append(_attach_s(ctx, sock, name))
+            subprocess.run([ctx.weightctl, "--socket", sock, "unload", name], capture_output=True, check=True)
+        subprocess.run([ctx.weightctl, "--socket", sock, "load", "m", ctx.ckpt], capture_output=True, check=True)
+        _wait_pinned(ctx.weightctl, sock, "m")
+        deadline = time.time() + 30
+        while store.records() < 1 and time.time() < deadline:
+            time.sleep(0.01)
+        for i in range(reps):
+            t0 = time.perf_counter()
+            subprocess.run([ctx.weightctl, "--socket", sock, "upgrade", "--timeout", "60"], capture_output=True,
+                           check=True)
+            upgrade_s.append(wait_ready(ctx.weightctl, sock, "m") - t0)
+        for i in range(reps):
+            t0 = time.perf_counter()
+            daemon.send_signal(signal.SIGTERM)
+            if daemon.wait(timeout=60) != 0:
+                raise RuntimeError(f"restart {i}: the daemon exited {daemon.returncode}: see {logs[-1]}")
+            logs.append(os.path.join(run, f"start-{i + 1}.log"))
+            daemon = store.start(argv, logs[-1])
+            restart_s.append(wait_ready(ctx.weightctl, sock, "m") - t0)
+            m = re.search(r"restored 'm' generation \d+ from the fd store in ([0-9.]+) ms without reading the "
+                          r"checkpoint \(record authenticated", open(logs[-1]).read())
+            if not m:
+                raise RuntimeError(f"restart {i}: 'm' was not restored from an authenticated record: see {logs[-1]}")
+            restore_ms.append(float(m.group(1)))
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        daemon.wait(timeout=30)
+    med = lambda xs: sorted(xs)[len(xs) // 2]
+    return {"upgrade_s": upgrade_s, "restart_s": restart_s, "restore_ms": restore_ms, "first_attach_s": first_attach,
+            "later_attach_s": later_attach, "upgrade_p50": med(upgrade_s), "restart_p50": med(restart_s),
+            "restore_ms_p50": med(restore_ms), "first_attach_p50": med(first_attach),
+            "later_attach_p50": med(later_attach)}
+
+
 def wait_for_socket(weightctl, sock, timeout=30):
     deadline = time.perf_counter() + timeout
     while subprocess.run([weightctl, "--socket", sock, "ls"], capture_output=True).returncode != 0:
