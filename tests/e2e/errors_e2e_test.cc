@@ -7,6 +7,7 @@
 #include <string>
 
 #include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "tests/testing/checkpoint_builder.h"
 #include "tests/testing/process.h"
@@ -48,7 +49,7 @@ TEST(ErrorsE2E, ALongDuplicateTensorNameGivesTheSameLineThroughLoadAsInspect) {
   CommandResult load = d.Ctl({"load", "dup", "dup.safetensors"});
   EXPECT_EQ(load.code, 2);
   EXPECT_EQ(load.err, expected);
-  EXPECT_EQ(d.Ctl({"ls", "--json"}).out, "{\n  \"models\": []\n}\n");
+  EXPECT_EQ(nlohmann::json::parse(d.Ctl({"ls", "--json"}).out)["models"], nlohmann::json::array());  // nothing half-loaded
 }
 
 // A 1 MiB model name is refused by its length on LoadModel too (GetManifest,
