@@ -323,6 +323,31 @@ TEST_F(Restore, EveryTruncationAndAForgedFingerprintAreRefused) {
   EXPECT_THAT(DecodeStateRecord(forged), StatusIs(absl::StatusCode::kInvalidArgument, "record fingerprint"));
 }
 
+// What a forger who hands the daemon fds passes: `host_bytes` in a sealed
+// memfd of its own as the model's one host segment (wd-seg-1), the model's
+// arenas, and a record naming them, with an HMAC under `key` unless null.
+std::vector<NamedFd> PassedWithHostBytes(const ModelGeneration& model, const std::string& host_bytes,
+                                         const RecordKey* key) {
+  ScopedFd host = Sealed(host_bytes);
+  struct stat st {};
+  EXPECT_EQ(fstat(host.get(), &st), 0);
+  std::vector<StoredSegment> hosts = {{"wd-seg-1", SegmentBackend::kMemfd, host_bytes.size(),
+                                       static_cast<uint64_t>(st.st_ino), false, ""}};
+  std::vector<StoredSegment> arenas;
+  std::vector<NamedFd> fds;
+  fds.push_back({"wd-seg-1", std::move(host)});
+  for (size_t i = 0; i < model.arenas.size(); ++i) {
+    const DeviceArena& a = *model.arenas[i];
+    std::string name = absl::StrCat("wd-seg-", 2 + i);
+    arenas.push_back({name, SegmentBackend::kEmulated, a.size(), 0, false, a.device().uuid});
+    fds.push_back({name, ScopedFd(fcntl(a.export_fd(), F_DUPFD_CLOEXEC, 3))});
+  }
+  absl::StatusOr<std::string> record = EncodeStateRecord(model, hosts, arenas, key);
+  EXPECT_TRUE(record.ok()) << record.status();
+  fds.push_back({"wd-rec-1", Sealed(*record)});
+  return fds;
+}
+
 // A record is checksummed, not authenticated. Before, whoever could hand
 // the daemon fds at start could rewrite a record to name a sealed memfd of
 // their own (its inode, the right size) and recompute the checksum, and
@@ -332,30 +357,10 @@ TEST_F(Restore, ARecordNamingAnotherMemfdWithOtherBytesIsDroppedAsContentMismatc
   std::shared_ptr<ModelGeneration> model = Load("m", 1);
   ASSERT_EQ(model->host_segments.size(), 1u);
   const HostSegment& genuine = *model->host_segments[0];
-  auto passed = [&](const std::string& host_bytes) {
-    ScopedFd host = Sealed(host_bytes);
-    struct stat st {};
-    EXPECT_EQ(fstat(host.get(), &st), 0);
-    std::vector<StoredSegment> hosts = {{"wd-seg-1", SegmentBackend::kMemfd, genuine.size(),
-                                         static_cast<uint64_t>(st.st_ino), false, ""}};
-    std::vector<StoredSegment> arenas;
-    std::vector<NamedFd> fds;
-    fds.push_back({"wd-seg-1", std::move(host)});
-    for (size_t i = 0; i < model->arenas.size(); ++i) {
-      const DeviceArena& a = *model->arenas[i];
-      std::string name = absl::StrCat("wd-seg-", 2 + i);
-      arenas.push_back({name, SegmentBackend::kEmulated, a.size(), 0, false, a.device().uuid});
-      fds.push_back({name, ScopedFd(fcntl(a.export_fd(), F_DUPFD_CLOEXEC, 3))});
-    }
-    absl::StatusOr<std::string> record = EncodeStateRecord(*model, hosts, arenas);
-    EXPECT_TRUE(record.ok()) << record.status();
-    fds.push_back({"wd-rec-1", Sealed(*record)});
-    return fds;
-  };
   std::string bytes(genuine.data(), genuine.size());
   std::string forged = bytes;
   forged[0] ^= 0x5a;  // the first byte of embed.table
-  RestoreResult attack = RestoreAll(passed(forged), backend_.get());
+  RestoreResult attack = RestoreAll(PassedWithHostBytes(*model, forged, nullptr), backend_.get());
   EXPECT_EQ(attack.models.size(), 0u);
   ASSERT_EQ(attack.dropped.size(), 1u);
   EXPECT_EQ(attack.dropped[0].reason, "content_mismatch");
@@ -365,7 +370,7 @@ TEST_F(Restore, ARecordNamingAnotherMemfdWithOtherBytesIsDroppedAsContentMismatc
                                 absl::StrCat(", the record says ", ContentHashHex(model->ranks[0].tensors[0].content_hash))))
       << attack.dropped[0].message;
   // The same bytes in another memfd are the verified bytes: restored.
-  RestoreResult copy = RestoreAll(passed(bytes), backend_.get());
+  RestoreResult copy = RestoreAll(PassedWithHostBytes(*model, bytes, nullptr), backend_.get());
   ASSERT_EQ(copy.models.size(), 1u) << (copy.dropped.empty() ? "" : copy.dropped[0].message);
   EXPECT_EQ(HostBytes(*copy.models[0].model), bytes);
 }
@@ -427,30 +432,10 @@ TEST_F(Restore, TheKeyIsWhatVouchesForAnAuthenticatedRecordsBytes) {
   std::shared_ptr<ModelGeneration> model = Load("m", 1);
   std::string bytes(model->host_segments[0]->data(), model->host_segments[0]->size());
   bytes[0] ^= 0x5a;
-  auto passed = [&] {
-    ScopedFd host = Sealed(bytes);
-    struct stat st {};
-    EXPECT_EQ(fstat(host.get(), &st), 0);
-    std::vector<StoredSegment> hosts = {{"wd-seg-1", SegmentBackend::kMemfd, bytes.size(),
-                                         static_cast<uint64_t>(st.st_ino), false, ""}};
-    std::vector<StoredSegment> arenas;
-    std::vector<NamedFd> fds;
-    fds.push_back({"wd-seg-1", std::move(host)});
-    for (size_t i = 0; i < model->arenas.size(); ++i) {
-      const DeviceArena& a = *model->arenas[i];
-      std::string name = absl::StrCat("wd-seg-", 2 + i);
-      arenas.push_back({name, SegmentBackend::kEmulated, a.size(), 0, false, a.device().uuid});
-      fds.push_back({name, ScopedFd(fcntl(a.export_fd(), F_DUPFD_CLOEXEC, 3))});
-    }
-    absl::StatusOr<std::string> record = EncodeStateRecord(*model, hosts, arenas, &key);
-    EXPECT_TRUE(record.ok()) << record.status();
-    fds.push_back({"wd-rec-1", Sealed(*record)});
-    return fds;
-  };
-  RestoreResult signed_ = RestoreAll(passed(), backend_.get(), &key);
+  RestoreResult signed_ = RestoreAll(PassedWithHostBytes(*model, bytes, &key), backend_.get(), &key);
   ASSERT_EQ(signed_.models.size(), 1u);
   EXPECT_TRUE(signed_.models[0].authenticated);
-  RestoreResult unsigned_ = RestoreAll(passed(), backend_.get(), nullptr);
+  RestoreResult unsigned_ = RestoreAll(PassedWithHostBytes(*model, bytes, &key), backend_.get(), nullptr);
   ASSERT_EQ(unsigned_.dropped.size(), 1u);
   EXPECT_EQ(unsigned_.dropped[0].reason, "content_mismatch");
 }
