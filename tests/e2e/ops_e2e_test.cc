@@ -70,11 +70,10 @@ class OpsDaemon {
   OpsDaemon()
       : d_({"--metrics-address", "127.0.0.1:0", "--health-address", "127.0.0.1:0", "--device-backend", "emulated",
             "--mlock", "false"}) {
-    std::string log = d_.process().Stderr();
-    metrics_port_ = LoggedPort(log, "metrics on");
-    health_port_ = LoggedPort(log, "health service on");
-    EXPECT_GT(metrics_port_, 0) << log;
-    EXPECT_GT(health_port_, 0) << log;
+    metrics_port_ = d_.LoggedPort("metrics on http://");
+    health_port_ = d_.LoggedPort("health service on ");  // starts after the Unix socket answers
+    EXPECT_GT(metrics_port_, 0) << d_.process().Stderr();
+    EXPECT_GT(health_port_, 0) << d_.process().Stderr();
     WriteCheckpoint(d_.models_dir() + "/m.safetensors");
   }
   DaemonProcess& d() { return d_; }

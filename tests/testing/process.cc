@@ -161,16 +161,29 @@ std::vector<std::string> DaemonProcess::CtlArgv(const std::vector<std::string>& 
 
 CommandResult DaemonProcess::Ctl(const std::vector<std::string>& args) const { return RunCommand(CtlArgv(args)); }
 
+// The Unix socket answers before the TCP, health and peer listeners start (daemon.cc starts them in that
+// order), so a port is looked for in the log until it appears, the daemon exits, or 20 s pass.
+std::string DaemonProcess::AwaitLog(const std::function<bool(const std::string&)>& found) {
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (true) {
+    bool running = process_->Running();
+    std::string log = process_->Stderr();
+    if (found(log) || !running || std::chrono::steady_clock::now() >= deadline) return log;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+}
+
 int DaemonProcess::TcpListenerPort() {
-  std::string log = process_->Stderr();
+  const std::regex listener(R"(gRPC TCP listener on 127\.0\.0\.1:(\d+))");
+  std::string log = AwaitLog([&](const std::string& l) { return std::regex_search(l, listener); });
   std::smatch m;
-  if (!std::regex_search(log, m, std::regex(R"(gRPC TCP listener on 127\.0\.0\.1:(\d+))"))) return 0;
+  if (!std::regex_search(log, m, listener)) return 0;
   return std::stoi(m[1]);
 }
 
 int DaemonProcess::LoggedPort(const std::string& prefix, const std::string& host) {
-  std::string log = process_->Stderr();
   std::string needle = prefix + host + ":";
+  std::string log = AwaitLog([&](const std::string& l) { return l.find(needle) != std::string::npos; });
   size_t at = log.find(needle);
   if (at == std::string::npos) return 0;
   return std::atoi(log.c_str() + at + needle.size());

@@ -80,13 +80,19 @@ class DaemonProcess {
   // SIGTERM and wait: the exit status.
   int Stop();
   // The port of the daemon's "gRPC TCP listener on 127.0.0.1:<port>" log
-  // line (a --grpc-address of 127.0.0.1:0); 0 if there is none yet.
+  // line (a --grpc-address of 127.0.0.1:0). The TCP, health and peer
+  // listeners start after the Unix socket answers, so this waits for the
+  // line (up to 20 s, or until the daemon exits); 0 if it never came.
   int TcpListenerPort();
   // The port in the daemon's log after `prefix` + `host` + ":" (e.g.
-  // "peer listener on ", "metrics on http://"); 0 if there is none yet.
+  // "peer listener on ", "metrics on http://"); waits as TcpListenerPort
+  // does; 0 if the line never came.
   int LoggedPort(const std::string& prefix, const std::string& host = "127.0.0.1");
 
  private:
+  // The daemon's log once `found` holds for it, the daemon has exited, or 20 s passed.
+  std::string AwaitLog(const std::function<bool(const std::string&)>& found);
+
   TempDir dir_;
   std::string socket_;
   std::unique_ptr<Process> process_;
