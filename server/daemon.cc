@@ -199,6 +199,7 @@ class DaemonImpl final : public Daemon {
     options.watch.queue_events = static_cast<size_t>(config_.watch_queue_events);
     WEIGHTD_RETURN_IF_ERROR(StartPeerTransport());
     options.peers = peer_joiner_.get();
+    options.hold_pinning = true;  // released once every listener is up: see below
     registry_ = std::make_unique<ModelRegistry>(options, &listeners_);
     if (absl::StatusOr<HostMemoryBudget> budget = ReadHostMemoryBudget(); budget.ok()) {
       LogInfo(absl::StrCat("host memory for loads: ", budget->available, " bytes, bounded by ", budget->source));
@@ -225,6 +226,7 @@ class DaemonImpl final : public Daemon {
     WEIGHTD_RETURN_IF_ERROR(StartHealthPort());
     WEIGHTD_RETURN_IF_ERROR(StartPeerListener());
     sd_notify(0, "READY=1\nSTATUS=listening");
+    registry_->ReleasePinning();  // restored models are pinned from here on, off a restart's critical path
     StartSelfCheck();
     preload_thread_ = std::thread([this] { Preload(); });
     return absl::OkStatus();
@@ -243,6 +245,12 @@ class DaemonImpl final : public Daemon {
     }
     if (registry_) registry_->CancelLoads();  // a load in flight ends now with UNAVAILABLE
     if (registry_) registry_->StopPinning();  // its completions call the metrics listener, destroyed before the registry
+    if (registry_) {  // still answering meanwhile: the page tables' teardown is not down time
+      auto start = std::chrono::steady_clock::now();
+      uint64_t bytes = registry_->DropHostPageTables();
+      LogInfo(absl::StrFormat("dropped the page tables of %d host bytes in %.1f ms, still serving", bytes,
+                              std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count()));
+    }
     if (registry_) registry_->StopWatches();  // watch streams end now with UNAVAILABLE, not at the grace deadline
     if (self_check_thread_.joinable()) self_check_thread_.join();
     acceptor_.reset();  // no new connections

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 #include <random>
+#include <set>
 #include <utility>
 
 #include "absl/cleanup/cleanup.h"
@@ -97,9 +98,9 @@ ModelRegistry::ModelRegistry(RegistryOptions options, RegistryListener* listener
   options_.loader.cancel = &cancel_loads_;
   if (options_.loader.admission == nullptr) options_.loader.admission = &admission_;
   release_thread_ = std::thread([this] { ReleaseLoop(); });
-  pinner_ = std::make_unique<SegmentPinner>([this](ModelGeneration& model, const PinResult& pinned) {
-    ReportPinned(model, pinned);
-  });
+  pinner_ = std::make_unique<SegmentPinner>(
+      [this](ModelGeneration& model, const PinResult& pinned) { ReportPinned(model, pinned); },
+      options_.hold_pinning);
 }
 
 void ModelRegistry::ReportPinned(const ModelGeneration& model, const PinResult& pinned) {
@@ -554,6 +555,37 @@ absl::StatusOr<ModelRegistry::UnloadResult> ModelRegistry::UnloadDraining(const 
     NotifyMemory();
   }
   return UnloadResult{model, model->leases.load() == 0};
+}
+
+uint64_t ModelRegistry::DropHostPageTables() {
+  std::vector<std::shared_ptr<ModelGeneration>> held;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [name, model] : current_) held.push_back(model);
+    held.insert(held.end(), draining_.begin(), draining_.end());
+  }
+  // Outside the lock: this takes ~70 ns a 4 KiB page, so up to 4 threads
+  // share the segments (munlock(2) serialises on the address space's lock,
+  // madvise(MADV_DONTNEED) does not: 2 threads take ~60% of one's time).
+  // Segments shared by generations are dropped once.
+  std::set<const HostSegment*> seen;
+  std::vector<const HostSegment*> segments;
+  for (const std::shared_ptr<ModelGeneration>& model : held) {
+    for (const std::shared_ptr<const HostSegment>& segment : model->host_segments) {
+      if (seen.insert(segment.get()).second) segments.push_back(segment.get());
+    }
+  }
+  const size_t threads = std::min<size_t>({4, std::max(1u, std::thread::hardware_concurrency()), segments.size()});
+  std::atomic<size_t> next{0};
+  std::atomic<uint64_t> bytes{0};
+  auto drop = [&] {
+    for (size_t i; (i = next.fetch_add(1)) < segments.size();) bytes += segments[i]->DropPageTables();
+  };
+  std::vector<std::thread> helpers;
+  for (size_t t = 1; t < threads; ++t) helpers.emplace_back(drop);
+  drop();
+  for (std::thread& t : helpers) t.join();
+  return bytes.load();
 }
 
 std::vector<std::shared_ptr<ModelGeneration>> ModelRegistry::List() const {

@@ -81,6 +81,10 @@ struct RegistryOptions {
   // other nodes before storage (server/peer_join.h); null: storage only.
   // Not owned.
   PeerJoiner* peers = nullptr;
+  // Queue the pinning of published generations (LoaderOptions::mlock) but
+  // start none until ReleasePinning(): the daemon holds it while it starts,
+  // so that re-pinning restored models does not slow a restart.
+  bool hold_pinning = false;
 };
 
 class ModelRegistry {
@@ -234,6 +238,15 @@ class ModelRegistry {
   // Stops the pinning thread (shutdown): its completions call the listener,
   // which may not outlive the daemon's shutdown.
   void StopPinning() { pinner_->Stop(); }
+  // Starts the pinning held by RegistryOptions::hold_pinning. Idempotent.
+  void ReleasePinning() { pinner_->Release(); }
+  // Shutdown, after StopPinning() and while the listeners still answer:
+  // HostSegment::DropPageTables() on the host segments of every generation
+  // the registry holds (current, draining), so that the daemon's exit or an
+  // upgrade's exec does not spend the down time tearing down page tables.
+  // Attaches keep working (they pass fds); a read by the daemon faults pages
+  // back in. Returns the bytes dropped.
+  uint64_t DropHostPageTables() ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   struct Lease {

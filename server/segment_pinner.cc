@@ -1,10 +1,20 @@
 #include "server/segment_pinner.h"
 
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <chrono>
 
 namespace weightd {
 
-SegmentPinner::SegmentPinner(DoneFn done) : done_(std::move(done)), thread_([this] { Loop(); }) {}
+SegmentPinner::SegmentPinner(DoneFn done, bool held)
+    : done_(std::move(done)), held_(held), thread_([this] { Loop(); }) {}
+
+void SegmentPinner::Release() {
+  absl::MutexLock lock(&mu_);
+  held_ = false;
+}
 
 SegmentPinner::~SegmentPinner() { Stop(); }
 
@@ -27,11 +37,13 @@ bool SegmentPinner::stopping() const {
 }
 
 void SegmentPinner::Loop() {
+  // Linux keeps a nice value per thread: this one alone (setpriority(2), NOTES). Best effort.
+  setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), 19);
   for (;;) {
     std::shared_ptr<ModelGeneration> model;
     {
       absl::MutexLock lock(&mu_);
-      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || !queue_.empty(); };
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || (!held_ && !queue_.empty()); };
       mu_.Await(absl::Condition(&ready));
       if (stop_) return;
       model = queue_.front().lock();

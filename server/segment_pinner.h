@@ -7,6 +7,12 @@
 // segments shared with an earlier generation are locked once
 // (HostSegment::Pin is idempotent).
 //
+// Pinning is background work and runs as such: the thread runs at nice 19
+// (setpriority(2) on its own thread id), so that on a busy node an attach,
+// a load or a starting daemon's gRPC set-up gets the cores first, and a
+// pinner made with `held` starts only at Release() (the daemon releases it
+// once it listens: a restart is not slowed by re-pinning what it restored).
+//
 // Thread-safety: Pin() from any thread; `done` runs on the pinning thread,
 // with no lock of the pinner held.
 #ifndef WEIGHTD_SERVER_SEGMENT_PINNER_H_
@@ -33,7 +39,8 @@ struct PinResult {
 class SegmentPinner {
  public:
   using DoneFn = std::function<void(ModelGeneration& model, const PinResult& result)>;
-  explicit SegmentPinner(DoneFn done);
+  // `held`: queue pins but start none until Release().
+  explicit SegmentPinner(DoneFn done, bool held = false);
   // Stops at the next segment boundary (pins handed in and not reached are
   // dropped) and joins the thread.
   ~SegmentPinner();
@@ -41,6 +48,9 @@ class SegmentPinner {
   void Stop() ABSL_LOCKS_EXCLUDED(mu_);
   SegmentPinner(const SegmentPinner&) = delete;
   SegmentPinner& operator=(const SegmentPinner&) = delete;
+
+  // Lets a held pinner start on its queue. Idempotent.
+  void Release() ABSL_LOCKS_EXCLUDED(mu_);
 
   // Queues `model` for pinning. Held weakly: a generation freed before its
   // turn is skipped; during its turn the pinner holds it.
@@ -55,6 +65,7 @@ class SegmentPinner {
   mutable absl::Mutex mu_;
   std::deque<std::weak_ptr<ModelGeneration>> queue_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  bool held_ ABSL_GUARDED_BY(mu_);
   std::once_flag joined_;
   std::thread thread_;  // last: started after the members it uses
 };

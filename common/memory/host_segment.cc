@@ -163,6 +163,18 @@ bool HostSegment::Pin() const {
   return true;
 }
 
+uint64_t HostSegment::DropPageTables() const {
+  if (!sealed_ || size_ == 0 || base_ == nullptr) return 0;
+  absl::MutexLock lock(&pin_mu_);
+  for (uint64_t done = 0; done < size_; done += kPinPieceBytes) {
+    uint64_t n = std::min(kPinPieceBytes, size_ - done);
+    if (locked_.load()) munlock(base_ + done, n);
+    (void)madvise(base_ + done, n, MADV_DONTNEED);  // best effort: at worst exit tears them down
+  }
+  locked_ = false;
+  return size_;
+}
+
 absl::Status HostSegment::SealSize() {
   if (sealed_) return absl::OkStatus();
   if (fcntl(fd_, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) != 0) return ErrnoToStatus("fcntl(F_ADD_SEALS size)", errno);

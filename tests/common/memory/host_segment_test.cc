@@ -262,6 +262,28 @@ TEST(HostSegment, PinAfterSealLocksOnceOrReportsWhyNot) {
   for (uint64_t i = 0; i < kSize; ++i) ASSERT_EQ(segment->data()[i], Pattern(i)) << i;
 }
 
+// Shutdown drops the page tables while the daemon still answers: the bytes
+// stay in the memfd and fault back in, and a later Pin() locks again.
+TEST(HostSegment, DropPageTablesKeepsTheBytesAndUnlocks) {
+  std::unique_ptr<HostSegment> segment = SealedSegment(/*lock=*/true);
+  ASSERT_NE(segment, nullptr);
+  const bool pinned = segment->locked();
+  EXPECT_EQ(segment->DropPageTables(), kSize);
+  EXPECT_FALSE(segment->locked());
+  for (uint64_t i = 0; i < kSize; ++i) ASSERT_EQ(segment->data()[i], Pattern(i)) << i;
+  EXPECT_EQ(segment->DropPageTables(), kSize);  // again: nothing mapped in but the reads above, no harm
+  EXPECT_EQ(segment->Pin(), pinned);            // locks again where it could before
+  EXPECT_EQ(segment->locked(), pinned);
+  for (uint64_t i = 0; i < kSize; ++i) ASSERT_EQ(segment->data()[i], Pattern(i)) << i;
+}
+
+TEST(HostSegment, DropPageTablesBeforeSealDoesNothing) {
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<HostSegment> segment, HostSegment::Create("early", kSize));
+  segment->writable()[5] = 'x';
+  EXPECT_EQ(segment->DropPageTables(), 0u);
+  EXPECT_EQ(segment->writable()[5], 'x');
+}
+
 TEST(HostSegment, PinBeforeSealDoesNothing) {
   WEIGHTD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<HostSegment> segment, HostSegment::Create("early", kSize));
   EXPECT_FALSE(segment->Pin());
