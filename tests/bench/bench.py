@@ -310,14 +310,18 @@ class Bench:
         t = daemon_restart.measure_downtime(self, 3 if self.quick else 5)
         self.raw["downtime"] = t
         n = len(t["upgrade_s"])
-        self.table.add(f"`weightctl upgrade` (systemctl reload) with a model loaded, metrics on ({label}), command to "
-                       f"READY (median of {n}) vs the restore step",
-                       f"{t['upgrade_p50'] * 1e3:.0f} ms", f"{t['restore_ms_p50']:.1f} ms", "-", "<= 300 ms",
-                       at_most(t["upgrade_p50"], 0.3, "see the log of each start in the run folder"))
-        self.table.add(f"SIGTERM, then a start with the stored fds (systemctl restart), metrics on ({label}), "
-                       f"signal to READY (median of {n}) vs the restore step",
-                       f"{t['restart_p50'] * 1e3:.0f} ms", f"{t['restore_ms_p50']:.1f} ms", "-", "<= 300 ms",
-                       at_most(t["restart_p50"], 0.3, "see the log of each start in the run folder"))
+        why = ("see the log of each start in the run folder: 'dropped the page tables' is spent still answering, "
+               "from 'stopped' to 'listening' not")
+        self.table.add(f"`weightctl upgrade` (systemctl reload) with a model loaded, metrics on ({label}): longest "
+                       f"interval without an answer, for a client asking every ~1 ms (median of {n}; command to "
+                       f"READY {t['upgrade_p50'] * 1e3:.0f} ms) vs the restore step",
+                       f"{t['upgrade_down_p50'] * 1e3:.0f} ms", f"{t['restore_ms_p50']:.1f} ms", "-", "<= 300 ms",
+                       at_most(t["upgrade_down_p50"], 0.3, why))
+        self.table.add(f"SIGTERM, then a start with the stored fds (systemctl restart), metrics on ({label}): longest "
+                       f"interval without an answer (median of {n}; signal to READY {t['restart_p50'] * 1e3:.0f} ms) "
+                       f"vs the restore step",
+                       f"{t['restart_down_p50'] * 1e3:.0f} ms", f"{t['restore_ms_p50']:.1f} ms", "-", "<= 300 ms",
+                       at_most(t["restart_down_p50"], 0.3, why))
         ratio = t["first_attach_p50"] / t["later_attach_p50"]
         self.table.add(f"first attach right after a load (pinning under way) vs one after pinning ({label}, "
                        f"fresh process, median of {n})",

@@ -153,6 +153,25 @@ def _attach_s(ctx, sock, name):
     return json.loads(out.stdout)["seconds"]
 
 
+def _start_probe(ctx, sock, name):
+    """A `weightd_bench restart --mode probe` asking the daemon every ~1 ms, once it has had an answer."""
+    probe = subprocess.Popen([ctx.bench, "restart", "--mode", "probe", "--socket", sock, "--name", name,
+                              "--seconds", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = probe.stderr.readline()
+    if line.strip() != "probing":
+        probe.kill()
+        raise RuntimeError(f"the probe did not start: {line}{probe.stderr.read()}")
+    return probe
+
+
+def _probe_down_s(probe):
+    """The longest interval the probe saw between two answers listing the model READY."""
+    out, err = probe.communicate(timeout=90)
+    if probe.returncode != 0:
+        raise RuntimeError(f"probe failed: {err}")
+    return json.loads(out)["down_seconds"]
+
+
 def _wait_pinned(weightctl, sock, name, timeout=60):
     deadline = time.perf_counter() + timeout
     while time.perf_counter() < deadline:
@@ -167,7 +186,8 @@ def _wait_pinned(weightctl, sock, name, timeout=60):
 def measure_downtime(ctx, reps):
     """Down time with one model loaded and the metrics listener on, as operators restart a daemon:
     `weightctl upgrade` (what `systemctl reload` runs), and SIGTERM then a new start with the stored
-    fds (what `systemctl restart` does), each from the command until `weightctl ls` answers READY;
+    fds (what `systemctl restart` does), each from the command until `weightctl ls` answers READY and
+    as the down window a client asking every ~1 ms sees (the old daemon answers while it winds down);
     plus the first attach right after a load (pinning under way) against one after pinning."""
     run = os.path.join(ctx.run_dir, "downtime")
     os.makedirs(run, exist_ok=True)
@@ -178,6 +198,7 @@ def measure_downtime(ctx, reps):
     logs = [os.path.join(run, "start-0.log")]
     daemon = store.start(argv, logs[0])
     upgrade_s, restart_s, restore_ms, first_attach, later_attach = [], [], [], [], []
+    upgrade_down_s, restart_down_s = [], []
     try:
         wait_for_socket(ctx.weightctl, sock)
         for i in range(reps):  # first attach: right after each load returns, while pinning runs
@@ -192,12 +213,17 @@ def measure_downtime(ctx, reps):
         deadline = time.time() + 30
         while store.records() < 1 and time.time() < deadline:
             time.sleep(0.01)
-        for i in range(reps):
+        for i in range(reps):  # each from a steady state: the restored model pinned again, as on a node
+            _wait_pinned(ctx.weightctl, sock, "m")
+            probe = _start_probe(ctx, sock, "m")
             t0 = time.perf_counter()
             subprocess.run([ctx.weightctl, "--socket", sock, "upgrade", "--timeout", "60"], capture_output=True,
                            check=True)
             upgrade_s.append(wait_ready(ctx.weightctl, sock, "m") - t0)
+            upgrade_down_s.append(_probe_down_s(probe))
         for i in range(reps):
+            _wait_pinned(ctx.weightctl, sock, "m")
+            probe = _start_probe(ctx, sock, "m")
             t0 = time.perf_counter()
             daemon.send_signal(signal.SIGTERM)
             if daemon.wait(timeout=60) != 0:
@@ -205,6 +231,7 @@ def measure_downtime(ctx, reps):
             logs.append(os.path.join(run, f"start-{i + 1}.log"))
             daemon = store.start(argv, logs[-1])
             restart_s.append(wait_ready(ctx.weightctl, sock, "m") - t0)
+            restart_down_s.append(_probe_down_s(probe))
             m = re.search(r"restored 'm' generation \d+ from the fd store in ([0-9.]+) ms without reading the "
                           r"checkpoint \(record authenticated", open(logs[-1]).read())
             if not m:
@@ -217,7 +244,9 @@ def measure_downtime(ctx, reps):
     return {"upgrade_s": upgrade_s, "restart_s": restart_s, "restore_ms": restore_ms, "first_attach_s": first_attach,
             "later_attach_s": later_attach, "upgrade_p50": med(upgrade_s), "restart_p50": med(restart_s),
             "restore_ms_p50": med(restore_ms), "first_attach_p50": med(first_attach),
-            "later_attach_p50": med(later_attach)}
+            "later_attach_p50": med(later_attach), "upgrade_down_s": upgrade_down_s,
+            "restart_down_s": restart_down_s, "upgrade_down_p50": med(upgrade_down_s),
+            "restart_down_p50": med(restart_down_s)}
 
 
 def wait_for_socket(weightctl, sock, timeout=30):

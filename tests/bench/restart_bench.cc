@@ -8,6 +8,8 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 
@@ -76,11 +78,57 @@ absl::StatusOr<uint64_t> PreadMalloc(const std::string& path) {
   return sum;
 }
 
+// The down window of a restart as a client sees it: asks the daemon for its
+// models every ~1 ms (a fresh connection after any failure, so that gRPC's
+// reconnect backoff does not stretch the window) and reports the longest
+// interval between two answers that list `name` READY. Runs until it has
+// seen an interval of failures end, or for --seconds.
+int Probe(const Flags& flags) {
+  const std::string socket = flags.Get("socket"), name = flags.Get("name");
+  const double until = Now() + std::stod(flags.Get("seconds", "30"));
+  std::unique_ptr<Client> client;
+  double last_ok = 0, longest = 0;
+  uint64_t answers = 0, failures = 0;
+  bool failed = false;
+  while (Now() < until) {
+    bool ok = false;
+    if (client == nullptr) {
+      absl::StatusOr<std::unique_ptr<Client>> connected = Client::Connect(socket);
+      if (connected.ok()) client = std::move(*connected);
+    }
+    if (client != nullptr) {
+      absl::StatusOr<std::vector<ModelSummary>> models = client->List();
+      if (models.ok()) {
+        for (const ModelSummary& m : *models) ok = ok || (m.name == name && m.state == "READY");
+      } else {
+        client.reset();
+      }
+    }
+    double now = Now();
+    if (ok) {
+      ++answers;
+      if (last_ok == 0) std::fprintf(stderr, "probing\n");  // the caller starts the restart from here
+      if (last_ok > 0) longest = std::max(longest, now - last_ok);
+      last_ok = now;
+      if (failed) break;
+    } else {
+      ++failures;
+      failed = last_ok > 0;
+    }
+    usleep(1000);
+  }
+  if (answers == 0) return Fail("no answer listing " + name + " READY from " + socket);
+  Emit({{"mode", "probe"}, {"down_seconds", longest}, {"answers", answers},
+        {"failures", failures}, {"recovered", failed}});
+  return 0;
+}
+
 }  // namespace
 
-// restart --mode attach|attach-read|mmap-copy|pread-malloc
-//         (--socket S --name N | --path P)
+// restart --mode attach|attach-read|mmap-copy|pread-malloc|probe
+//         (--socket S --name N [--seconds T] | --path P)
 int RestartCommand(const Flags& flags) {
+  if (flags.Get("mode") == "probe") return Probe(flags);
   double start = Now();
   std::string mode = flags.Get("mode");
   absl::StatusOr<uint64_t> sum = absl::InvalidArgumentError("unknown --mode " + mode);
