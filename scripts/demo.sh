@@ -4,8 +4,9 @@
 # verifying every byte against the files), show what happened, stop weightd.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-echo "== 0. installing dependencies and building (several minutes on a fresh machine, seconds after)"
-./scripts/build.sh
+echo "== 0. installing dependencies and building the daemon, the CLI, the peer helper and the Python package"
+echo "   (several minutes on a fresh machine, seconds after; ./scripts/test.sh builds the tests)"
+./scripts/build.sh weightd weightctl weightd-peer-helper weightd_python
 
 preset="${WEIGHTD_DEMO_PRESET:-small}"
 work="$(mktemp -d /tmp/weightd-demo.XXXXXX)"

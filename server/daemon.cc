@@ -436,7 +436,7 @@ class DaemonImpl final : public Daemon {
     uint64_t usec = 0;
     bool watchdog = sd_watchdog_enabled(0, &usec) > 0;
     if (watchdog) interval = std::min(interval, std::chrono::duration<double>(usec / 2e6));
-    SelfCheckTargets targets{config_.socket, config_.fd_socket, {}};
+    SelfCheckTargets targets{config_.socket, config_.fd_socket, {}, {}};
     if (tcp_listener_) targets.accepting.push_back(LocalTarget(config_.grpc_address, tcp_listener_->port()));
     if (peer_listener_) targets.accepting.push_back(LocalTarget(config_.peer_address, peer_listener_->port()));
     if (health_port_) {

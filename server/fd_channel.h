@@ -42,7 +42,7 @@ namespace weightd {
 struct FdChannelOptions {
   std::string path;                 // e.g. /run/weightd/weightd.fd.sock
   mode_t mode = 0660;
-  std::vector<gid_t> allowed_gids;  // besides the daemon's own uid and root
+  std::vector<gid_t> allowed_gids = {};  // besides the daemon's own uid and root
   // Connections held at once (claimed leases plus pending claims); more are
   // refused with ERR 8 (RESOURCE_EXHAUSTED).
   size_t max_connections = 4096;

@@ -152,7 +152,7 @@ void FdStoreKeeper::Adopted(const std::shared_ptr<ModelGeneration>& model, const
                             ScopedFd record_fd, const std::vector<std::string>& host_segment_names,
                             const std::vector<std::string>& arena_names) {
   absl::MutexLock lock(&state_mu_);
-  Stored stored{record_name, std::move(record_fd), model, {}};
+  Stored stored{record_name, std::move(record_fd), model, {}, {}, {}};
   for (size_t i = 0; i < model->host_segments.size() && i < host_segment_names.size(); ++i) {
     AdoptSegment(model->host_segments[i], model->host_segments[i]->fd(), host_segment_names[i], stored);
   }
@@ -216,7 +216,7 @@ void FdStoreKeeper::Publish(const std::shared_ptr<ModelGeneration>& model) {
   const std::string& name = model->request.name;
   auto old = models_.find(name);
   if (old != models_.end() && old->second.model.lock() == model) return;  // adopted at start
-  Stored next{absl::StrCat("wd-rec-", model->generation), ScopedFd(), model, {}};
+  Stored next{absl::StrCat("wd-rec-", model->generation), ScopedFd(), model, {}, {}, {}};
   std::vector<StoredSegment> host, arenas;
   absl::Status status;
   for (const auto& segment : model->host_segments) {

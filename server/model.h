@@ -53,13 +53,13 @@ absl::Status ValidateVersionLabel(const std::string& label);
 struct LoadRequest {
   std::string name;
   std::string checkpoint_path;
-  std::vector<std::string> host_resident_patterns;
+  std::vector<std::string> host_resident_patterns = {};
   uint32_t tp_size = 1;
-  std::vector<TpRule> tp_rules;
-  std::vector<std::string> devices;
+  std::vector<TpRule> tp_rules = {};
+  std::vector<std::string> devices = {};
   // Peers (HOST:PORT) to seed from before storage (server/peer_join.h);
   // not part of the plan.
-  std::vector<std::string> peers;
+  std::vector<std::string> peers = {};
   // Same placement and TP plan (patterns, tp_size, rules, devices), whatever
   // the checkpoint path: a generation loaded with the same plan may share the
   // segments of unchanged files (see LoadGeneration).

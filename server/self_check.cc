@@ -58,7 +58,10 @@ absl::Status ProbeFdSocket(const std::string& path, std::chrono::milliseconds de
 absl::StatusOr<uint32_t> AcceptQueueLength(int port) {
   DIR* dir = opendir("/proc/self/fd");
   if (dir == nullptr) return ErrnoToStatus("/proc/self/fd", errno);
-  std::unique_ptr<DIR, decltype(&closedir)> owned(dir, &closedir);
+  struct CloseDir {
+    void operator()(DIR* d) const { closedir(d); }
+  };
+  std::unique_ptr<DIR, CloseDir> owned(dir);
   while (dirent* entry = readdir(dir)) {
     int fd = atoi(entry->d_name);
     int listening = 0;

@@ -89,7 +89,7 @@ absl::StatusOr<std::unique_ptr<StagedUpdate>> StageUpdate(std::shared_ptr<ModelG
 
 struct CommitOptions {
   std::map<std::string, std::string> expected_hashes;  // tensor name -> 16 hex digits
-  std::string version_label;
+  std::string version_label = {};
   bool mlock = true;  // lock the sealed staged segments when RLIMIT_MEMLOCK allows
 };
 

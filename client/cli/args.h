@@ -26,7 +26,7 @@ struct OptionSpec {
   OptionKind kind;
   std::string value;     // what the usage line calls the value ("R"); empty for a flag
   std::string help;      // one line for --help
-  std::string fallback;  // the value when not given ("0", "tiny"); empty: none
+  std::string fallback = {};  // the value when not given ("0", "tiny"); empty: none
   int64_t min = 0;       // kInteger only
   int64_t max = 0;
   bool required = false;  // the command refuses to run without it (usage: no brackets)

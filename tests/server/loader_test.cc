@@ -315,8 +315,12 @@ TEST_F(LoaderTest, EveryForcedPageChoiceFillsTheSameBytes) {
     for (size_t i = 0; i < gen->ranks[0].tensors.size(); ++i) {
       EXPECT_EQ(gen->ranks[0].tensors[i].content_hash, small->ranks[0].tensors[i].content_hash);
     }
-    if (c.kind == PageKind::kHugetlb) EXPECT_EQ(gen->huge_page_bytes, segment.size());
-    if (c.kind == PageKind::kShmemThp && !machine_thp) EXPECT_EQ(gen->huge_page_bytes, 0u);  // the kernel gave none
+    if (c.kind == PageKind::kHugetlb) {
+      EXPECT_EQ(gen->huge_page_bytes, segment.size());
+    }
+    if (c.kind == PageKind::kShmemThp && !machine_thp) {
+      EXPECT_EQ(gen->huge_page_bytes, 0u);  // the kernel gave none
+    }
     EXPECT_LE(gen->huge_page_bytes, segment.size());
     EXPECT_NE(gen->host_pages.find(absl::StrCat("host pages ", PageKindName(c.system.hugetlb_free_bytes
                                                                                ? PageKind::kHugetlb

@@ -38,7 +38,9 @@ class RevokeTest : public RegistryTest {
     request.devices = {"GPU-emulated-0"};
     absl::StatusOr<ModelRegistry::LoadResult> loaded = registry->Load(request, nullptr);
     EXPECT_TRUE(loaded.ok()) << loaded.status();
-    if (loaded.ok()) EXPECT_EQ(loaded->model->arenas.size(), 1u);
+    if (loaded.ok()) {
+      EXPECT_EQ(loaded->model->arenas.size(), 1u);
+    }
     return registry;
   }
 
