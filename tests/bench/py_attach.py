@@ -32,7 +32,7 @@ def main():
         client = weightd.connect(args.socket)
         client.list()  # the channel is up: attach is what gets timed
         start = time.perf_counter()
-        model = client.attach(args.name, prefault=args.prefault, _packed=not args.entries)
+        model = client._attach(args.name, prefault=args.prefault, packed=not args.entries)
         ms.append((time.perf_counter() - start) * 1e3)
         start = time.perf_counter()
         "-" in model  # the first lookup builds the name index

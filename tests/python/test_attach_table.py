@@ -73,7 +73,7 @@ def test_packed_and_entry_manifests_are_the_same_model(emulated_daemon):
     client = emulated_daemon.client
     client.load("table", emulated_daemon.models / "table.safetensors", tp_size=2, tp_rules=[("cols", 1)],
                 host_resident=["big"], devices=["GPU-emulated-0", "GPU-emulated-1"])
-    with client.attach("table", 1) as packed, client.attach("table", 1, _packed=False) as entries:
+    with client.attach("table", 1) as packed, client._attach("table", 1, packed=False) as entries:
         assert packed.manifest == entries.manifest
         assert list(packed) == list(entries) == ["cols", "norm", "big"]
         assert len(packed) == 3 and "cols" in packed and "nope" not in packed

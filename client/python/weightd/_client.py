@@ -180,7 +180,7 @@ class Client:
                                f"fd socket: {len(fds)} fds for {len(response.segments)} staged segments")
         return Update(self._stub, response, connection, fds, version_label)
 
-    def attach(self, model, rank=0, *, private=False, prefault=False, _packed=True):
+    def attach(self, model, rank=0, *, private=False, prefault=False):
         """Takes a lease on `model` and maps rank `rank`; returns a Model.
 
         prefault=False (default): pages are mapped lazily, each faulting in on
@@ -205,10 +205,14 @@ class Client:
         device arena cannot be imported here (e.g. no CUDA driver in this
         process's view).
         """
+        return self._attach(model, rank, private=private, prefault=prefault)
+
+    def _attach(self, model, rank=0, *, private=False, prefault=False, packed=True):
+        """attach(); packed=False asks for one TensorEntry per tensor, as clients before the
+        packed table did (tests/bench/py_attach.py --entries, and tests comparing the
+        two encodings); a daemon that predates the packed table answers so anyway."""
         start = time.monotonic()
-        # _packed=False asks for one TensorEntry per tensor, as clients before the
-        # packed table did (for benchmarks); a daemon that predates it answers so anyway.
-        encoding = pb.AttachRequest.PACKED_TABLE_V1 if _packed else pb.AttachRequest.TENSOR_ENTRIES
+        encoding = pb.AttachRequest.PACKED_TABLE_V1 if packed else pb.AttachRequest.TENSOR_ENTRIES
         response = self._call(self._stub.Attach, pb.AttachRequest(name=model, rank=rank, manifest_encoding=encoding))
         fd_socket = os.environ.get("WEIGHTD_FD_SOCKET") or response.fd_socket
         try:
