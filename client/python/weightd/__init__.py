@@ -24,15 +24,15 @@ from ._client import DEFAULT_SOCKET, Client, connect
 from ._errors import WeightdError
 from ._model import Model, Tensor
 from ._torch import UnsupportedDtypeError, torch_dtype
-from ._types import (CommitResult, LoadProgress, LoadResult, Manifest, ModelInfo, SegmentInfo, TensorInfo,
-                     UnloadResult, WatchEvent)
+from ._types import (CommitResult, LoadProgress, LoadResult, Manifest, ModelInfo, ModelState, SegmentInfo,
+                     TensorInfo, UnloadResult, WatchEvent, WatchEventKind)
 from ._update import Update
 from ._watch import Watch
 
 __all__ = [
     "DEFAULT_SOCKET", "Client", "connect", "WeightdError", "Model", "Tensor", "UnsupportedDtypeError",
-    "torch_dtype", "LoadProgress", "LoadResult", "Manifest", "ModelInfo", "SegmentInfo", "TensorInfo",
-    "UnloadResult", "Watch", "WatchEvent", "Update", "CommitResult",
+    "torch_dtype", "LoadProgress", "LoadResult", "Manifest", "ModelInfo", "ModelState", "SegmentInfo", "TensorInfo",
+    "UnloadResult", "Watch", "WatchEvent", "WatchEventKind", "Update", "CommitResult",
 ]
 
 

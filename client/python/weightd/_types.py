@@ -1,8 +1,39 @@
 """Plain records returned by the client: no protobuf type leaks out."""
+import enum
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
 from .v1 import weightd_pb2 as pb
+
+
+class _StrEnum(str, enum.Enum):
+    """A member equals, hashes, prints and formats as its plain string, so code that
+    compares or prints the strings the client returned before keeps working."""
+
+    def __str__(self) -> str:
+        return str.__str__(self)
+
+    def __format__(self, format_spec: str) -> str:
+        return str.__format__(self, format_spec)
+
+
+class ModelState(_StrEnum):
+    """ModelInfo.state: the names of proto ModelState (docs/api.md)."""
+    MODEL_STATE_UNSPECIFIED = "MODEL_STATE_UNSPECIFIED"
+    LOADING = "LOADING"
+    READY = "READY"
+    FAILED = "FAILED"
+    DRAINING = "DRAINING"
+
+
+class WatchEventKind(_StrEnum):
+    """WatchEvent.kind: the names of proto ModelEvent.Kind (docs/api.md "WatchModel")."""
+    KIND_UNSPECIFIED = "KIND_UNSPECIFIED"
+    CURRENT = "CURRENT"
+    PUBLISHED = "PUBLISHED"
+    DRAINING = "DRAINING"
+    FREED = "FREED"
+    UNLOADED = "UNLOADED"
 
 
 @dataclass(frozen=True)
@@ -10,7 +41,7 @@ class ModelInfo:
     """One generation of a model, as ListModels / LoadModel / UnloadModel report it."""
     name: str
     generation: int
-    state: str  # LOADING, READY, FAILED, DRAINING
+    state: ModelState
     checkpoint_path: str
     host_bytes: int
     locked_bytes: int
@@ -29,7 +60,7 @@ class ModelInfo:
     @classmethod
     def from_proto(cls, m):
         return cls(
-            name=m.name, generation=m.generation, state=pb.ModelState.Name(m.state),
+            name=m.name, generation=m.generation, state=ModelState(pb.ModelState.Name(m.state)),
             checkpoint_path=m.checkpoint_path, host_bytes=m.host_bytes, locked_bytes=m.locked_bytes,
             device_bytes={d.gpu_uuid: d.bytes for d in m.device_bytes}, leases=m.leases,
             fingerprint=m.fingerprint, tensor_count=m.tensor_count, tp_size=m.tp_size,
@@ -124,7 +155,7 @@ class Manifest:
 @dataclass(frozen=True)
 class WatchEvent:
     """One event of a watched model name (docs/api.md "WatchModel")."""
-    kind: str  # CURRENT, PUBLISHED, DRAINING, FREED, UNLOADED
+    kind: WatchEventKind
     model: str
     generation: int
     version_label: str
@@ -133,5 +164,5 @@ class WatchEvent:
 
     @classmethod
     def from_proto(cls, e):
-        return cls(kind=pb.ModelEvent.Kind.Name(e.kind), model=e.model, generation=e.generation,
+        return cls(kind=WatchEventKind(pb.ModelEvent.Kind.Name(e.kind)), model=e.model, generation=e.generation,
                    version_label=e.version_label, fingerprint=e.fingerprint, time=e.time)
