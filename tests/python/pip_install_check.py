@@ -1,6 +1,7 @@
 """The pip-installed package in a bare venv (scripts/check-pip-install.sh): standard library only.
 
-Imports weightd without torch, then against a daemon it starts (WEIGHTD_BINARY,
+Imports weightd without torch and checks that its type information (py.typed,
+_native.pyi) was installed, then against a daemon it starts (WEIGHTD_BINARY,
 WEIGHTCTL_BINARY): loads `make-demo tiny`, attaches, and compares every
 tensor's bytes with the files through ctypes; then writes through a
 private=True attach and checks that a second attach still reads the file.
@@ -26,6 +27,9 @@ try:
 except ImportError:
     pass
 print(f"import weightd without torch: ok ({weightd.__file__})")
+_missing = [f for f in ("py.typed", "_native.pyi") if not (Path(weightd.__file__).parent / f).is_file()]
+assert not _missing, f"the wheel lacks {_missing}: type checkers would not see the package's types"
+print("py.typed and _native.pyi installed: ok")
 
 
 def file_tensors(folder):

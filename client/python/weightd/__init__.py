@@ -19,7 +19,11 @@ one kills this process with SIGSEGV (the daemon and other clients are
 unaffected), unless attached with attach(..., private=True), which maps
 copy-on-write. `import weightd` needs grpcio and protobuf, not torch.
 """
+from __future__ import annotations
+
 import importlib
+import types
+from typing import TYPE_CHECKING
 from ._client import DEFAULT_SOCKET, Client, connect
 from ._errors import WeightdError
 from ._model import Model, Tensor
@@ -36,9 +40,14 @@ __all__ = [
 ]
 
 
-def __getattr__(name):
-    # weightd.torch and weightd.transformers import their frameworks, so they
-    # load on first use rather than with the package.
-    if name in ("torch", "transformers"):
-        return importlib.import_module(f".{name}", __name__)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# weightd.torch and weightd.transformers import their frameworks, so they
+# load on first use rather than with the package. Type checkers see them as
+# the submodules they are, and no other attribute (a module __getattr__
+# would make any misspelt name type-check).
+if TYPE_CHECKING:
+    from . import torch as torch, transformers as transformers
+else:
+    def __getattr__(name: str) -> types.ModuleType:
+        if name in ("torch", "transformers"):
+            return importlib.import_module(f".{name}", __name__)
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,12 +1,15 @@
 """Control RPCs through grpcio, attach (fd socket + native mapping) and update (fd socket + mmap)."""
+from __future__ import annotations
+
 import os
 import time
+from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple, Union
 
 import grpc
 
 from . import _fdsock
 from ._errors import WeightdError
-from ._model import EntryTable, Model, _Lease
+from ._model import EntryTable, Model, TensorTable, _Lease
 from ._native import PackedTable, Segment
 from ._types import LoadProgress, LoadResult, Manifest, ModelInfo, SegmentInfo, TensorInfo, UnloadResult
 from ._update import Update
@@ -17,7 +20,7 @@ from .v1 import weightd_pb2_grpc as pb_grpc
 DEFAULT_SOCKET = "/run/weightd/weightd.sock"
 
 
-def connect(socket_path=None):
+def connect(socket_path: Optional[str] = None) -> Client:
     """A Client for the daemon at `socket_path`.
 
     Default: $WEIGHTD_SOCKET, then /run/weightd/weightd.sock. Accepts a
@@ -28,7 +31,7 @@ def connect(socket_path=None):
     return Client(socket_path or os.environ.get("WEIGHTD_SOCKET") or DEFAULT_SOCKET)
 
 
-def _target(socket_path):
+def _target(socket_path: str) -> str:
     """A Unix socket path (absolute, or any value without ':', such as
     "d1/wd.sock", made absolute against the working directory now) as a
     gRPC unix:// target; anything else ("unix://...", "HOST:PORT")
@@ -53,23 +56,24 @@ class Client:
     channel's reconnect backoff is capped at 1 s; tests/python/test_restart.py).
     """
 
-    def __init__(self, socket_path):
+    def __init__(self, socket_path: str) -> None:
         self.target = _target(socket_path)
         self._channel = grpc.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
         self._stub = pb_grpc.WeightdStub(self._channel)
 
-    def close(self):
+    def close(self) -> None:
         """Closes the control channel; attached models stay valid."""
         self._channel.close()
 
-    def __enter__(self):
+    def __enter__(self) -> Client:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def load(self, name, checkpoint_path, *, host_resident=(), tp_size=1, tp_rules=(), devices=(), peers=(),
-             progress=None):
+    def load(self, name: str, checkpoint_path: Union[str, os.PathLike[str]], *, host_resident: Iterable[str] = (),
+             tp_size: int = 1, tp_rules: Iterable[Tuple[str, int]] = (), devices: Iterable[str] = (),
+             peers: Iterable[str] = (), progress: Optional[Callable[[LoadProgress], object]] = None) -> LoadResult:
         """Loads (or reuses) `checkpoint_path` under `name`; returns a LoadResult.
 
         tp_rules: (pattern, dim) pairs. peers: "HOST:PORT" of other nodes'
@@ -83,14 +87,16 @@ class Client:
             peers=list(peers))
         return self._load_stream(self._stub.LoadModel, request, progress)
 
-    def reload(self, name, checkpoint_path=None, *, progress=None):
+    def reload(self, name: str, checkpoint_path: Union[str, os.PathLike[str], None] = None, *,
+               progress: Optional[Callable[[LoadProgress], object]] = None) -> LoadResult:
         """Loads the next generation of READY model `name` with its plan, from `checkpoint_path`
         (None: the path it was loaded from), reading only the files whose identity or header
         changed and sharing the others' segments. Returns a LoadResult (bytes_read, bytes_reused)."""
         request = pb.ReloadModelRequest(name=name, checkpoint_path=os.fspath(checkpoint_path or ""))
         return self._load_stream(self._stub.ReloadModel, request, progress)
 
-    def _load_stream(self, method, request, progress):
+    def _load_stream(self, method: Callable[[Any], Iterable[Any]], request: Any,
+                     progress: Optional[Callable[[LoadProgress], object]]) -> LoadResult:
         result = None
         try:
             for message in method(request):
@@ -107,18 +113,18 @@ class Client:
             raise WeightdError(grpc.StatusCode.INTERNAL, "load stream ended without a DONE message")
         return result
 
-    def list(self):
+    def list(self) -> List[ModelInfo]:
         """Every live generation (including draining ones) as ModelInfo."""
         response = self._call(self._stub.ListModels, pb.ListModelsRequest())
         return [ModelInfo.from_proto(m) for m in response.models]
 
-    def unload(self, name, force=False):
+    def unload(self, name: str, force: bool = False) -> UnloadResult:
         """Stops new leases of `name`; `force` revokes existing ones (not claimed leases on
         cuda-legacy-ipc arenas, which end when their clients close them). Returns an UnloadResult."""
         response = self._call(self._stub.UnloadModel, pb.UnloadModelRequest(name=name, force=force))
         return UnloadResult(ModelInfo.from_proto(response.model), response.freed)
 
-    def manifest(self, name, rank=0):
+    def manifest(self, name: str, rank: int = 0) -> Manifest:
         """The Manifest of (name, rank), without taking a lease."""
         pages = []
         try:
@@ -130,7 +136,7 @@ class Client:
                         tuple(SegmentInfo.from_proto(s) for p in pages for s in p.segments),
                         tuple(TensorInfo.from_proto(t) for p in pages for t in p.tensors), first.version_label)
 
-    def watch(self, name):
+    def watch(self, name: str) -> Watch:
         """The events of model `name` (loaded or not) as a Watch: an iterator of WatchEvent.
 
             for event in client.watch("llama"):
@@ -145,7 +151,8 @@ class Client:
         """
         return Watch.start(self._stub.WatchModel, pb.WatchModelRequest(name=name))
 
-    def update(self, name, tensors=None, *, version_label=None):
+    def update(self, name: str, tensors: Optional[Iterable[str]] = None, *,
+               version_label: Optional[str] = None) -> Update:
         """Opens an update of READY model `name`: the next generation, written by this process.
 
             with client.update("llama", tensors=["w"]) as up:
@@ -180,7 +187,7 @@ class Client:
                                f"fd socket: {len(fds)} fds for {len(response.segments)} staged segments")
         return Update(self._stub, response, connection, fds, version_label)
 
-    def attach(self, model, rank=0, *, private=False, prefault=False):
+    def attach(self, model: str, rank: int = 0, *, private: bool = False, prefault: bool = False) -> Model:
         """Takes a lease on `model` and maps rank `rank`; returns a Model.
 
         prefault=False (default): pages are mapped lazily, each faulting in on
@@ -207,7 +214,8 @@ class Client:
         """
         return self._attach(model, rank, private=private, prefault=prefault)
 
-    def _attach(self, model, rank=0, *, private=False, prefault=False, packed=True):
+    def _attach(self, model: str, rank: int = 0, *, private: bool = False, prefault: bool = False,
+                packed: bool = True) -> Model:
         """attach(); packed=False asks for one TensorEntry per tensor, as clients before the
         packed table did (tests/bench/py_attach.py --entries, and tests comparing the
         two encodings); a daemon that predates the packed table answers so anyway."""
@@ -231,32 +239,32 @@ class Client:
                 os.close(fd)
         return Model(response, lease, time.monotonic() - start, private, table)
 
-    def _call(self, method, request):
+    def _call(self, method: Callable[[Any], Any], request: Any) -> Any:
         try:
             return method(request)
         except grpc.RpcError as e:
             raise WeightdError.from_rpc(e) from None
 
-    def _abort_quietly(self, update_id):
+    def _abort_quietly(self, update_id: str) -> None:
         try:
             self._stub.AbortUpdate(pb.AbortUpdateRequest(update_id=update_id), timeout=5)
         except grpc.RpcError:
             pass  # the unclaimed update is aborted at its claim timeout
 
-    def _detach_quietly(self, lease_id):
+    def _detach_quietly(self, lease_id: str) -> None:
         try:
             self._stub.Detach(pb.DetachRequest(lease_id=lease_id), timeout=5)
         except grpc.RpcError:
             pass  # the unclaimed lease expires on its own
 
 
-def _fd_attached(descriptor):
-    return descriptor.export_kind == pb.SegmentDescriptor.EXPORT_FD
+def _fd_attached(descriptor: Any) -> bool:
+    return bool(descriptor.export_kind == pb.SegmentDescriptor.EXPORT_FD)
 
 
-def _tensor_table(response):
-    """The response's tensors as a table (len, index(), info(i), first_outside(sizes)):
-    the native decoder of the packed table, or the TensorEntry messages of a
+def _tensor_table(response: Any) -> TensorTable:
+    """The response's tensors as a TensorTable: the native decoder of the
+    packed table, or the TensorEntry messages of a
     daemon that predates it. WeightdError DATA_LOSS for a malformed table."""
     packed = response.packed_tensors  # each read of a bytes field copies it: once
     if not packed:
@@ -270,7 +278,8 @@ def _tensor_table(response):
         raise WeightdError.from_number(getattr(e, "code", 15), str(e)) from None
 
 
-def _map_segments(response, fds, private, prefault, table):
+def _map_segments(response: Any, fds: Sequence[int], private: bool, prefault: bool,
+                  table: TensorTable) -> List[Segment]:
     """Maps each segment: host segments with mmap (read-only, or copy-on-write
     when `private`; populated now when `prefault`), device arenas imported
     with the backend that exported them. `fds` come in segment order, one per
@@ -280,7 +289,8 @@ def _map_segments(response, fds, private, prefault, table):
     if len(fds) != len(with_fd):
         raise WeightdError(grpc.StatusCode.INTERNAL,
                            f"received {len(fds)} segment fds for {len(with_fd)} fd-exported segments")
-    segments, next_fd = [], iter(fds)
+    segments: List[Segment] = []
+    next_fd = iter(fds)
     try:
         for i, d in enumerate(response.segments):
             try:

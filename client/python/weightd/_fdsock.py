@@ -6,10 +6,13 @@ client -> daemon "CLAIM <lease_id>"; daemon -> client "OK <n>" with the first
 fds as SCM_RIGHTS, then "MORE" messages with the rest, or "ERR <code> <msg>".
 The connection is the lease: it ends when the socket is closed.
 """
+from __future__ import annotations
+
 import array
 import os
 import re
 import socket
+from typing import List, Optional, Tuple, Union
 
 from ._errors import WeightdError
 
@@ -20,8 +23,11 @@ _ANCILLARY_SPACE = socket.CMSG_SPACE(_MAX_FDS_PER_MESSAGE * array.array("i").ite
 _OK = re.compile(r"OK ([0-9]{1,20})", re.ASCII)
 _ERR = re.compile(r"ERR ([0-9]{1,20})(?: (.*))?", re.ASCII | re.DOTALL)
 
+# (kind, value): ("CLAIM", lease_id), ("OK", n), ("MORE", None) or ("ERR", (code, message)).
+Message = Tuple[str, Union[str, int, None, Tuple[int, str]]]
 
-def parse_message(payload):
+
+def parse_message(payload: str) -> Message:
     """One fd-channel message: ("CLAIM", lease_id), ("OK", n), ("MORE", None)
     or ("ERR", (code, message)). Raises ValueError for anything the grammar
     does not produce (as ParseFdChannelMessage refuses it)."""
@@ -39,7 +45,7 @@ def parse_message(payload):
     raise ValueError(f"malformed fd-channel message {payload[:64]!r}")
 
 
-def _receive(sock, fds):
+def _receive(sock: socket.socket, fds: List[int]) -> str:
     data, ancdata, flags, _ = sock.recvmsg(_MAX_MESSAGE, _ANCILLARY_SPACE, socket.MSG_CMSG_CLOEXEC)
     for level, kind, payload in ancdata:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
@@ -53,7 +59,7 @@ def _receive(sock, fds):
     return data.decode("utf-8", "replace")
 
 
-def claim(path, lease_id, timeout_seconds):
+def claim(path: str, lease_id: str, timeout_seconds: float) -> Tuple[socket.socket, List[int]]:
     """Claims `lease_id` on the fd socket at `path`.
 
     Returns (connection, fds): the caller owns both; keep the connection open
@@ -62,7 +68,7 @@ def claim(path, lease_id, timeout_seconds):
     the socket cannot be reached, INTERNAL for protocol errors).
     """
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-    fds = []
+    fds: List[int] = []
     try:
         sock.settimeout(timeout_seconds if timeout_seconds > 0 else None)
         try:
@@ -85,7 +91,7 @@ def claim(path, lease_id, timeout_seconds):
         raise
 
 
-def _send_claim(sock, lease_id, fds):
+def _send_claim(sock: socket.socket, lease_id: str, fds: List[int]) -> str:
     """Sends CLAIM and returns the daemon's first reply.
 
     A daemon that refused the connection may have closed it before reading
@@ -103,7 +109,7 @@ def _send_claim(sock, lease_id, fds):
         return queued
 
 
-def _queued_reply(sock, fds):
+def _queued_reply(sock: socket.socket, fds: List[int]) -> Optional[str]:
     """An "ERR ..." message already queued on `sock`, or None."""
     try:
         sock.setblocking(False)
@@ -113,27 +119,27 @@ def _queued_reply(sock, fds):
     return reply if _kind(reply) == "ERR" else None
 
 
-def _kind(message):
+def _kind(message: str) -> Optional[str]:
     try:
         return parse_message(message)[0]
     except ValueError:
         return None
 
 
-def _announced(reply):
+def _announced(reply: str) -> int:
     """The fd count of an "OK <n>" reply; raises the daemon's error for "ERR"."""
     try:
         kind, value = parse_message(reply)
     except ValueError:
-        kind, value = None, None
-    if kind == "ERR":
+        kind, value = "", None
+    if kind == "ERR" and isinstance(value, tuple):
         raise WeightdError.from_number(value[0], f"fd socket: {value[1]}")
-    if kind != "OK":
+    if kind != "OK" or not isinstance(value, int):
         raise WeightdError.from_number(13, f"fd socket: unexpected reply {reply!r}")
     return value
 
 
-def _receive_more(sock, fds, expected):
+def _receive_more(sock: socket.socket, fds: List[int], expected: int) -> None:
     """Receives "MORE" messages until `expected` fds have arrived (or one brings none)."""
     while len(fds) < expected:
         before = len(fds)
@@ -143,7 +149,7 @@ def _receive_more(sock, fds, expected):
             break  # reported by the caller as a count mismatch
 
 
-def _close_quietly(fd):
+def _close_quietly(fd: int) -> None:
     try:
         os.close(fd)
     except OSError:

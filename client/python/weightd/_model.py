@@ -1,12 +1,32 @@
 """An attached model: a zero-copy Mapping of tensor name -> Tensor."""
+from __future__ import annotations
+
 import collections.abc
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple, TypeVar
 
 from . import _torch
 from ._errors import WeightdError
 from ._types import Manifest, SegmentInfo, TensorInfo
 from .v1 import weightd_pb2 as pb
 
+if TYPE_CHECKING:
+    import socket
+
+    import torch
+
+    from ._native import Segment, _TensorFields
+
 _CPU = 1  # DLPack kDLCPU
+_T = TypeVar("_T")
+
+
+class TensorTable(Protocol):
+    """A rank's tensors, decoded on demand: weightd._native.PackedTable or EntryTable."""
+
+    def __len__(self) -> int: ...
+    def index(self) -> Dict[str, int]: ...
+    def info(self, i: int) -> _TensorFields: ...
+    def first_outside(self, segment_sizes: Sequence[int]) -> int: ...
 
 
 class _Lease:
@@ -19,12 +39,12 @@ class _Lease:
 
     __slots__ = ("lease_id", "connection", "segments")
 
-    def __init__(self, lease_id, connection, segments):
+    def __init__(self, lease_id: str, connection: socket.socket, segments: List[Segment]) -> None:
         self.lease_id = lease_id
         self.connection = connection
         self.segments = segments  # one weightd._native.Segment per manifest segment
 
-    def __del__(self):
+    def __del__(self) -> None:
         # Segments first, explicitly (a Tensor being freed may still hold one):
         # the daemon may free the memory once the lease ends, and a
         # cuda-legacy-ipc arena must be closed before the exporter frees it
@@ -43,7 +63,8 @@ class _Exporter:
 
     __slots__ = ("_lease", "_segment", "_offset", "_nbytes", "_export_dtype", "_export_shape")
 
-    def __init__(self, lease, segment, offset, nbytes, export_dtype, export_shape):
+    def __init__(self, lease: _Lease, segment: Segment, offset: int, nbytes: int, export_dtype: str,
+                 export_shape: Tuple[int, ...]) -> None:
         self._lease = lease
         self._segment = segment
         self._offset = offset
@@ -51,7 +72,8 @@ class _Exporter:
         self._export_dtype = export_dtype
         self._export_shape = export_shape
 
-    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+    def __dlpack__(self, *, stream: Optional[int] = None, max_version: Optional[Tuple[int, int]] = None,
+                   dl_device: Optional[Tuple[int, int]] = None, copy: Optional[bool] = None) -> object:
         # Always a legacy "dltensor" capsule (allowed whatever max_version
         # asks); DLPack 0.6 has no read-only flag, see docs/integration.md.
         # The bytes were complete before the lease was granted, so no stream
@@ -66,14 +88,14 @@ class _Exporter:
         return self._segment.export(self._offset, self._nbytes, self._export_dtype,
                                     list(self._export_shape), self._lease)
 
-    def __dlpack_device__(self):
-        return tuple(self._segment.device)
+    def __dlpack_device__(self) -> Tuple[int, int]:
+        return self._segment.device
 
     @property
-    def nbytes(self):
+    def nbytes(self) -> int:
         return self._nbytes
 
-    def data_ptr(self):
+    def data_ptr(self) -> int:
         """The address of the first byte in this process (inside one of Model.mappings)."""
         return self._segment.address + self._offset if self._segment.address else 0
 
@@ -92,40 +114,40 @@ class Tensor(_Exporter):
 
     __slots__ = ("info",)
 
-    def __init__(self, lease, segment, info):
+    def __init__(self, lease: _Lease, segment: Segment, info: TensorInfo) -> None:
         super().__init__(lease, segment, info.offset, info.nbytes, info.dtype, info.shape)
-        self.info = info  # a weightd.TensorInfo
+        self.info = info
 
     @property
-    def name(self):
+    def name(self) -> str:
         return self.info.name
 
     @property
-    def dtype(self):
+    def dtype(self) -> str:
         """The safetensors dtype: "BF16", "F8_E4M3", ..."""
         return self.info.dtype
 
     @property
-    def shape(self):
+    def shape(self) -> Tuple[int, ...]:
         return self.info.shape
 
-    def to_torch(self):
+    def to_torch(self) -> torch.Tensor:
         """A torch.Tensor with the matching torch dtype, sharing this memory."""
         return _torch.to_torch(self)
 
-    def raw(self):
+    def raw(self) -> _Exporter:
         """The tensor's bytes as a 1-D uint8 DLPack exporter (any dtype, including F4/F6/F8_E8M0)."""
         return _Exporter(self._lease, self._segment, self._offset, self._nbytes, "U8", (self._nbytes,))
 
-    def _carrier(self, dtype):
+    def _carrier(self, dtype: str) -> _Exporter:
         """The same elements exported as `dtype` of equal width, to reinterpret after import."""
         return _Exporter(self._lease, self._segment, self._offset, self._nbytes, dtype, self.shape)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"<weightd.Tensor {self.name!r} {self.dtype}{list(self.shape)}>"
 
 
-def _decoded(method, *args):
+def _decoded(method: Callable[..., _T], *args: int) -> _T:
     """Calls a table method; the native decoder's RuntimeError (a name that is not
     UTF-8: DATA_LOSS) becomes a WeightdError."""
     try:
@@ -135,34 +157,33 @@ def _decoded(method, *args):
 
 
 class EntryTable:
-    """TensorEntry messages (a daemon that predates the packed table) behind
-    the interface of weightd._native.PackedTable: len, index(), info(i),
-    first_outside(segment_sizes)."""
+    """TensorEntry messages (a daemon that predates the packed table) as a
+    TensorTable, like weightd._native.PackedTable."""
 
     __slots__ = ("_entries",)
 
-    def __init__(self, entries):
-        self._entries = entries
+    def __init__(self, entries: Sequence[Any]) -> None:
+        self._entries = entries  # pb.TensorEntry messages
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self._entries)
 
-    def index(self):
+    def index(self) -> Dict[str, int]:
         return {t.name: i for i, t in enumerate(self._entries)}
 
-    def info(self, i):
+    def info(self, i: int) -> _TensorFields:
         t = self._entries[i]
         return (t.name, t.dtype, tuple(t.shape), "device" if t.placement == pb.DEVICE else "host", t.segment,
                 t.offset, t.nbytes, tuple(t.full_shape), t.split_dim, t.split_start, t.content_hash)
 
-    def first_outside(self, segment_sizes):
+    def first_outside(self, segment_sizes: Sequence[int]) -> int:
         for i, t in enumerate(self._entries):
             if t.segment >= len(segment_sizes) or t.offset + t.nbytes > segment_sizes[t.segment]:
                 return i
         return -1
 
 
-class Model(collections.abc.Mapping):
+class Model(collections.abc.Mapping[str, Tensor]):
     """A leased, mapped model rank: a Mapping from tensor name to Tensor.
 
     Use it as a context manager or call close(). Tensors taken from it (Tensor
@@ -172,22 +193,24 @@ class Model(collections.abc.Mapping):
     threads is safe; close() must not race other calls.
     """
 
-    def __init__(self, response, lease, attach_seconds, private=False, table=None):
-        self.name = response.model
+    def __init__(self, response: Any, lease: _Lease, attach_seconds: float, private: bool = False,
+                 table: Optional[TensorTable] = None) -> None:
+        # response: the pb.AttachResponse
+        self.name: str = response.model
         self.private = private  # attached copy-on-write: tensors are writable
-        self.generation = response.generation
-        self.rank = response.rank
-        self.fingerprint = response.fingerprint
-        self.version_label = response.version_label  # a writer's tag of the generation; "" for loads from disk
+        self.generation: int = response.generation
+        self.rank: int = response.rank
+        self.fingerprint: str = response.fingerprint
+        self.version_label: str = response.version_label  # a writer's tag of the generation; "" for loads from disk
         self.attach_seconds = attach_seconds  # Attach RPC to all segments mapped
         self._segments = tuple(SegmentInfo.from_proto(s) for s in response.segments)
         # The tensors, decoded on demand: the native packed table, or the protobuf entries.
-        self._table = table if table is not None else EntryTable(response.tensors)
-        self._index = None  # {name: index}, built on first use (_names)
-        self._lease = lease
+        self._table: TensorTable = table if table is not None else EntryTable(response.tensors)
+        self._index: Optional[Dict[str, int]] = None  # {name: index}, built on first use (_names)
+        self._lease: Optional[_Lease] = lease
         self._lease_id = lease.lease_id
 
-    def _names(self):
+    def _names(self) -> Dict[str, int]:
         """{name: index}, built by the first lookup in one native loop (about 0.5 us per
         tensor), so that attach itself does no per-tensor work. Two threads racing here
         build equal dicts; either wins."""
@@ -197,75 +220,75 @@ class Model(collections.abc.Mapping):
         return index
 
     # Mapping
-    def __getitem__(self, name):
+    def __getitem__(self, name: str) -> Tensor:
         lease = self._open_lease()
         info = self.tensor_info(name)
         return Tensor(lease, lease.segments[info.segment], info)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[str]:
         return iter(self._names())
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self._table)  # names are unique within a rank (the daemon refuses duplicates)
 
-    def __contains__(self, name):
+    def __contains__(self, name: object) -> bool:
         return name in self._names()
 
-    def tensor_info(self, name):
+    def tensor_info(self, name: str) -> TensorInfo:
         """The manifest entry of `name` (KeyError when this rank has no such tensor)."""
         return TensorInfo(*_decoded(self._table.info, self._names()[name]))
 
     @property
-    def manifest(self):
+    def manifest(self) -> Manifest:
         return Manifest(self.name, self.generation, self.rank, self.fingerprint, self._segments,
                         tuple(TensorInfo(*_decoded(self._table.info, i)) for i in range(len(self._table))),
                         self.version_label)
 
     @property
-    def lease_id(self):
+    def lease_id(self) -> str:
         return self._lease_id
 
     @property
-    def mappings(self):
+    def mappings(self) -> List[Tuple[int, int]]:
         """(address, size) of each mapped segment in this process, in segment order
         (address 0 for an empty segment). A tensor lies in the mapping of its
         TensorInfo.segment; a model has as many host segments as the daemon chose."""
         return [(s.address, s.size) for s in self._open_lease().segments]
 
-    def owns(self, address):
+    def owns(self, address: int) -> bool:
         """Whether byte `address` of this process lies inside one of this model's mappings."""
         return any(base <= address < base + size for base, size in self.mappings if base)
 
     # torch
-    def weights_iterator(self):
+    def weights_iterator(self) -> Iterator[Tuple[str, torch.Tensor]]:
         """Yields (name, torch.Tensor) pairs in manifest order, zero-copy, for a load_weights() loop."""
         for name in self:
             yield name, self[name].to_torch()
 
-    def torch_state_dict(self):
+    def torch_state_dict(self) -> Dict[str, torch.Tensor]:
         """{name: torch.Tensor}, zero-copy."""
         return dict(self.weights_iterator())
 
     # lifetime
     @property
-    def closed(self):
+    def closed(self) -> bool:
         return self._lease is None
 
-    def close(self):
+    def close(self) -> None:
         """Drops this model's hold on the lease; exported tensors keep theirs. Idempotent."""
         self._lease = None
 
-    def __enter__(self):
+    def __enter__(self) -> Model:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _open_lease(self):
+    def _open_lease(self) -> _Lease:
         if self._lease is None:
             raise ValueError(f"model {self.name!r} (rank {self.rank}) is closed")
         return self._lease
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         state = "closed" if self.closed else f"{len(self)} tensors"
         return f"<weightd.Model {self.name!r} generation {self.generation} rank {self.rank}: {state}>"

@@ -1,4 +1,12 @@
 """safetensors dtype -> torch dtype, and the zero-copy import of one tensor."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    import torch
+
+    from ._model import Tensor
 
 # torch imports these straight through DLPack.
 _DIRECT = {
@@ -18,11 +26,11 @@ class UnsupportedDtypeError(TypeError):
     """A tensor's dtype has no equivalent in the installed torch (or in DLPack)."""
 
 
-def torch_dtype(dtype):
+def torch_dtype(dtype: str) -> torch.dtype:
     """The torch dtype for a safetensors dtype; UnsupportedDtypeError when the installed torch has none."""
     import torch
-    name = _DIRECT.get(dtype) or _BYTE_VIEWED.get(dtype) or _WIDE_UNSIGNED.get(dtype, (None,))[0]
-    found = getattr(torch, name, None) if name else None
+    name = _DIRECT.get(dtype) or _BYTE_VIEWED.get(dtype) or _WIDE_UNSIGNED.get(dtype, ("",))[0]
+    found: Optional[torch.dtype] = getattr(torch, name, None) if name else None
     if found is None:
         raise UnsupportedDtypeError(
             f"safetensors dtype {dtype} has no torch dtype in torch {torch.__version__}"
@@ -31,20 +39,20 @@ def torch_dtype(dtype):
     return found
 
 
-def to_torch(tensor):
+def to_torch(tensor: Tensor) -> torch.Tensor:
     """A torch.Tensor sharing `tensor`'s memory (a weightd.Tensor), no copy.
 
     Raises UnsupportedDtypeError naming the tensor and dtype when torch
     cannot represent it.
     """
-    import torch
+    from torch.utils.dlpack import from_dlpack  # torch.from_dlpack, which torch 1.13 does not export by name
     dtype = tensor.dtype
     try:
         target = torch_dtype(dtype)
     except UnsupportedDtypeError as e:
         raise UnsupportedDtypeError(f"tensor {tensor.name!r}: {e}") from None
     if dtype in _DIRECT:
-        return torch.from_dlpack(tensor)
+        return from_dlpack(tensor)
     if dtype in _BYTE_VIEWED:
-        return torch.from_dlpack(tensor._carrier("U8")).view(target)
-    return torch.from_dlpack(tensor._carrier(_WIDE_UNSIGNED[dtype][1])).view(target)
+        return from_dlpack(tensor._carrier("U8")).view(target)
+    return from_dlpack(tensor._carrier(_WIDE_UNSIGNED[dtype][1])).view(target)

@@ -1,7 +1,9 @@
 """Plain records returned by the client: no protobuf type leaks out."""
+from __future__ import annotations
+
 import enum
-from dataclasses import dataclass, field
-from typing import Dict, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, Tuple
 
 from .v1 import weightd_pb2 as pb
 
@@ -58,7 +60,7 @@ class ModelInfo:
     source: str = ""  # where its bytes came from: "storage", "writer" or "peer HOST:PORT"
 
     @classmethod
-    def from_proto(cls, m):
+    def from_proto(cls, m: Any) -> ModelInfo:
         return cls(
             name=m.name, generation=m.generation, state=ModelState(pb.ModelState.Name(m.state)),
             checkpoint_path=m.checkpoint_path, host_bytes=m.host_bytes, locked_bytes=m.locked_bytes,
@@ -118,7 +120,7 @@ class TensorInfo:
     content_hash: str
 
     @classmethod
-    def from_proto(cls, t):
+    def from_proto(cls, t: Any) -> TensorInfo:
         return cls(
             name=t.name, dtype=t.dtype, shape=tuple(t.shape),
             placement="device" if t.placement == pb.DEVICE else "host", segment=t.segment,
@@ -135,7 +137,7 @@ class SegmentInfo:
     fd_attached: bool = True  # its fd arrives on the fd socket; False: imported from handle bytes
 
     @classmethod
-    def from_proto(cls, s):
+    def from_proto(cls, s: Any) -> SegmentInfo:
         return cls(placement="device" if s.placement == pb.DEVICE else "host", size=s.size,
                    backend=s.backend, gpu_uuid=s.gpu_uuid,
                    fd_attached=s.export_kind == pb.SegmentDescriptor.EXPORT_FD)
@@ -163,6 +165,6 @@ class WatchEvent:
     time: float  # when it happened, seconds since the Unix epoch
 
     @classmethod
-    def from_proto(cls, e):
+    def from_proto(cls, e: Any) -> WatchEvent:
         return cls(kind=WatchEventKind(pb.ModelEvent.Kind.Name(e.kind)), model=e.model, generation=e.generation,
                    version_label=e.version_label, fingerprint=e.fingerprint, time=e.time)

@@ -9,9 +9,13 @@ out holds a memoryview of its mapping, so `mmap.close()` refuses
 unmapped everything (the daemon seals only memory no process maps writable),
 and no tensor ever points at memory that was unmapped under it.
 """
+from __future__ import annotations
+
 import gc
 import mmap
 import os
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Type
 
 import grpc
 
@@ -19,6 +23,11 @@ from . import _torch
 from ._errors import WeightdError
 from ._types import CommitResult, ModelInfo, TensorInfo
 from .v1 import weightd_pb2 as pb
+
+if TYPE_CHECKING:
+    import socket
+
+    import torch
 
 # The daemon's words for a commit refused because a staged segment is still
 # mapped writable somewhere (common/memory/host_segment.cc): it keeps the
@@ -49,20 +58,23 @@ class Update:
     and abort() must be called from one thread, after those writes.
     """
 
-    def __init__(self, stub, response, connection, fds, version_label=None):
-        self.model = response.model
-        self.update_id = response.update_id
-        self.base_generation = response.base_generation
-        self.bytes_staged = response.bytes_staged  # bytes the daemon copied into the staged segments
-        self.bytes_shared = response.bytes_shared  # bytes of segments shared unchanged with the base
+    def __init__(self, stub: Any, response: Any, connection: socket.socket, fds: Sequence[int],
+                 version_label: Optional[str] = None) -> None:
+        # stub: the WeightdStub; response: the pb.BeginUpdateResponse
+        self.model: str = response.model
+        self.update_id: str = response.update_id
+        self.base_generation: int = response.base_generation
+        self.bytes_staged: int = response.bytes_staged  # bytes the daemon copied into the staged segments
+        self.bytes_shared: int = response.bytes_shared  # bytes of segments shared unchanged with the base
         self.version_label = version_label  # commit()'s label when it is given none
         self._stub = stub
         self._connection = connection  # the update's lease: closing it aborts an update not committed
         self._fds = list(fds)  # one per staged segment, kept to map again after a refused commit
-        self._sizes = [s.size for s in response.segments]
-        self._maps = [None] * len(self._sizes)  # mmap.mmap per staged segment, made on first use
-        self._handed_out = [set() for _ in self._sizes]  # tensor names given out, by segment
-        self._tensors = {}
+        self._sizes: List[int] = [s.size for s in response.segments]
+        # mmap.mmap per staged segment, made on first use
+        self._maps: List[Optional[mmap.mmap]] = [None] * len(self._sizes)
+        self._handed_out: List[Set[str]] = [set() for _ in self._sizes]  # tensor names given out, by segment
+        self._tensors: Dict[Tuple[str, int], TensorInfo] = {}
         for t in response.tensors:
             info = TensorInfo.from_proto(t.entry)
             if info.segment >= len(self._sizes) or info.offset + info.nbytes > self._sizes[info.segment]:
@@ -75,24 +87,24 @@ class Update:
     # ------------------------------------------------------------ tensors
 
     @property
-    def tensors(self):
+    def tensors(self) -> List[str]:
         """The names of the tensors this update may write, in the daemon's order."""
         return list(dict.fromkeys(name for name, _ in self._tensors))
 
-    def __contains__(self, name):
+    def __contains__(self, name: object) -> bool:
         return (name, 0) in self._tensors
 
-    def tensor_info(self, name, rank=0):
+    def tensor_info(self, name: str, rank: int = 0) -> TensorInfo:
         """The TensorInfo of `name` (its `segment` indexes the staged segments); KeyError if not in the update."""
         try:
             return self._tensors[(name, rank)]
         except KeyError:
             raise KeyError(f"tensor {name!r} (rank {rank}) is not in this update of {self.model!r}") from None
 
-    def __getitem__(self, name):
+    def __getitem__(self, name: str) -> torch.Tensor:
         return self.tensor(name)
 
-    def tensor(self, name, rank=0):
+    def tensor(self, name: str, rank: int = 0) -> torch.Tensor:
         """A writable torch.Tensor of `name`'s dtype and shape over the staged memory (no copy).
 
         Raises UnsupportedDtypeError when torch has no such dtype (use buffer()).
@@ -113,14 +125,14 @@ class Update:
         raw = torch.frombuffer(self._view(info), dtype=torch.uint8)
         return raw.view(dtype).view(info.shape)
 
-    def buffer(self, name, rank=0):
+    def buffer(self, name: str, rank: int = 0) -> memoryview:
         """`name`'s bytes as a writable 1-D memoryview of unsigned bytes over the staged memory (no copy).
 
         Release it (`del`, or memoryview.release()) before commit().
         """
         return self._view(self.tensor_info(name, rank))
 
-    def _view(self, info):
+    def _view(self, info: TensorInfo) -> memoryview:
         self._check_open()
         if info.nbytes == 0:
             return memoryview(bytearray())  # nothing to write, nothing to map
@@ -128,24 +140,27 @@ class Update:
         self._handed_out[info.segment].add(info.name)
         return memoryview(mapping)[info.offset:info.offset + info.nbytes]
 
-    def _mapping(self, segment):
-        if self._maps[segment] is None and self._sizes[segment] > 0:
+    def _mapping(self, segment: int) -> mmap.mmap:
+        """The mapping of staged segment `segment` (non-empty), made on first use."""
+        mapping = self._maps[segment]
+        if mapping is None:
             try:
                 # MAP_POPULATE (Linux, Python 3.10+): the staged pages exist; map them up front
                 # instead of taking one page fault per 4 KiB page while writing.
-                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-                self._maps[segment] = mmap.mmap(self._fds[segment], self._sizes[segment], flags,
-                                                mmap.PROT_READ | mmap.PROT_WRITE)
+                flags: int = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+                mapping = self._maps[segment] = mmap.mmap(self._fds[segment], self._sizes[segment], flags,
+                                                          mmap.PROT_READ | mmap.PROT_WRITE)
             except OSError as e:
                 # EPERM: an earlier commit attempt sealed this segment already.
                 raise WeightdError(grpc.StatusCode.FAILED_PRECONDITION,
                                    f"staged segment {segment} of the update of {self.model!r} cannot be mapped "
                                    f"writable: {e.strerror or e}") from None
-        return self._maps[segment]
+        return mapping
 
     # ------------------------------------------------------------ commit / abort
 
-    def commit(self, expected_hashes=None, version_label=None):
+    def commit(self, expected_hashes: Optional[Mapping[str, str]] = None,
+               version_label: Optional[str] = None) -> CommitResult:
         """Unmaps every staged segment, then asks the daemon to seal, verify and
         publish them as the next generation; returns a CommitResult.
 
@@ -182,7 +197,7 @@ class Update:
         return CommitResult(ModelInfo.from_proto(response.model), response.tensors_changed, response.bytes_written,
                             response.bytes_shared, response.seconds)
 
-    def abort(self):
+    def abort(self) -> None:
         """Ends the update; the served generation is untouched. Idempotent.
 
         Tensors still referenced keep their (now private) memory until dropped.
@@ -201,26 +216,26 @@ class Update:
             self._end()
 
     @property
-    def closed(self):
+    def closed(self) -> bool:
         """Whether the update was committed or aborted."""
         return self._ended
 
-    def __enter__(self):
+    def __enter__(self) -> Update:
         return self
 
-    def __exit__(self, exc_type, exc, traceback):
+    def __exit__(self, exc_type: Optional[Type[BaseException]], exc: Optional[BaseException],
+                 traceback: Optional[TracebackType]) -> None:
         if self._ended:
-            return False
+            return
         if exc_type is None:
             self.commit()
-            return False
+            return
         try:
             self.abort()
         except WeightdError:
             pass  # the block's own exception matters more; the connection closed, so the update ended
-        return False
 
-    def __del__(self):
+    def __del__(self) -> None:
         # Not committed: closing the connection makes the daemon abort it.
         if not getattr(self, "_ended", True):
             try:
@@ -229,18 +244,18 @@ class Update:
             except Exception:
                 pass  # interpreter shutdown: the kernel closes the connection at exit
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         state = "closed" if self._ended else f"{len(self._tensors)} tensors, open"
         return f"<weightd.Update of {self.model!r} from generation {self.base_generation}: {state}>"
 
     # ------------------------------------------------------------ internals
 
-    def _check_open(self):
+    def _check_open(self) -> None:
         if self._ended:
             raise WeightdError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"the update of {self.model!r} was already committed or aborted")
 
-    def _unmap(self, strict=True):
+    def _unmap(self, strict: bool = True) -> None:
         """Closes every mapping. strict: raise when one is still in use (after
         one garbage collection, for tensors held only by reference cycles)."""
         busy = self._close_maps()
@@ -258,7 +273,7 @@ class Update:
         if not strict:
             self._maps = [None] * len(self._maps)  # the last tensor still holding one unmaps it when dropped
 
-    def _close_maps(self):
+    def _close_maps(self) -> List[int]:
         busy = []
         for i, mapping in enumerate(self._maps):
             if mapping is None:
@@ -272,11 +287,11 @@ class Update:
             self._handed_out[i].clear()
         return busy
 
-    def _end(self):
+    def _end(self) -> None:
         self._ended = True
         self._release()
 
-    def _release(self):
+    def _release(self) -> None:
         for fd in self._fds:
             try:
                 os.close(fd)
@@ -286,6 +301,6 @@ class Update:
         self._connection.close()
 
 
-def _leaves_update_open(error):
+def _leaves_update_open(error: WeightdError) -> bool:
     return error.code == grpc.StatusCode.INVALID_ARGUMENT or (
         error.code == grpc.StatusCode.FAILED_PRECONDITION and _STILL_MAPPED in error.message)

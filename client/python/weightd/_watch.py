@@ -1,5 +1,8 @@
 """WatchModel: a model name's events as an iterator over the gRPC stream."""
+from __future__ import annotations
+
 import threading
+from typing import Any, Callable
 
 import grpc
 
@@ -22,12 +25,12 @@ class Watch:
     leaving a `with` block cancels.
     """
 
-    def __init__(self, call):
-        self._call = call
+    def __init__(self, call: Any) -> None:
+        self._call = call  # the grpc streaming call
         self._cancelled = threading.Event()
 
     @classmethod
-    def start(cls, method, request):
+    def start(cls, method: Callable[[Any], Any], request: Any) -> Watch:
         call = method(request)
         metadata = call.initial_metadata() or ()  # blocks until subscribed or refused
         if _SUBSCRIBED not in tuple(metadata):
@@ -38,10 +41,10 @@ class Watch:
             raise WeightdError(code, call.details() or "")
         return cls(call)
 
-    def __iter__(self):
+    def __iter__(self) -> Watch:
         return self
 
-    def __next__(self):
+    def __next__(self) -> WatchEvent:
         try:
             return WatchEvent.from_proto(next(self._call))
         except StopIteration:
@@ -53,15 +56,15 @@ class Watch:
                 raise StopIteration from None
             raise WeightdError.from_rpc(e) from None
 
-    def cancel(self):
+    def cancel(self) -> None:
         """Ends the stream: an iteration blocked in another thread stops."""
         self._cancelled.set()
         self._call.cancel()
 
     close = cancel
 
-    def __enter__(self):
+    def __enter__(self) -> Watch:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.cancel()

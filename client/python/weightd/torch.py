@@ -6,9 +6,16 @@
 
 Importing this module imports torch; `import weightd` alone does not.
 """
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Set, Tuple, Union
+
 import torch
 
-from ._model import Tensor as _WeightdTensor
+import weightd
+
+if TYPE_CHECKING:
+    from torch.nn.modules.module import _IncompatibleKeys
 
 __all__ = ["load_into"]
 
@@ -19,20 +26,28 @@ class _Slot:
 
     __slots__ = ("names", "owners", "tensor", "is_parameter")
 
-    def __init__(self, tensor, is_parameter):
-        self.names = []
-        self.owners = []
+    def __init__(self, tensor: torch.Tensor, is_parameter: bool) -> None:
+        self.names: List[str] = []
+        self.owners: List[Tuple[torch.nn.Module, str]] = []
         self.tensor = tensor
         self.is_parameter = is_parameter
 
 
-def _slots(module):
+# A checkpoint tensor as load_into takes it.
+_Value = Union[weightd.Tensor, torch.Tensor]
+# (slot, module-relative name, the checkpoint's tensor) of one loaded key.
+_Loaded = Tuple[_Slot, str, torch.Tensor]
+
+
+def _slots(module: torch.nn.Module) -> Tuple[Dict[str, _Slot], Set[str]]:
     """({name: _Slot} for every parameter and persistent buffer, {non-persistent buffer names}).
 
     Names are the module's state_dict keys; a tensor reachable under several
     names (tied, or a shared submodule) is one slot listing all of them.
     """
-    by_object, by_name, non_persistent = {}, {}, set()
+    by_object: Dict[int, _Slot] = {}
+    by_name: Dict[str, _Slot] = {}
+    non_persistent: Set[str] = set()
     for path, owner in module.named_modules(remove_duplicate=False):
         base = path + "." if path else ""
         for attr, tensor in list(owner._parameters.items()) + list(owner._buffers.items()):
@@ -49,17 +64,17 @@ def _slots(module):
     return by_name, non_persistent
 
 
-def _as_torch(value):
-    return value.to_torch() if isinstance(value, _WeightdTensor) else value
+def _as_torch(value: _Value) -> torch.Tensor:
+    return value.to_torch() if isinstance(value, weightd.Tensor) else value
 
 
-def _has_assign():
+def _has_assign() -> bool:
     """Whether Module.load_state_dict takes assign= (torch 2.1+)."""
     import inspect
     return "assign" in inspect.signature(torch.nn.Module.load_state_dict).parameters
 
 
-def _assign_directly(slot, tensor):
+def _assign_directly(slot: _Slot, tensor: torch.Tensor) -> None:
     """What load_state_dict(assign=True) does for one key, for torch without assign=:
     the owner's attribute becomes `tensor` itself (a Parameter wrapping it, no copy)."""
     if slot.is_parameter:
@@ -69,7 +84,7 @@ def _assign_directly(slot, tensor):
     setattr(owner, attr, tensor)
 
 
-def _retie(slot):
+def _retie(slot: _Slot) -> None:
     """Points every alias of `slot` at the object its first owner now holds."""
     owner, attr = slot.owners[0]
     value = getattr(owner, attr)
@@ -77,9 +92,11 @@ def _retie(slot):
         setattr(other, other_attr, value)
 
 
-def _match(weights, slots, non_persistent, prefix):
+def _match(weights: Mapping[str, _Value], slots: Dict[str, _Slot], non_persistent: Set[str], prefix: str
+           ) -> Tuple[Dict[int, Tuple[_Slot, str, _Value]], List[str]]:
     """Pairs checkpoint tensors with slots: ({slot id: (slot, name, value)}, unexpected names)."""
-    matched, unexpected = {}, []
+    matched: Dict[int, Tuple[_Slot, str, _Value]] = {}
+    unexpected: List[str] = []
     for checkpoint_name in weights:
         if not checkpoint_name.startswith(prefix):
             continue
@@ -93,7 +110,7 @@ def _match(weights, slots, non_persistent, prefix):
     return matched, unexpected
 
 
-def _check_shapes(module, tensors):
+def _check_shapes(module: torch.nn.Module, tensors: List[_Loaded]) -> None:
     errors = [f"size mismatch for {name}: copying a param with shape {tuple(tensor.shape)} from checkpoint, "
               f"the shape in current model is {tuple(slot.tensor.shape)}."
               for slot, name, tensor in tensors if tuple(tensor.shape) != tuple(slot.tensor.shape)]
@@ -101,12 +118,12 @@ def _check_shapes(module, tensors):
         raise RuntimeError(f"Error(s) in loading weights for {type(module).__name__}:\n\t" + "\n\t".join(errors))
 
 
-def _incompatible(missing, unexpected):
+def _incompatible(missing: List[str], unexpected: List[str]) -> _IncompatibleKeys:
     from torch.nn.modules.module import _IncompatibleKeys
     return _IncompatibleKeys(missing, unexpected)
 
 
-def _raise_if_strict(module, missing, unexpected):
+def _raise_if_strict(module: torch.nn.Module, missing: List[str], unexpected: List[str]) -> None:
     errors = []
     if unexpected:
         errors.append("Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in unexpected) + ". ")
@@ -116,7 +133,8 @@ def _raise_if_strict(module, missing, unexpected):
         raise RuntimeError(f"Error(s) in loading state_dict for {type(module).__name__}:\n\t" + "\n\t".join(errors))
 
 
-def load_into(module, weights, *, prefix="", strict=True):
+def load_into(module: torch.nn.Module, weights: Mapping[str, Union[weightd.Tensor, torch.Tensor]], *,
+              prefix: str = "", strict: bool = True) -> _IncompatibleKeys:
     """Makes weightd's memory the parameters and persistent buffers of `module`, without copying.
 
     module: a torch.nn.Module, typically built on the meta device (its own
@@ -157,7 +175,8 @@ def load_into(module, weights, *, prefix="", strict=True):
         _raise_if_strict(module, missing, unexpected)
     if _has_assign():
         state = {slot.names[0]: tensor for slot, _, tensor in tensors}
-        module.load_state_dict(state, strict=False, assign=True)
+        load_state_dict: Any = module.load_state_dict  # assign=: torch 2.1+, perhaps newer than the type checker's
+        load_state_dict(state, strict=False, assign=True)
     else:
         for slot, _, tensor in tensors:
             _assign_directly(slot, tensor)

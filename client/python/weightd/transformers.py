@@ -9,20 +9,24 @@ built with its parameters on the meta device, then weightd.torch.load_into
 points them at weightd's memory. Importing this module imports torch and
 transformers.
 """
+from __future__ import annotations
+
 import contextlib
 import os
 import re
+from typing import Any, Iterator, List, Mapping, Optional, Tuple, Union
 
 import torch
 import transformers
 
+import weightd
 from .torch import _raise_if_strict, load_into
 
 __all__ = ["load_model", "empty_parameters"]
 
 
 @contextlib.contextmanager
-def empty_parameters():
+def empty_parameters() -> Iterator[None]:
     """Within it, every parameter a module registers is moved to the meta device.
 
     Buffers stay where their module creates them (non-persistent buffers such
@@ -33,27 +37,27 @@ def empty_parameters():
     """
     register = torch.nn.Module.register_parameter
 
-    def register_on_meta(module, name, param):
+    def register_on_meta(module: torch.nn.Module, name: str, param: Optional[torch.nn.Parameter]) -> None:
         register(module, name, param)
-        if param is not None and param.device.type != "meta":
-            kind = type(module._parameters[name])
-            module._parameters[name] = kind(module._parameters[name].to("meta"), requires_grad=param.requires_grad)
+        registered = module._parameters[name]
+        if param is not None and registered is not None and param.device.type != "meta":
+            module._parameters[name] = type(registered)(registered.to("meta"), requires_grad=param.requires_grad)
 
-    torch.nn.Module.register_parameter = register_on_meta
+    setattr(torch.nn.Module, "register_parameter", register_on_meta)  # (type checkers refuse assigning a method)
     try:
         yield
     finally:
-        torch.nn.Module.register_parameter = register
+        setattr(torch.nn.Module, "register_parameter", register)
 
 
-def _config(config):
+def _config(config: Union[transformers.PretrainedConfig, str, os.PathLike[str]]) -> Any:
     if isinstance(config, transformers.PretrainedConfig):
         return config
     path = os.fspath(config)
     return transformers.AutoConfig.from_pretrained(os.path.dirname(path) if path.endswith(".json") else path)
 
 
-def _model_class(config, model_class):
+def _model_class(config: Any, model_class: Optional[type]) -> Any:
     if model_class is not None:
         return model_class
     for name in config.architectures or ():
@@ -62,14 +66,14 @@ def _model_class(config, model_class):
     return transformers.AutoModel
 
 
-def _build(cls, config):
+def _build(cls: Any, config: Any) -> Any:
     with empty_parameters():
         if hasattr(cls, "from_config"):  # Auto classes
             return cls.from_config(config)
         return cls(config)
 
 
-def _target(model, names, prefix):
+def _target(model: torch.nn.Module, names: List[str], prefix: Optional[str]) -> Tuple[torch.nn.Module, str]:
     """(module to load, checkpoint prefix), resolving a base-model prefix either way:
     a BertModel from a BertForMaskedLM checkpoint ("bert." stripped), or a
     GPT2LMHeadModel from a GPT2Model checkpoint (loaded into model.transformer)."""
@@ -85,7 +89,7 @@ def _target(model, names, prefix):
     return model, ""
 
 
-def _still_on_meta(model):
+def _still_on_meta(model: torch.nn.Module) -> List[str]:
     """State-dict names of parameters and persistent buffers nothing was loaded into."""
     names = [n for n, p in model.named_parameters() if p.is_meta]
     for path, owner in model.named_modules():
@@ -95,12 +99,15 @@ def _still_on_meta(model):
     return names
 
 
-def _ignored(model, names):
+def _ignored(model: torch.nn.Module, names: List[str]) -> List[str]:
     patterns = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()
     return [n for n in names if not any(re.search(p, n) for p in patterns)]
 
 
-def load_model(weights, config, *, model_class=None, prefix=None, strict=True, output_loading_info=False):
+def load_model(weights: Mapping[str, Union[weightd.Tensor, torch.Tensor]],
+               config: Union[transformers.PretrainedConfig, str, os.PathLike[str]], *,
+               model_class: Optional[type] = None, prefix: Optional[str] = None, strict: bool = True,
+               output_loading_info: bool = False) -> Any:
     """A `transformers` model whose parameters are weightd's memory, in eval mode.
 
     weights: an attached weightd.Model (or a Mapping of name -> weightd.Tensor
@@ -121,7 +128,7 @@ def load_model(weights, config, *, model_class=None, prefix=None, strict=True, o
     checkpoint that stores only one of them (save_pretrained drops
     lm_head.weight) loads completely. Returns the model, or (model,
     {"missing_keys": [...], "unexpected_keys": [...]}) with
-    output_loading_info.
+    output_loading_info (typed Any: transformers ships no type information).
     """
     config = _config(config)
     model = _build(_model_class(config, model_class), config)
