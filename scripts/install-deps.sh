@@ -11,6 +11,7 @@ packages=(
   python3-yaml
   python3-dev pybind11-dev python3-pybind11 python3-grpcio python3-grpc-tools
   python3-pytest python3-numpy python3-torch
+  mypy  # `mypy --strict` over the Python package (CTest python_mypy)
   # python_frameworks and python_pip_install make venvs and pip-install into
   # them from PyPI (scripts/python-venvs.sh, scripts/check-pip-install.sh).
   python3-venv ccache
