@@ -94,7 +94,7 @@ import urllib.request
 # Claims the check gets wrong, with why they are right: (kind, program or
 # "*", claim) -> reason.
 KNOWN_EXCEPTIONS = {
-    ("flag", "*", "--peer-test-fault"): "tests only (server/config.cc); left out of weightd --help on purpose",
+    ("flag", "*", "--peer-test-fault"): "tests only (server/config/config.cc); left out of weightd --help on purpose",
     ("metric", "*", "weightd_peer_bytes_sent_total"):
         "labelled by peer: no series before a peer transfer, which needs a second daemon",
     ("metric", "*", "weightd_peer_bytes_received_total"):

@@ -22,24 +22,25 @@
 #include "common/transport/unix_socket.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "server/fd_channel.h"
-#include "server/fd_store.h"
-#include "server/record_key.h"
-#include "server/restore.h"
-#include "server/upgrade.h"
-#include "server/grpc_acceptor.h"
-#include "server/grpc_limits.h"
-#include "server/health_port.h"
-#include "server/metrics_listener.h"
+#include "server/listen/fd_channel.h"
+#include "server/restart/fd_store.h"
+#include "server/restart/record_key.h"
+#include "server/restart/restore.h"
+#include "server/restart/upgrade.h"
+#include "server/listen/grpc_acceptor.h"
+#include "server/listen/grpc_limits.h"
+#include "server/listen/health_port.h"
+#include "server/ops/metrics_listener.h"
+#include "server/ops/prometheus_metrics.h"
 #include "server/path_lock.h"
-#include "server/peer_join.h"
-#include "server/peer_seed.h"
-#include "server/peer_service.h"
-#include "server/registry.h"
-#include "server/rpc_metrics.h"
-#include "server/self_check.h"
-#include "server/service.h"
-#include "server/tcp_listener.h"
+#include "server/peer/peer_join.h"
+#include "server/peer/peer_seed.h"
+#include "server/listen/peer_service.h"
+#include "server/registry/registry.h"
+#include "server/listen/rpc_metrics.h"
+#include "server/ops/self_check.h"
+#include "server/api/service.h"
+#include "server/listen/tcp_listener.h"
 
 namespace weightd {
 namespace {
@@ -149,7 +150,7 @@ std::string BoundAddress(const std::string& address, int port) {
   return absl::StrCat(address.substr(0, address.rfind(':')), ":", port);
 }
 
-// The record key beside `socket` (server/record_key.h); without one (a
+// The record key beside `socket` (server/restart/record_key.h); without one (a
 // warning says why) records carry no HMAC and restores hash every host byte.
 std::optional<RecordKey> LoadRecordKey(const std::string& socket) {
   absl::StatusOr<RecordKey> key = RecordKey::Load(RecordKeyPath(socket));
@@ -198,7 +199,7 @@ class DaemonImpl final : public Daemon {
     options.watch.max_watchers = static_cast<size_t>(config_.max_watchers);
     options.watch.queue_events = static_cast<size_t>(config_.watch_queue_events);
     WEIGHTD_RETURN_IF_ERROR(StartPeerTransport());
-    options.peers = peer_joiner_.get();
+    options.seed_source = peer_joiner_.get();
     options.hold_pinning = true;  // released once every listener is up: see below
     registry_ = std::make_unique<ModelRegistry>(options, &listeners_);
     if (absl::StatusOr<HostMemoryBudget> budget = ReadHostMemoryBudget(); budget.ok()) {
@@ -271,6 +272,15 @@ class DaemonImpl final : public Daemon {
     return absl::OkStatus();
   }
 
+  // The grpc_* bounds of the config, for every gRPC server.
+  GrpcServerLimits GrpcLimits() const {
+    return {.max_threads = config_.grpc_max_threads,
+            .max_streams_per_connection = config_.grpc_max_streams_per_connection,
+            .max_connections = static_cast<size_t>(config_.grpc_max_connections),
+            .first_bytes_timeout = std::chrono::milliseconds(
+                static_cast<int64_t>(config_.grpc_first_bytes_timeout_seconds * 1000))};
+  }
+
   // The gRPC server of the Unix socket, whose connections our own
   // GrpcAcceptor accepts (gRPC's listener never re-arms after EMFILE);
   // threads and streams bounded.
@@ -278,15 +288,15 @@ class DaemonImpl final : public Daemon {
     grpc::ServerBuilder builder;
     builder.RegisterService(service_.get());
     builder.SetMaxSendMessageSize(-1);
-    ApplyGrpcLimits(config_, builder);
+    ApplyGrpcLimits(GrpcLimits(), builder);
     CountRpcs(builder, metrics_.get());
     server_ = builder.BuildAndStart();
     if (server_ == nullptr) return absl::UnavailableError("cannot start the gRPC server");
     listener_.AddServer(server_.get());
     GrpcAcceptorOptions accept;
     accept.path = config_.socket;
-    accept.max_connections = static_cast<size_t>(config_.grpc_max_connections);
-    accept.first_bytes_timeout = FirstBytesTimeout(config_);
+    accept.max_connections = GrpcLimits().max_connections;
+    accept.first_bytes_timeout = GrpcLimits().first_bytes_timeout;
     WEIGHTD_ASSIGN_OR_RETURN(acceptor_, GrpcAcceptor::Start(std::move(accept), server_.get()));
     return absl::OkStatus();
   }
@@ -304,7 +314,7 @@ class DaemonImpl final : public Daemon {
 
   // Serves again the models a restarted daemon left in the fd store (or an
   // in-place upgrade handed over), before any socket answers: a client never
-  // sees a restored model missing. See server/restore.h.
+  // sees a restored model missing. See server/restart/restore.h.
   void Restore() {
     std::vector<NamedFd> fds = std::move(inherited_);
     if (fds.empty()) return;
@@ -344,7 +354,15 @@ class DaemonImpl final : public Daemon {
 
   absl::Status StartTcpListener() {
     if (config_.grpc_address.empty()) return absl::OkStatus();
-    WEIGHTD_ASSIGN_OR_RETURN(tcp_listener_, TcpListener::Start(config_, registry_.get(), metrics_.get()));
+    TcpListenerOptions tcp{.address = config_.grpc_address,
+                           .tls_cert = config_.grpc_tls_cert,
+                           .tls_key = config_.grpc_tls_key,
+                           .tls_client_ca = config_.grpc_tls_client_ca,
+                           .admin = config_.grpc_tcp_admin,
+                           .fd_socket = config_.fd_socket,
+                           .mlock = config_.mlock,
+                           .limits = GrpcLimits()};
+    WEIGHTD_ASSIGN_OR_RETURN(tcp_listener_, TcpListener::Start(tcp, registry_.get(), metrics_.get()));
     listener_.AddServer(tcp_listener_->server());
     LogInfo(absl::StrCat("gRPC TCP listener on ", BoundAddress(config_.grpc_address, tcp_listener_->port()), " (",
                          tcp_listener_->mode(), ")"));
@@ -406,7 +424,12 @@ class DaemonImpl final : public Daemon {
     seed.test_fault = config_.peer_test_fault;
     WEIGHTD_ASSIGN_OR_RETURN(PeerTransport * transport, PeerTransportOnce());
     peer_seed_ = std::make_unique<PeerSeed>(registry_.get(), transport, seed, metrics_.get());
-    WEIGHTD_ASSIGN_OR_RETURN(peer_listener_, PeerListener::Start(config_, peer_seed_.get(), metrics_.get()));
+    PeerListenerOptions listen{.address = config_.peer_address,
+                               .tls_cert = config_.peer_tls_cert,
+                               .tls_key = config_.peer_tls_key,
+                               .tls_ca = config_.peer_tls_ca,
+                               .limits = GrpcLimits()};
+    WEIGHTD_ASSIGN_OR_RETURN(peer_listener_, PeerListener::Start(listen, peer_seed_.get(), metrics_.get()));
     listener_.AddServer(peer_listener_->server());
     LogInfo(absl::StrCat("peer listener on ", BoundAddress(config_.peer_address, peer_listener_->port()),
                          " (weightd.v1.Peer, read-only, ", config_.peer_tls_cert.empty() ? "plain TCP" : "mutual TLS",

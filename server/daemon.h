@@ -10,8 +10,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "server/config.h"
-#include "server/fd_store.h"
+#include "server/config/config.h"
+#include "server/restart/fd_store.h"
 
 namespace weightd {
 
@@ -26,7 +26,7 @@ class Daemon {
   virtual ~Daemon() = default;
   // Stops accepting, lets in-flight calls finish (up to 10 s), ends leases.
   virtual void Shutdown() = 0;
-  // Shutdown() before an in-place upgrade (server/upgrade.h): tells systemd
+  // Shutdown() before an in-place upgrade (server/restart/upgrade.h): tells systemd
   // RELOADING=1 rather than STOPPING=1.
   virtual void ShutdownForUpgrade() = 0;
   // After a shutdown: copies of the fds of every READY model, named as in the

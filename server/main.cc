@@ -6,10 +6,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/base/log.h"
-#include "server/config.h"
+#include "server/config/config.h"
 #include "server/daemon.h"
-#include "server/fd_store.h"
-#include "server/upgrade.h"
+#include "server/restart/fd_store.h"
+#include "server/restart/upgrade.h"
 
 namespace {
 

@@ -3,7 +3,7 @@
 // (seed 0) over the tensor's bytes cut into kHashBlockBytes blocks. A
 // tensor of one block (or empty) hashes to XXH3-64 of its bytes; a larger
 // one to XXH3-64 of the little-endian array of its block hashes, so blocks
-// can be hashed in parallel as they are read (server/loader.h).
+// can be hashed in parallel as they are read (server/load/loader.h).
 //
 // Thread-safety: pure functions.
 #ifndef WEIGHTD_COMMON_FORMAT_CONTENT_HASH_H_

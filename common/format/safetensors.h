@@ -58,7 +58,7 @@ struct SafetensorsHeader {
   std::map<std::string, std::string> metadata;
   // XXH3-64 of the header's JSON bytes as read (set by ReadHeader; 0 from
   // ParseHeaderJson alone): with the file's identity it tells an unchanged
-  // file from a rewritten one (server/registry.h, partial reload).
+  // file from a rewritten one (server/registry/registry.h, partial reload).
   uint64_t header_hash = 0;
 };
 

@@ -120,7 +120,7 @@ class DeviceBackend {
   virtual absl::StatusOr<std::unique_ptr<ImportedArena>> Import(ArenaExport exported) = 0;
   // Daemon side, after a restart: takes over an arena of `size` bytes on
   // `device` that this backend exported as `fd` in an earlier daemon process
-  // (kept by the fd store, server/fd_store.h). The result is sealed and
+  // (kept by the fd store, server/restart/fd_store.h). The result is sealed and
   // exports the same fd. Errors: FAILED_PRECONDITION when the fd is not such
   // an arena (size, seals); UNIMPLEMENTED for backends that cannot adopt
   // (the default; cuda-legacy-ipc memory dies with its process).

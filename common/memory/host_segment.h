@@ -55,7 +55,7 @@ class HostSegment {
   static absl::StatusOr<std::unique_ptr<HostSegment>> Create(const std::string& name, uint64_t size,
                                                              const PageChoice& pages = {});
   // Takes over `fd`, a memfd sealed by an earlier process (a restarted
-  // daemon's fd store, server/fd_store.h): it must carry F_SEAL_SHRINK |
+  // daemon's fd store, server/restart/fd_store.h): it must carry F_SEAL_SHRINK |
   // F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL, be exactly `size` bytes, and be
   // of 2 MiB pages exactly when `huge` (st_blksize). Maps it read-only and
   // lazily; locks nothing. The result is sealed(). Errors:

@@ -1,5 +1,5 @@
 // The messages between weightd and its peer transfer helpers
-// (weightd-peer-helper, server/peer_helper_main.cc), and between a joiner's
+// (weightd-peer-helper, server/helper/peer_helper_main.cc), and between a joiner's
 // helper and a seed's helper over UCX active messages.
 //
 // Why helpers: UCX over TCP lets any peer that connects to a worker make it
@@ -15,7 +15,7 @@
 //     no_new_privs before UCX starts, and once UCX is up (a joiner: once
 //     connected) sandboxes itself: Landlock without file system rights,
 //     seccomp without ptrace, signals to others, AF_UNIX sockets or exec
-//     (server/peer_helper_main.cc Sandbox());
+//     (server/helper/peer_helper_main.cc Sandbox());
 //   - dies with its transfer (the daemon closes the control socket, then
 //     SIGKILLs and reaps it).
 // A peer that takes over a helper therefore gets the bytes it could read

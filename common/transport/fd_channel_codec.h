@@ -1,5 +1,5 @@
 // The fd channel's messages, encoded and parsed in one place for the daemon
-// (server/fd_channel.cc) and the C++ client (client/client.cc). The grammar,
+// (server/listen/fd_channel.cc) and the C++ client (client/client.cc). The grammar,
 // its limits and the exchange are documented once, in docs/api.md ("The fd
 // channel"); the Python client (client/python/weightd/_fdsock.py) follows the
 // same text.

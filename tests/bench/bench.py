@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # daemon_restart
 
 GIB = 1 << 30
 MIB = 1 << 20
-RING_BYTES_PER_THREAD = 16 * MIB  # one kReadBlockBytes bounce buffer per load thread (server/loader.h)
+RING_BYTES_PER_THREAD = 16 * MIB  # one kReadBlockBytes bounce buffer per load thread (server/load/loader.h)
 
 
 def log(msg):

@@ -2,7 +2,7 @@
 // on this machine, with nothing of weightd in it (no hashing, no RPC, no
 // seal). T threads each own one memfd holding an equal share of the
 // checkpoint's bytes (so no inode lock is shared) and fill it from the
-// page cache the way each page kind fills fastest (server/host_fill.h):
+// page cache the way each page kind fills fastest (server/load/host_fill.h):
 //   small    pread 1 MiB into a bounce buffer, pwrite it into the memfd;
 //   thp      mmap + madvise(MADV_HUGEPAGE), then per 16 MiB
 //   hugetlb  MADV_POPULATE_WRITE and pread straight into the mapping

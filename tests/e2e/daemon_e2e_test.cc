@@ -145,7 +145,7 @@ TEST(DaemonE2E, ClientsMapTheSameMemfdAndAddNoCopies) {
   std::vector<MemfdMapping> ma = MemfdMappings(a.pid(), "tiny:host");
   std::vector<MemfdMapping> mb = MemfdMappings(b.pid(), "tiny:host");
   std::vector<MemfdMapping> md = MemfdMappings(d.pid(), "tiny:host");
-  // The tiny demo has two files: one host segment each (server/plan.h).
+  // The tiny demo has two files: one host segment each (server/load/plan.h).
   ASSERT_EQ(ma.size(), 2u);
   ASSERT_EQ(mb.size(), 2u);
   ASSERT_EQ(md.size(), 2u);

@@ -1,5 +1,5 @@
 // The fd channel's protocol against a real daemon, speaking the raw gRPC API
-// and the raw SEQPACKET messages (server/fd_channel.h).
+// and the raw SEQPACKET messages (server/listen/fd_channel.h).
 #include <grpcpp/grpcpp.h>
 #include <sys/stat.h>
 #include <unistd.h>

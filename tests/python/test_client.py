@@ -358,7 +358,7 @@ def test_segments_say_whether_their_fd_comes_on_the_fd_socket(emulated_daemon, d
     client.load("demo-export", demo_small, host_resident=["embed_tokens"], devices=["0"])
     segments = client.manifest("demo-export").segments
     # Host segments first, then arenas; neither mixes two of the demo's five
-    # files (server/plan.h): the embedding's file also holds a small device tensor.
+    # files (server/load/plan.h): the embedding's file also holds a small device tensor.
     assert [(s.placement, s.backend, s.fd_attached) for s in segments] == [
         ("host", "memfd", True)] + [("device", "emulated", True)] * 5
     client.unload("demo-export")

@@ -1,5 +1,5 @@
 // ParseDaemonArgs: flags, the --config file, precedence and errors.
-#include "server/config.h"
+#include "server/config/config.h"
 
 #include <string>
 #include <vector>

@@ -1,6 +1,6 @@
 // The one absl::Status -> grpc::Status conversion: codes kept, messages
 // capped so that they always reach the client.
-#include "server/convert.h"
+#include "server/api/convert.h"
 
 #include <string>
 

@@ -9,7 +9,7 @@
 #include "common/memory/device.h"
 #include "common/base/status.h"
 #include "gtest/gtest.h"
-#include "server/loader.h"
+#include "server/load/loader.h"
 #include "tests/testing/checkpoint_builder.h"
 #include "tests/testing/counting_backend.h"
 #include "tests/testing/shared_inputs.h"

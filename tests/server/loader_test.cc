@@ -1,6 +1,6 @@
 // LoadGeneration: the host read pipeline, content hashes, failure cleanup and
 // progress, on generated checkpoints.
-#include "server/loader.h"
+#include "server/load/loader.h"
 
 #include <dirent.h>
 #include <unistd.h>

@@ -1,5 +1,5 @@
 // GetManifest paging: the tensor-count and encoded-byte caps of one page.
-#include "server/manifest_pages.h"
+#include "server/api/manifest_pages.h"
 
 #include <string>
 

@@ -1,7 +1,7 @@
-#include "server/memory_admission.h"
+#include "server/model/memory_admission.h"
 
 #include "gtest/gtest.h"
-#include "server/loader.h"
+#include "server/load/loader.h"
 #include "tests/testing/checkpoint_builder.h"
 #include "tests/testing/shared_inputs.h"
 #include "tests/testing/status_matchers.h"

@@ -1,7 +1,8 @@
 // Metrics: error reasons for every ../shared case, the registry sample, the
 // Prometheus exposition, the registry events and the RPC interceptor, all
 // in-process (tests/e2e/ops_e2e_test.cc scrapes a real daemon).
-#include "server/metrics.h"
+#include "server/metrics/metrics.h"
+#include "server/ops/prometheus_metrics.h"
 
 #include <grpcpp/grpcpp.h>
 
@@ -18,9 +19,9 @@
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
-#include "server/metrics_listener.h"
-#include "server/registry.h"
-#include "server/rpc_metrics.h"
+#include "server/ops/metrics_listener.h"
+#include "server/registry/registry.h"
+#include "server/listen/rpc_metrics.h"
 #include "tests/testing/checkpoint_builder.h"
 #include "tests/testing/fake_metrics.h"
 #include "tests/testing/process.h"

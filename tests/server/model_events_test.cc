@@ -1,6 +1,6 @@
 // ModelEventHub: fan-out by name, delivery on the hub's thread, the watcher
 // limit, the per-watcher queue bound, Stop and Unsubscribe.
-#include "server/model_events.h"
+#include "server/model/model_events.h"
 
 #include <thread>
 

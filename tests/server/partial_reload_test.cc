@@ -1,6 +1,6 @@
 // Generations share segments: LoadGeneration with the generation before
 // re-reads only the checkpoint files whose stamp changed and shares the
-// segments (host and device) of the others by reference (server/loader.h).
+// segments (host and device) of the others by reference (server/load/loader.h).
 #include <fcntl.h>
 #include <stdio.h>
 #include <sys/stat.h>
@@ -9,7 +9,7 @@
 #include "common/format/catalog.h"
 #include "common/memory/device.h"
 #include "gtest/gtest.h"
-#include "server/loader.h"
+#include "server/load/loader.h"
 #include "tests/testing/checkpoint_builder.h"
 #include "tests/testing/shared_inputs.h"
 #include "tests/testing/status_matchers.h"

@@ -1,12 +1,12 @@
 // The seeding logic without a network: a seed (PeerSeed over a real
 // registry) and a joiner (SeedFromDescription over the same checkpoint
 // files) joined by a FakePeerTransport that injects faults.
-#include "server/peer_seeding.h"
+#include "server/peer/peer_seeding.h"
 
 #include "gtest/gtest.h"
-#include "server/peer_join.h"
-#include "server/peer_seed.h"
-#include "server/registry.h"
+#include "server/peer/peer_join.h"
+#include "server/peer/peer_seed.h"
+#include "server/registry/registry.h"
 #include "tests/testing/checkpoint_builder.h"
 #include "common/base/status.h"
 #include "tests/testing/fake_peer_transport.h"

@@ -1,5 +1,5 @@
-// Placement and TP plans (server/plan.h), without reading any tensor bytes.
-#include "server/plan.h"
+// Placement and TP plans (server/load/plan.h), without reading any tensor bytes.
+#include "server/load/plan.h"
 
 #include "common/format/format_error.h"
 #include "gtest/gtest.h"

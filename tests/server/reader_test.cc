@@ -2,7 +2,7 @@
 // that refuses unaligned reads exactly as O_DIRECT does (so every case runs
 // on any file system), and against real O_DIRECT files on a disk path
 // (skipped where the file system refuses O_DIRECT).
-#include "server/reader.h"
+#include "server/load/reader.h"
 
 #include <fcntl.h>
 #include <unistd.h>

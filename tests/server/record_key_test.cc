@@ -1,6 +1,6 @@
-// RecordKey (server/record_key.h): the file it keeps, the rules a key file
+// RecordKey (server/restart/record_key.h): the file it keeps, the rules a key file
 // must meet, and the HMAC.
-#include "server/record_key.h"
+#include "server/restart/record_key.h"
 
 #include <sys/stat.h>
 #include <unistd.h>

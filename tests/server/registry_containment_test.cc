@@ -8,7 +8,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
-#include "server/registry.h"
+#include "server/registry/registry.h"
 #include "tests/server/registry_fixture.h"
 #include "tests/testing/status_matchers.h"
 

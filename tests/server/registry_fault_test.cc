@@ -6,7 +6,7 @@
 #include <sys/stat.h>
 
 #include "gtest/gtest.h"
-#include "server/metrics.h"
+#include "server/metrics/metrics.h"
 #include "tests/server/registry_fixture.h"
 #include "tests/testing/counting_backend.h"
 #include "tests/testing/fault_env.h"

@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "server/registry.h"
+#include "server/registry/registry.h"
 #include "tests/testing/checkpoint_builder.h"
 #include "tests/testing/fake_clock.h"
 #include "tests/testing/recording_registry_listener.h"

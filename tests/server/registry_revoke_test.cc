@@ -9,7 +9,7 @@
 #include "common/base/status.h"
 #include "common/transport/unix_socket.h"
 #include "gtest/gtest.h"
-#include "server/fd_channel.h"
+#include "server/listen/fd_channel.h"
 #include "tests/server/registry_fixture.h"
 #include "tests/testing/counting_backend.h"
 #include "tests/testing/status_matchers.h"

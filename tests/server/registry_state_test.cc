@@ -6,7 +6,7 @@
 
 #include "gtest/gtest.h"
 #include "tests/server/registry_fixture.h"
-#include "server/metrics.h"
+#include "server/metrics/metrics.h"
 #include "tests/testing/status_matchers.h"
 
 namespace weightd {

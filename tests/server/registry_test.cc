@@ -1,7 +1,7 @@
 // ModelRegistry loading: path resolution under model roots, name
 // validation, catalog errors, reuse and generations, with checkpoints
 // generated into temporary model roots. Leases: registry_lease_test.cc.
-#include "server/registry.h"
+#include "server/registry/registry.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>

@@ -1,4 +1,4 @@
-// The writer path in the registry (server/registry.h, server/update.h):
+// The writer path in the registry (server/registry/registry.h, server/update/update.h):
 // staging, claim timeout, commit and its verification, atomic publish,
 // supersession by a reload, and the refusal while a writable mapping lives.
 #include <fcntl.h>

@@ -1,8 +1,8 @@
 // Restart without reload, below the process level: FdStoreKeeper puts a
 // generation into a store (a fake one here), RestoreFromFdStore takes it back
 // from the store's fds, and every damaged or partial store is refused with
-// its reason instead of served (server/fd_store.h, server/restore.h,
-// server/state_record.h).
+// its reason instead of served (server/restart/fd_store.h, server/restart/restore.h,
+// server/restart/state_record.h).
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -19,10 +19,10 @@
 #include "common/io/env.h"
 #include "common/memory/device.h"
 #include "gtest/gtest.h"
-#include "server/fd_store.h"
-#include "server/loader.h"
-#include "server/restore.h"
-#include "server/state_record.h"
+#include "server/restart/fd_store.h"
+#include "server/load/loader.h"
+#include "server/restart/restore.h"
+#include "server/restart/state_record.h"
 #include "tests/testing/checkpoint_builder.h"
 #include "tests/testing/shared_inputs.h"
 #include "tests/testing/status_matchers.h"
@@ -425,7 +425,7 @@ TEST_F(Restore, AnAuthenticatedRecordSkipsTheHashingAndAnyOtherIsHashed) {
 
 // What the HMAC vouches for is what was verified at load: a record the key
 // signed over other bytes is served as is, which is why only the daemon may
-// read the key (server/record_key.h). Without the key the same record is
+// read the key (server/restart/record_key.h). Without the key the same record is
 // hashed and dropped.
 TEST_F(Restore, TheKeyIsWhatVouchesForAnAuthenticatedRecordsBytes) {
   const RecordKey key = KeyOf(7);

@@ -3,7 +3,7 @@
 #include <string>
 
 #include "gtest/gtest.h"
-#include "server/convert.h"
+#include "server/api/convert.h"
 
 namespace weightd {
 namespace {

@@ -1,4 +1,4 @@
-// Records the events of one watch (server/model_events.h), for tests.
+// Records the events of one watch (server/model/model_events.h), for tests.
 #ifndef WEIGHTD_TESTS_TESTING_EVENT_RECORDER_H_
 #define WEIGHTD_TESTS_TESTING_EVENT_RECORDER_H_
 
@@ -11,8 +11,8 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
-#include "server/model_events.h"
-#include "server/registry.h"
+#include "server/model/model_events.h"
+#include "server/registry/registry.h"
 
 namespace weightd::testing {
 

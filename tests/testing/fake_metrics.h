@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "absl/strings/string_view.h"
-#include "server/metrics.h"
+#include "server/metrics/metrics.h"
 
 namespace weightd::testing {
 

@@ -7,7 +7,7 @@
 #include <utility>
 #include <vector>
 
-#include "server/registry.h"
+#include "server/registry/registry.h"
 
 namespace weightd::testing {
 

@@ -51,7 +51,7 @@ struct TensorInfo {
 };
 
 // One segment of a rank's manifest (the daemon's counterpart is
-// SegmentRecord in server/model.h).
+// SegmentRecord in server/model/model.h).
 struct SegmentInfo {
   Location location = Location::kHost;
   uint64_t size = 0;

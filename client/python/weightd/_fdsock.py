@@ -1,4 +1,4 @@
-"""The fd-socket side of a lease (see server/fd_channel.h), in pure Python.
+"""The fd-socket side of a lease (see server/listen/fd_channel.h), in pure Python.
 
 The messages follow the grammar of docs/api.md ("The fd channel"), which
 common/transport/fd_channel_codec.h implements for the daemon and the C++ client:

@@ -1,0 +1,625 @@
+#include "server/load/loader.h"
+
+#include <xxhash.h>
+
+#include <algorithm>
+#include <chrono>
+#include <thread>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "common/base/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/base/log.h"
+#include "common/io/proc_files.h"
+#include "server/load/host_fill.h"
+#include "server/load/reader.h"
+
+namespace weightd {
+namespace {
+
+double SecondsSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// One block of one checkpoint tensor: tensor bytes [start, start + n).
+struct ReadTask {
+  uint32_t tensor;
+  uint64_t start;
+  uint64_t n;
+  uint32_t block;  // index of the block within its tensor
+};
+
+// A device arena and the lock that serialises copies into it (fences and
+// sealing are safe without it). A reused arena (sealed, from the generation
+// before) takes no copies.
+struct ArenaSlot {
+  std::shared_ptr<DeviceArena> arena;
+  bool fresh = true;
+  absl::Mutex mu;
+};
+
+// A pinned staging buffer and the fences of the copies still reading it.
+struct Staging {
+  std::unique_ptr<PinnedBuffer> buffer;
+  std::vector<std::pair<ArenaSlot*, uint64_t>> fences;
+};
+
+// A host segment of the plan: a fresh one being filled, or a sealed one
+// shared with the generation before.
+struct HostSlot {
+  std::shared_ptr<HostSegment> fresh;
+  std::shared_ptr<const HostSegment> reused;
+};
+
+struct Allocation {
+  std::vector<HostSlot> host;                                   // parallel to plan.host_segments
+  std::vector<std::vector<std::unique_ptr<ArenaSlot>>> arenas;  // [rank][arena]
+};
+
+absl::StatusOr<std::vector<DeviceInfo>> ResolveDevices(const LoadRequest& request, DeviceBackend* backend) {
+  if (request.devices.empty()) return std::vector<DeviceInfo>{};
+  if (backend == nullptr) {
+    return absl::InvalidArgumentError(
+        "devices were requested but this daemon has no device backend (start it with --device-backend "
+        "auto|cuda|cuda-legacy-ipc|emulated)");
+  }
+  WEIGHTD_ASSIGN_OR_RETURN(std::vector<DeviceInfo> available, backend->Devices());
+  std::vector<DeviceInfo> out;
+  for (const std::string& want : request.devices) {
+    auto it = std::find_if(available.begin(), available.end(), [&](const DeviceInfo& d) {
+      return d.uuid == want || std::to_string(d.ordinal) == want;
+    });
+    if (it == available.end()) {
+      std::vector<std::string> names;
+      for (const DeviceInfo& d : available) names.push_back(absl::StrCat(d.ordinal, "=", d.uuid));
+      return absl::InvalidArgumentError(absl::StrCat("no device ", QuoteName(want), " on the ", backend->name(),
+                                                     " backend (available: ", absl::StrJoin(names, ", "), ")"));
+    }
+    out.push_back(*it);
+  }
+  return out;
+}
+
+// The blocks of every tensor whose file is read (`read_file[f]`).
+std::vector<ReadTask> MakeTasks(const Catalog& catalog, const std::vector<bool>& read_file) {
+  std::vector<ReadTask> tasks;
+  for (uint32_t i = 0; i < catalog.tensors.size(); ++i) {
+    if (!read_file[catalog.tensors[i].file]) continue;
+    uint64_t nbytes = catalog.tensors[i].nbytes;
+    for (uint64_t start = 0, b = 0; start < nbytes; start += kReadBlockBytes, ++b) {
+      tasks.push_back({i, start, std::min(kReadBlockBytes, nbytes - start), static_cast<uint32_t>(b)});
+    }
+  }
+  return tasks;
+}
+
+// What one worker takes at a time: tasks [first, end) of the sorted task list.
+struct WorkUnit {
+  size_t first = 0;
+  size_t end = 0;
+  uint64_t bytes = 0;
+};
+
+// Orders `tasks` so that each host segment's blocks are adjacent and cuts
+// them into units: one per host segment, so that no two threads ever fill
+// one memfd (pwrite serialises on the inode lock: 12.7% of load samples
+// spun in rwsem_down_write_slowpath, docs/performance.md), largest first so
+// that the threads finish together; then one per device block, in file order.
+std::vector<WorkUnit> MakeUnits(const LoadPlan& plan, std::vector<ReadTask>& tasks) {
+  auto segment_of = [&](const ReadTask& t) -> uint64_t {
+    const TensorPlan& tp = plan.tensors[t.tensor];
+    return tp.placement == Placement::kHost ? tp.host_segment : UINT64_MAX;
+  };
+  std::stable_sort(tasks.begin(), tasks.end(),
+                   [&](const ReadTask& a, const ReadTask& b) { return segment_of(a) < segment_of(b); });
+  std::vector<WorkUnit> host, device;
+  for (size_t i = 0; i < tasks.size(); ++i) {
+    uint64_t segment = segment_of(tasks[i]);
+    if (segment != UINT64_MAX && !host.empty() && segment_of(tasks[host.back().first]) == segment) {
+      host.back().end = i + 1;
+      host.back().bytes += tasks[i].n;
+      continue;
+    }
+    (segment == UINT64_MAX ? device : host).push_back({i, i + 1, tasks[i].n});
+  }
+  std::stable_sort(host.begin(), host.end(), [](const WorkUnit& a, const WorkUnit& b) { return a.bytes > b.bytes; });
+  host.insert(host.end(), device.begin(), device.end());
+  return host;
+}
+
+// Promises `host_bytes` of new host memory to this load (LoaderOptions::admission).
+absl::StatusOr<HostMemoryAdmission::Reservation> AdmitHostMemory(const std::string& name, uint64_t host_bytes,
+                                                                 const LoaderOptions& options) {
+  // Staging buffers are small and bounded; the host segments are what can be huge.
+  if (options.admission != nullptr) return options.admission->Reserve(name, host_bytes);
+  HostMemoryAdmission::Probe fixed;
+  if (options.host_memory_limit > 0) {
+    fixed = [limit = options.host_memory_limit]() -> absl::StatusOr<HostMemoryBudget> {
+      return HostMemoryBudget{limit, "the loader's host_memory_limit"};
+    };
+  }
+  HostMemoryAdmission alone(std::move(fixed));
+  WEIGHTD_RETURN_IF_ERROR(alone.Reserve(name, host_bytes).status());
+  return HostMemoryAdmission::Reservation();
+}
+
+// What a load takes from the generation before it: for each catalog file
+// whose stamp is unchanged, its segments (same plan, so the same layout)
+// and its tensors' content hashes.
+struct Reuse {
+  std::vector<const GenerationFile*> file;  // parallel to catalog.files; null: read it
+  absl::flat_hash_map<std::string, uint64_t> hashes;  // tensor name -> content hash
+};
+
+Reuse FindReusable(const Catalog& catalog, const LoadPlan& plan, const ModelGeneration* previous) {
+  Reuse reuse;
+  reuse.file.assign(catalog.files.size(), nullptr);
+  if (previous == nullptr) return reuse;
+  std::vector<uint32_t> chunks(catalog.files.size()), arenas(catalog.files.size() * plan.ranks.size());
+  for (const HostChunk& c : plan.host_segments) ++chunks[c.file];
+  for (size_t r = 0; r < plan.ranks.size(); ++r) {
+    for (uint32_t f : plan.ranks[r].arena_file) ++arenas[f * plan.ranks.size() + r];
+  }
+  for (size_t f = 0; f < catalog.files.size(); ++f) {
+    FileStamp stamp = StampOf(catalog.files[f]);
+    for (const GenerationFile& old : previous->files) {
+      if (old.stamp != stamp || old.host_segments.size() != chunks[f] || old.arenas.size() != plan.ranks.size()) continue;
+      bool same_arenas = true;
+      for (size_t r = 0; r < plan.ranks.size(); ++r) same_arenas &= old.arenas[r].size() == arenas[f * plan.ranks.size() + r];
+      if (same_arenas) reuse.file[f] = &old;
+      break;
+    }
+  }
+  if (!previous->ranks.empty()) {
+    for (const TensorRecord& t : previous->ranks[0].tensors) reuse.hashes.emplace(t.name, t.content_hash);
+  }
+  return reuse;
+}
+
+absl::StatusOr<Allocation> Allocate(const std::string& name, const LoadPlan& plan, const Reuse& reuse,
+                                    const ModelGeneration* previous, const std::vector<DeviceInfo>& devices,
+                                    DeviceBackend* backend, const PageChoice& pages) {
+  Allocation a;
+  std::vector<uint32_t> next_host(reuse.file.size());  // per file: its next reused host segment
+  for (size_t i = 0; i < plan.host_segments.size(); ++i) {
+    const HostChunk& c = plan.host_segments[i];
+    HostSlot slot;
+    if (const GenerationFile* old = reuse.file[c.file]) {
+      slot.reused = previous->host_segments[previous->segments[old->host_segments[next_host[c.file]++]].owner];
+    } else {
+      WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<HostSegment> segment,
+                               HostSegment::Create(absl::StrCat(name, ":host", i), c.bytes, pages));
+      slot.fresh = std::move(segment);
+    }
+    a.host.push_back(std::move(slot));
+  }
+  a.arenas.resize(devices.empty() ? 0 : plan.ranks.size());
+  for (size_t r = 0; r < a.arenas.size(); ++r) {
+    std::vector<uint32_t> next_arena(reuse.file.size());
+    for (size_t i = 0; i < plan.ranks[r].arena_bytes.size(); ++i) {
+      uint64_t bytes = plan.ranks[r].arena_bytes[i];
+      uint32_t file = plan.ranks[r].arena_file[i];
+      auto slot = std::make_unique<ArenaSlot>();
+      if (const GenerationFile* old = reuse.file[file]) {
+        slot->arena = previous->arenas[previous->segments[old->arenas[r][next_arena[file]++]].owner];
+        slot->fresh = false;
+        a.arenas[r].push_back(std::move(slot));
+        continue;
+      }
+      absl::StatusOr<std::unique_ptr<DeviceArena>> arena = backend->Allocate(devices[r], bytes);
+      if (!arena.ok()) {
+        return Annotate(arena.status(), absl::StrCat("allocating a ", bytes, "-byte arena for rank ", r, " on ",
+                                                     devices[r].uuid));
+      }
+      slot->arena = std::move(*arena);
+      a.arenas[r].push_back(std::move(slot));
+    }
+  }
+  return a;
+}
+
+// Enqueues the copies that place tensor bytes [b0, b1), staged at `src`,
+// into every rank's arena.
+absl::Status CopyBlockToRanks(const TensorPlan& tp, uint64_t b0, uint64_t b1, const char* src,
+                              Allocation& a, Staging& staging) {
+  for (size_t r = 0; r < tp.ranks.size(); ++r) {
+    ArenaSlot& slot = *a.arenas[r][tp.ranks[r].arena];
+    absl::MutexLock lock(&slot.mu);
+    uint64_t base = tp.ranks[r].offset;
+    if (tp.split_dim < 0) {
+      WEIGHTD_RETURN_IF_ERROR(slot.arena->CopyFromHost(base + b0, 0, src, 0, b1 - b0, 1));
+    } else {
+      // The tensor is [outer][tp * slice][row]; rank r's slice in outer row o
+      // is bytes [o * full + r * part, + part).
+      uint64_t part = tp.slice_elements * tp.row_bytes;
+      uint64_t full = part * tp.ranks.size();
+      uint64_t run_first = 0, run_rows = 0;  // a run of whole slices: one 2D copy
+      auto flush = [&]() -> absl::Status {
+        if (run_rows == 0) return absl::OkStatus();
+        uint64_t s = run_first * full + r * part;
+        absl::Status st = slot.arena->CopyFromHost(base + run_first * part, part, src + (s - b0), full, part, run_rows);
+        run_rows = 0;
+        return st;
+      };
+      for (uint64_t o = b0 / full; o < tp.outer && o * full < b1; ++o) {
+        uint64_t s = o * full + r * part, e = s + part;
+        uint64_t lo = std::max(s, b0), hi = std::min(e, b1);
+        if (lo >= hi) continue;
+        if (lo == s && hi == e) {
+          if (run_rows == 0) run_first = o;
+          ++run_rows;
+          continue;
+        }
+        WEIGHTD_RETURN_IF_ERROR(flush());
+        WEIGHTD_RETURN_IF_ERROR(slot.arena->CopyFromHost(base + o * part + (lo - s), 0, src + (lo - b0), 0, hi - lo, 1));
+      }
+      WEIGHTD_RETURN_IF_ERROR(flush());
+    }
+    WEIGHTD_ASSIGN_OR_RETURN(uint64_t fence, slot.arena->RecordFence());
+    staging.fences.emplace_back(&slot, fence);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status WaitStaging(Staging& staging) {
+  for (auto& [slot, fence] : staging.fences) WEIGHTD_RETURN_IF_ERROR(slot->arena->WaitFence(fence));
+  staging.fences.clear();
+  return absl::OkStatus();
+}
+
+// Shared state of one parallel read; workers take units by atomic index.
+class ReadJob {
+ public:
+  ReadJob(const Catalog& catalog, const LoadPlan& plan, const std::vector<ReadTask>& tasks,
+          const std::vector<WorkUnit>& units, HostFill& fill, Allocation& alloc,
+          std::vector<std::vector<uint64_t>>& block_hashes)
+      : catalog_(catalog), plan_(plan), tasks_(tasks), units_(units), fill_(fill), alloc_(alloc),
+        block_hashes_(block_hashes), file_remaining_(catalog.files.size()) {
+    for (const ReadTask& t : tasks) file_remaining_[catalog.tensors[t.tensor].file] += t.n;
+    for (const auto& r : file_remaining_) files_done_ += r.load() == 0;
+  }
+
+  // Blocks until every worker returned; reports progress meanwhile.
+  absl::Status Run(int threads, DeviceBackend* backend, const std::function<void(uint64_t, uint32_t)>& report) {
+    threads_ = threads;
+    std::vector<std::thread> workers;
+    for (int i = 0; i < threads; ++i) {
+      workers.emplace_back([this, backend] { Finished(Work(backend)); });
+    }
+    for (bool all = false; !all;) {
+      all = AwaitAllFinished(absl::Milliseconds(100));
+      report(bytes_done_.load(), files_done_.load());
+    }
+    for (std::thread& w : workers) w.join();
+    report(bytes_done_.load(), files_done_.load());  // the final state, however slow the callback
+    absl::MutexLock lock(&mu_);
+    return error_;
+  }
+
+  void set_cancel(const std::atomic<bool>* cancel) { cancel_ = cancel; }
+  void set_source(HostSource* source) { source_ = source; }
+
+ private:
+  // A worker returned `status`; the first error is the job's.
+  void Finished(absl::Status status) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    if (!status.ok() && error_.ok()) error_ = status;
+    ++finished_;
+  }
+  // Whether every worker returned within `timeout`.
+  bool AwaitAllFinished(absl::Duration timeout) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    return mu_.AwaitWithTimeout(absl::Condition(this, &ReadJob::AllFinished), timeout);
+  }
+  bool AllFinished() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return finished_ == threads_; }
+
+  absl::Status Work(DeviceBackend* backend) {
+    Staging staging[2];
+    // On every exit, wait for copies still reading a staging buffer before it is freed.
+    struct Drain {
+      Staging* s;
+      ~Drain() {
+        for (int i = 0; i < 2; ++i) (void)WaitStaging(s[i]);
+      }
+    } drain{staging};
+    int turn = 0;
+    FillThread thread;
+    for (size_t u; (u = next_.fetch_add(1)) < units_.size();) {
+      for (size_t i = units_[u].first; i < units_[u].end; ++i) {
+        if (failed_.load()) return absl::OkStatus();
+        if (cancel_ != nullptr && cancel_->load()) return Fail(absl::UnavailableError("load cancelled: weightd is shutting down"));
+        const ReadTask& task = tasks_[i];
+        const CatalogTensor& t = catalog_.tensors[task.tensor];
+        const TensorPlan& tp = plan_.tensors[task.tensor];
+        auto where = [&] { return absl::StrCat(ElideName(catalog_.files[t.file].name), ": tensor ", QuoteName(t.name)); };
+        absl::StatusOr<uint64_t> hash;
+        if (tp.placement == Placement::kHost && source_ != nullptr) {
+          hash = FillFromSource(task, tp, *alloc_.host[tp.host_segment].fresh, thread);
+        } else if (tp.placement == Placement::kHost) {
+          hash = fill_.FillBlock(t.file, t.offset + task.start, task.n, *alloc_.host[tp.host_segment].fresh,
+                                 tp.host_offset + task.start, thread);
+        } else {
+          Staging& stage = staging[turn ^= 1];
+          WEIGHTD_RETURN_IF_ERROR(Fail(WaitStaging(stage)));
+          if (!stage.buffer) {
+            absl::StatusOr<std::unique_ptr<PinnedBuffer>> buffer = backend->AllocatePinned(kReadBlockBytes);
+            WEIGHTD_RETURN_IF_ERROR(Fail(buffer.status()));
+            stage.buffer = std::move(*buffer);
+          }
+          hash = fill_.ReadHashed(t.file, t.offset + task.start, task.n, stage.buffer->data(), thread);
+          if (hash.ok()) {
+            WEIGHTD_RETURN_IF_ERROR(
+                Fail(CopyBlockToRanks(tp, task.start, task.start + task.n, stage.buffer->data(), alloc_, stage)));
+          }
+        }
+        if (!hash.ok()) return Fail(Annotate(hash.status(), where()));
+        block_hashes_[task.tensor][task.block] = *hash;
+        Done(task, t);
+      }
+    }
+    for (Staging& s : staging) WEIGHTD_RETURN_IF_ERROR(WaitStaging(s));
+    return absl::OkStatus();
+  }
+
+  // Fills one block of a host tensor from the HostSource and returns the
+  // XXH3-64 of what arrived: on 4 KiB pages through the thread's bounce
+  // buffer and pwrite(2) (as storage reads), on huge pages straight into
+  // the segment's mapping.
+  absl::StatusOr<uint64_t> FillFromSource(const ReadTask& task, const TensorPlan& tp, HostSegment& host,
+                                          FillThread& thread) {
+    uint64_t offset = tp.host_offset + task.start;
+    bool small = host.page_kind() == PageKind::kSmall;
+    char* dst = small ? thread.scratch.Get(task.n, 64) : host.writable() + offset;
+    WEIGHTD_RETURN_IF_ERROR(source_->Read(tp.host_segment, offset, task.n, dst));
+    uint64_t hash = XXH3_64bits(dst, task.n);
+    if (small) WEIGHTD_RETURN_IF_ERROR(host.Write(offset, dst, task.n));
+    return hash;
+  }
+
+  void Done(const ReadTask& task, const CatalogTensor& t) {
+    bytes_done_.fetch_add(task.n);
+    if (file_remaining_[t.file].fetch_sub(task.n) == task.n) files_done_.fetch_add(1);
+  }
+
+  absl::Status Fail(absl::Status status) {
+    if (!status.ok()) failed_ = true;
+    return status;
+  }
+
+  const Catalog& catalog_;
+  const LoadPlan& plan_;
+  const std::vector<ReadTask>& tasks_;
+  const std::vector<WorkUnit>& units_;
+  HostFill& fill_;
+  Allocation& alloc_;
+  std::vector<std::vector<uint64_t>>& block_hashes_;
+  std::vector<std::atomic<uint64_t>> file_remaining_;
+  std::atomic<size_t> next_{0};
+  std::atomic<uint64_t> bytes_done_{0};
+  std::atomic<uint32_t> files_done_{0};
+  const std::atomic<bool>* cancel_ = nullptr;
+  HostSource* source_ = nullptr;
+  std::atomic<bool> failed_{false};
+  int threads_ = 0;  // set before the workers start
+  absl::Mutex mu_;
+  int finished_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Status error_ ABSL_GUARDED_BY(mu_);
+};
+
+// The page choice of a load: what the kernel offers now (or the test's
+// probe) for the fresh host segments of `plan`.
+PageChoice ChooseLoadPages(const LoadPlan& plan, const std::vector<bool>& read_file, const LoaderOptions& options) {
+  uint64_t hugetlb_bytes = 0;
+  for (const HostChunk& c : plan.host_segments) {
+    if (read_file[c.file] && c.bytes >= kHugeSegmentMinBytes) {
+      hugetlb_bytes += (c.bytes + kHugePageBytes - 1) / kHugePageBytes * kHugePageBytes;
+    }
+  }
+  HugePageSystem system = options.huge_page_probe ? options.huge_page_probe() : ReadHugePageSystem();
+  return ChoosePages(system, hugetlb_bytes, options.huge_pages);
+}
+
+// Records on each fresh THP segment how many of its bytes are on 2 MiB
+// pages, from the ShmemPmdMapped of its writable mapping in /proc/self/smaps
+// (proc(5)): measured, not assumed. Before sealing (which unmaps it).
+void MeasureThp(Allocation& alloc) {
+  bool any = false;
+  for (const HostSlot& slot : alloc.host) any |= slot.fresh && slot.fresh->page_kind() == PageKind::kShmemThp;
+  if (!any) return;
+  absl::StatusOr<std::string> smaps = ReadPseudoFile("/proc/self/smaps", 256 << 20);
+  if (!smaps.ok()) return;
+  std::map<uint64_t, uint64_t> pmd = ParseSmapsField(*smaps, "ShmemPmdMapped");
+  for (HostSlot& slot : alloc.host) {
+    if (!slot.fresh || slot.fresh->page_kind() != PageKind::kShmemThp || slot.fresh->writable() == nullptr) continue;
+    auto it = pmd.find(reinterpret_cast<uint64_t>(slot.fresh->writable()));
+    if (it != pmd.end()) slot.fresh->set_huge_bytes(std::min(it->second, slot.fresh->size()));
+  }
+}
+
+// The load's one line about its pages; "" when it made no host segment.
+std::string DescribePages(const std::string& name, const PageChoice& pages, const HostFill& fill,
+                          const Allocation& alloc) {
+  uint64_t fresh = 0, huge = 0;
+  for (const HostSlot& slot : alloc.host) {
+    if (!slot.fresh) continue;
+    fresh += slot.fresh->size();
+    huge += slot.fresh->huge_bytes();
+  }
+  if (fresh == 0) return "";
+  std::string line = absl::StrFormat("load of '%s': host pages %s (%s): %d of %d MiB on 2 MiB pages", name,
+                                     PageKindName(pages.kind), pages.reason, huge >> 20, fresh >> 20);
+  if (fill.stalled()) absl::StrAppend(&line, "; ", fill.stall_note());
+  return line;
+}
+
+// Seals every fresh segment and moves all of them, with the manifests, into
+// `gen`: host segments first (plan order), then each rank's arenas.
+absl::Status Publish(const Catalog& catalog, const LoadPlan& plan, Allocation& alloc,
+                     const std::vector<uint64_t>& hashes, DeviceBackend* backend, ModelGeneration& gen) {
+  gen.files.resize(catalog.files.size());
+  for (size_t f = 0; f < catalog.files.size(); ++f) {
+    gen.files[f].stamp = StampOf(catalog.files[f]);
+    gen.files[f].arenas.resize(plan.ranks.size());
+  }
+  std::vector<uint32_t> host_ids;
+  for (size_t i = 0; i < alloc.host.size(); ++i) {
+    HostSlot& slot = alloc.host[i];
+    if (slot.fresh != nullptr) {
+      WEIGHTD_RETURN_IF_ERROR(slot.fresh->Seal(/*lock=*/false));  // pinned after publishing: ModelRegistry
+      slot.reused = std::move(slot.fresh);
+    } else {
+      gen.bytes_reused += slot.reused->size();
+    }
+    const HostSegment& segment = *slot.reused;
+    gen.host_bytes += segment.size();
+    gen.locked_bytes += segment.locked() ? segment.size() : 0;
+    gen.huge_page_bytes += segment.huge_bytes();
+    uint32_t id = static_cast<uint32_t>(gen.segments.size());
+    host_ids.push_back(id);
+    gen.files[plan.host_segments[i].file].host_segments.push_back(id);
+    gen.segments.push_back({Placement::kHost, segment.size(), SegmentBackend::kMemfd, "", segment.fd(), "",
+                            static_cast<uint32_t>(gen.host_segments.size())});
+    gen.host_segments.push_back(std::move(slot.reused));
+  }
+  for (size_t r = 0; r < plan.ranks.size(); ++r) {
+    RankManifest rank;
+    rank.segments = host_ids;
+    static const std::vector<std::unique_ptr<ArenaSlot>> kNone;
+    const auto& slots = r < alloc.arenas.size() ? alloc.arenas[r] : kNone;
+    for (size_t i = 0; i < slots.size(); ++i) {
+      ArenaSlot& slot = *slots[i];
+      if (slot.fresh) {
+        WEIGHTD_RETURN_IF_ERROR(slot.arena->Seal());
+      } else {
+        gen.bytes_reused += slot.arena->size();
+      }
+      DeviceArena& a = *slot.arena;
+      uint32_t id = static_cast<uint32_t>(gen.segments.size());
+      rank.segments.push_back(id);
+      gen.files[plan.ranks[r].arena_file[i]].arenas[r].push_back(id);
+      gen.segments.push_back({Placement::kDevice, a.size(), backend->segment_backend(), a.device().uuid, a.export_fd(),
+                              a.export_handle(), static_cast<uint32_t>(gen.arenas.size())});
+      gen.arenas.push_back(std::move(slot.arena));
+    }
+    rank.tensors = plan.ranks[r].tensors;
+    for (size_t i = 0; i < rank.tensors.size(); ++i) rank.tensors[i].content_hash = hashes[i];
+    gen.ranks.push_back(std::move(rank));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::string FingerprintOf(const std::vector<TensorRecord>& tensors) {
+  std::vector<const TensorRecord*> order;
+  order.reserve(tensors.size());
+  for (const TensorRecord& t : tensors) order.push_back(&t);
+  std::sort(order.begin(), order.end(), [](const TensorRecord* a, const TensorRecord* b) { return a->name < b->name; });
+  XXH3_state_t* state = XXH3_createState();
+  XXH3_128bits_reset(state);
+  for (const TensorRecord* t : order) {
+    std::string line = absl::StrCat(t->name, std::string(1, '\0'), DTypeName(t->dtype), std::string(1, '\0'),
+                                    absl::StrJoin(t->full_shape, ","), std::string(1, '\0'),
+                                    ContentHashHex(t->content_hash), "\n");
+    XXH3_128bits_update(state, line.data(), line.size());
+  }
+  XXH128_hash_t h = XXH3_128bits_digest(state);
+  XXH3_freeState(state);
+  return absl::StrFormat("%016x%016x", h.high64, h.low64);
+}
+
+FileStamp StampOf(const CatalogFile& file) { return FileStamp{file.name, file.identity, file.header_hash}; }
+
+absl::StatusOr<std::unique_ptr<ModelGeneration>> LoadGeneration(const Catalog& catalog, const LoadRequest& request,
+                                                                 const LoaderOptions& options,
+                                                                 const ProgressFn& progress,
+                                                                 const ModelGeneration* previous) {
+  static_assert(kReadBlockBytes == kHashBlockBytes, "a read block is a hash block");
+  if (options.host_source != nullptr && previous != nullptr) {
+    return absl::InternalError("a load from a host source shares nothing with the generation before");
+  }
+  auto start = std::chrono::steady_clock::now();
+  LoadProgress p;
+  p.files_total = static_cast<uint32_t>(catalog.files.size());
+  p.bytes_total = catalog.total_bytes();  // until the plan tells what is shared
+  auto report = [&](LoadProgress::Phase phase) {
+    p.phase = phase;
+    p.seconds = SecondsSince(start);
+    if (progress) progress(p);
+  };
+  report(LoadProgress::Phase::kPlan);
+  WEIGHTD_ASSIGN_OR_RETURN(std::vector<DeviceInfo> devices, ResolveDevices(request, options.device_backend));
+  WEIGHTD_ASSIGN_OR_RETURN(LoadPlan plan, MakeLoadPlan(catalog, request, devices.size(), options.max_arena_bytes));
+  Reuse reuse = FindReusable(catalog, plan, previous);
+  std::vector<bool> read_file(catalog.files.size());
+  for (size_t f = 0; f < catalog.files.size(); ++f) read_file[f] = reuse.file[f] == nullptr;
+  p.bytes_total = 0;
+  for (const CatalogTensor& t : catalog.tensors) {
+    (read_file[t.file] ? p.bytes_total : p.bytes_reused) += t.nbytes;
+  }
+
+  report(LoadProgress::Phase::kAllocate);
+  PageChoice pages = ChooseLoadPages(plan, read_file, options);
+  uint64_t new_host_bytes = 0;
+  for (const HostChunk& c : plan.host_segments) new_host_bytes += read_file[c.file] ? c.bytes : 0;
+  WEIGHTD_ASSIGN_OR_RETURN(HostMemoryAdmission::Reservation admitted,
+                           AdmitHostMemory(request.name, new_host_bytes, options));
+  WEIGHTD_ASSIGN_OR_RETURN(Allocation alloc,
+                           Allocate(request.name, plan, reuse, previous, devices, options.device_backend, pages));
+  WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader,
+                           CheckpointReader::Open(catalog, {options.direct_io}));
+
+  report(LoadProgress::Phase::kRead);
+  std::vector<ReadTask> tasks = MakeTasks(catalog, read_file);
+  std::vector<WorkUnit> units = MakeUnits(plan, tasks);
+  std::vector<std::vector<uint64_t>> block_hashes(catalog.tensors.size());
+  for (const ReadTask& t : tasks) block_hashes[t.tensor].resize(std::max<size_t>(block_hashes[t.tensor].size(), t.block + 1));
+  int threads = options.threads > 0 ? options.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  threads = static_cast<int>(std::min<size_t>(threads, std::max<size_t>(units.size(), 1)));
+  HostFill fill(*reader, options.huge_fill_budget);
+  ReadJob job(catalog, plan, tasks, units, fill, alloc, block_hashes);
+  job.set_cancel(options.cancel);
+  job.set_source(options.host_source);
+  WEIGHTD_RETURN_IF_ERROR(job.Run(threads, options.device_backend, [&](uint64_t bytes, uint32_t files_done) {
+    p.bytes_done = bytes;
+    p.files_done = files_done;
+    report(LoadProgress::Phase::kRead);
+  }));
+
+  report(LoadProgress::Phase::kSeal);
+  MeasureThp(alloc);
+  std::string host_pages = DescribePages(request.name, pages, fill, alloc);
+  if (!host_pages.empty()) LogInfo(host_pages);
+  std::vector<uint64_t> hashes(catalog.tensors.size());
+  for (size_t i = 0; i < hashes.size(); ++i) {
+    const CatalogTensor& t = catalog.tensors[i];
+    if (read_file[t.file]) {
+      hashes[i] = CombineBlockHashes(block_hashes[i]);
+    } else {
+      auto it = reuse.hashes.find(t.name);
+      if (it == reuse.hashes.end()) {  // cannot be: an unchanged file holds the same tensors
+        return absl::InternalError(absl::StrCat("tensor ", QuoteName(t.name), " of unchanged file ",
+                                                ElideName(catalog.files[t.file].name), " has no hash in generation ",
+                                                previous->generation));
+      }
+      hashes[i] = it->second;
+    }
+  }
+  auto gen = std::make_unique<ModelGeneration>();
+  WEIGHTD_RETURN_IF_ERROR(Publish(catalog, plan, alloc, hashes, options.device_backend, *gen));
+  gen->request = request;
+  gen->host_pages = std::move(host_pages);
+  gen->fingerprint = FingerprintOf(gen->ranks[0].tensors);
+  gen->tensor_count = catalog.tensors.size();
+  gen->checkpoint_bytes = catalog.total_bytes();
+  gen->bytes_read = p.bytes_total;
+  gen->source = "storage";
+  gen->load_seconds = SecondsSince(start);
+  return gen;
+}
+
+}  // namespace weightd

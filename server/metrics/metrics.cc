@@ -1,0 +1,63 @@
+#include "server/metrics/metrics.h"
+
+#include <optional>
+
+#include "common/format/format_error.h"
+
+namespace weightd {
+namespace {
+
+// The reasons of failures that carry no CheckpointRule, by status code.
+constexpr absl::string_view kCodeReasons[] = {"invalid_request", "already_loading", "not_found", "permission_denied",
+                                                "resource_exhausted", "io", "other"};
+
+std::string ReasonByCode(absl::StatusCode code) {
+  switch (code) {
+    case absl::StatusCode::kInvalidArgument: return std::string(CheckpointRuleName(CheckpointRule::kInvalid));
+    case absl::StatusCode::kAlreadyExists: return "already_loading";  // a load of the name is running
+    case absl::StatusCode::kNotFound: return "not_found";
+    case absl::StatusCode::kPermissionDenied: return "permission_denied";
+    case absl::StatusCode::kResourceExhausted: return "resource_exhausted";
+    case absl::StatusCode::kDataLoss:
+    case absl::StatusCode::kInternal:
+    case absl::StatusCode::kUnavailable:
+    case absl::StatusCode::kOutOfRange: return "io";
+    default: return "other";
+  }
+}
+
+}  // namespace
+
+ModelsSample SampleModels(const std::vector<std::shared_ptr<ModelGeneration>>& models) {
+  ModelsSample s;
+  for (ModelState state : {ModelState::kLoading, ModelState::kReady, ModelState::kFailed, ModelState::kDraining}) {
+    s.by_state[ModelStateName(state)] = 0;
+  }
+  for (const auto& m : models) {
+    ++s.by_state[ModelStateName(m->state.load())];
+    if (m->state.load() == ModelState::kReady) s.versions[m->request.name] = {m->generation, m->version_label};
+    if (m->state.load() == ModelState::kReady) s.huge_page_bytes[m->request.name] = m->huge_page_bytes;
+    s.leases[m->request.name] += m->leases.load();
+    for (const SegmentRecord& seg : m->segments) {
+      if (seg.placement == Placement::kDevice) s.device_bytes[seg.gpu_uuid] += seg.size;
+    }
+  }
+  return s;
+}
+
+std::string CheckpointErrorReason(const absl::Status& status) {
+  if (std::optional<CheckpointRule> rule = CheckpointRuleOf(status)) return std::string(CheckpointRuleName(*rule));
+  if (status.code() == absl::StatusCode::kInvalidArgument && status.GetPayload(kInvalidLoadRequestPayload)) {
+    return "invalid_request";
+  }
+  return ReasonByCode(status.code());
+}
+
+std::vector<std::string> CheckpointErrorReasons() {
+  std::vector<std::string> reasons;
+  for (CheckpointRule rule : AllCheckpointRules()) reasons.emplace_back(CheckpointRuleName(rule));
+  for (absl::string_view reason : kCodeReasons) reasons.emplace_back(reason);
+  return reasons;
+}
+
+}  // namespace weightd

@@ -1,0 +1,160 @@
+#include "server/peer/peer_seeding.h"
+
+#include "absl/strings/cord.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/base/status.h"
+#include "common/format/content_hash.h"
+
+namespace weightd {
+namespace {
+
+constexpr char kReasonPayload[] = "weightd/peer-fallback-reason";
+
+absl::Status Differs(absl::string_view what) {
+  return absl::FailedPreconditionError(absl::StrCat("the peer's generation differs from the local checkpoint: ", what));
+}
+
+absl::Status CheckFiles(const v1::PeerTransferReply& reply, const Catalog& catalog) {
+  if (static_cast<size_t>(reply.files_size()) != catalog.files.size()) {
+    return Differs(absl::StrCat(reply.files_size(), " files there, ", catalog.files.size(), " here"));
+  }
+  for (size_t f = 0; f < catalog.files.size(); ++f) {
+    const v1::PeerFile& theirs = reply.files(static_cast<int>(f));
+    const CatalogFile& ours = catalog.files[f];
+    if (theirs.name() != ours.name || theirs.size() != ours.size || theirs.header_hash() != ours.header_hash) {
+      return Differs(absl::StrCat("file ", f, " is ", QuoteName(theirs.name()), " of ", theirs.size(),
+                                  " bytes there, ", QuoteName(ours.name), " of ", ours.size,
+                                  " bytes here, or its header differs"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckTensor(const v1::PeerTensor& theirs, const CatalogTensor& ours, const TensorPlan& plan) {
+  std::vector<uint64_t> shape(theirs.shape().begin(), theirs.shape().end());
+  if (theirs.name() != ours.name || theirs.dtype() != DTypeName(ours.dtype) || shape != ours.shape) {
+    return Differs(absl::StrCat("tensor ", QuoteName(ours.name), " has another name, dtype or shape there"));
+  }
+  bool host = plan.placement == Placement::kHost;
+  if (theirs.host() != host ||
+      (host && (theirs.host_segment() != plan.host_segment || theirs.host_offset() != plan.host_offset ||
+                theirs.nbytes() != ours.nbytes))) {
+    return Differs(absl::StrCat("tensor ", QuoteName(ours.name),
+                                " is placed differently there (another placement or TP plan)"));
+  }
+  return absl::OkStatus();
+}
+
+// The tensor bytes of `catalog` that are not host-placed: read from storage.
+uint64_t DeviceBytes(const Catalog& catalog, const LoadPlan& plan) {
+  uint64_t bytes = 0;
+  for (size_t i = 0; i < catalog.tensors.size(); ++i) {
+    if (plan.tensors[i].placement != Placement::kHost) bytes += catalog.tensors[i].nbytes;
+  }
+  return bytes;
+}
+
+// Host bytes come from the peer connection.
+class PullSource final : public HostSource {
+ public:
+  PullSource(PeerConnection& connection, PeerPull& pull) : connection_(connection), pull_(pull) {}
+  absl::Status Read(uint32_t segment, uint64_t offset, uint64_t n, char* dst) override {
+    WEIGHTD_RETURN_IF_ERROR(connection_.Read({{segment, offset, n, dst}}, pull_.deadline()));
+    pull_.Received(n);
+    return absl::OkStatus();
+  }
+
+ private:
+  PeerConnection& connection_;
+  PeerPull& pull_;
+};
+
+absl::Status Verify(const ModelGeneration& gen, const v1::PeerTransferReply& reply) {
+  const std::vector<TensorRecord>& tensors = gen.ranks[0].tensors;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    uint64_t theirs = reply.tensors(static_cast<int>(i)).content_hash();
+    if (tensors[i].content_hash != theirs) {
+      return absl::DataLossError(absl::StrCat("tensor ", QuoteName(tensors[i].name), ": the bytes received hash to ",
+                                              ContentHashHex(tensors[i].content_hash), ", the seed's hash is ",
+                                              ContentHashHex(theirs)));
+    }
+  }
+  if (gen.fingerprint != reply.fingerprint()) {
+    return absl::DataLossError(absl::StrCat("fingerprint ", gen.fingerprint, " differs from the seed's ",
+                                            QuoteName(reply.fingerprint())));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status WithPeerReason(absl::Status status, absl::string_view reason) {
+  status.SetPayload(kReasonPayload, absl::Cord(reason));
+  return status;
+}
+
+std::string PeerReasonOf(const absl::Status& status) {
+  if (auto reason = status.GetPayload(kReasonPayload)) return std::string(*reason);
+  switch (status.code()) {
+    case absl::StatusCode::kDeadlineExceeded: return "deadline";
+    case absl::StatusCode::kUnavailable: return "transfer_failed";
+    case absl::StatusCode::kDataLoss: return "hash_mismatch";
+    default: return "other";
+  }
+}
+
+absl::Status CheckSameCheckpoint(const v1::PeerTransferReply& reply, const Catalog& catalog, const LoadPlan& plan) {
+  WEIGHTD_RETURN_IF_ERROR(CheckFiles(reply, catalog));
+  if (static_cast<size_t>(reply.tensors_size()) != catalog.tensors.size()) {
+    return Differs(absl::StrCat(reply.tensors_size(), " tensors there, ", catalog.tensors.size(), " here"));
+  }
+  for (size_t i = 0; i < catalog.tensors.size(); ++i) {
+    WEIGHTD_RETURN_IF_ERROR(CheckTensor(reply.tensors(static_cast<int>(i)), catalog.tensors[i], plan.tensors[i]));
+  }
+  if (static_cast<size_t>(reply.host_segments_size()) != plan.host_segments.size()) {
+    return Differs(absl::StrCat(reply.host_segments_size(), " host segments there, ", plan.host_segments.size(),
+                                " here"));
+  }
+  for (size_t i = 0; i < plan.host_segments.size(); ++i) {
+    const v1::PeerSegment& s = reply.host_segments(static_cast<int>(i));
+    if (s.file() != plan.host_segments[i].file || s.size() < plan.host_segments[i].bytes) {
+      return Differs(absl::StrCat("host segment ", i, " holds file ", s.file(), " in ", s.size(), " bytes there, file ",
+                                  plan.host_segments[i].file, " in ", plan.host_segments[i].bytes, " bytes here"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<ModelGeneration>> SeedFromDescription(const v1::PeerTransferReply& reply,
+                                                                     const Catalog& catalog,
+                                                                     const LoadRequest& request,
+                                                                     const LoaderOptions& loader,
+                                                                     const ProgressFn& progress, PeerPull& pull) {
+  absl::StatusOr<LoadPlan> plan = MakeLoadPlan(catalog, request, request.devices.size(), loader.max_arena_bytes);
+  if (!plan.ok()) return WithPeerReason(plan.status(), "other");
+  if (reply.transport() != pull.transport().name()) {
+    return WithPeerReason(absl::FailedPreconditionError(absl::StrCat("the peer offers transport ",
+                                                                     QuoteName(reply.transport()), ", this node has ",
+                                                                     pull.transport().name())),
+                          "different_checkpoint");
+  }
+  if (absl::Status same = CheckSameCheckpoint(reply, catalog, *plan); !same.ok()) {
+    return WithPeerReason(same, "different_checkpoint");
+  }
+  PeerOffer offer{reply.worker_address(), reply.session_token(), {}};
+  for (const v1::PeerSegment& s : reply.host_segments()) offer.region_sizes.push_back(s.size());
+  absl::StatusOr<std::unique_ptr<PeerConnection>> connection = pull.transport().Connect(offer, pull.deadline());
+  if (!connection.ok()) return WithPeerReason(connection.status(), "transfer_failed");
+  PullSource source(**connection, pull);
+  LoaderOptions options = loader;
+  options.host_source = &source;
+  absl::StatusOr<std::unique_ptr<ModelGeneration>> gen = LoadGeneration(catalog, request, options, progress, nullptr);
+  if (!gen.ok()) return gen.status();  // its code tells the reason (PeerReasonOf)
+  if (absl::Status verified = Verify(**gen, reply); !verified.ok()) return WithPeerReason(verified, "hash_mismatch");
+  (*gen)->source = absl::StrCat("peer ", pull.peer());
+  (*gen)->bytes_read = DeviceBytes(catalog, *plan);
+  return gen;
+}
+
+}  // namespace weightd

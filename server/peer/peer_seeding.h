@@ -1,0 +1,76 @@
+// The transport-level half of a joiner's load (server/peer/peer_join.h), apart
+// from gRPC so tests drive it with a fake PeerTransport: check a seed's
+// description against the local catalog and plan, pull the host segments
+// through the transport while device tensors come from storage, and verify
+// every hash and the fingerprint against the seed's.
+//
+// Thread-safety: a PeerPull is used by one load (its reads come from the
+// load's threads at once).
+#ifndef WEIGHTD_SERVER_PEER_PEER_SEEDING_H_
+#define WEIGHTD_SERVER_PEER_PEER_SEEDING_H_
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "common/format/catalog.h"
+#include "common/peer/peer_transport.h"
+#include "server/load/loader.h"
+#include "server/metrics/metrics.h"
+#include "server/load/plan.h"
+#include "weightd/v1/peer.pb.h"
+
+namespace weightd {
+
+// A status carrying its fall-back reason (kPeerFallbackReasons), and the
+// reason of one: the carried one, else by code (DEADLINE_EXCEEDED
+// "deadline", UNAVAILABLE "transfer_failed", DATA_LOSS "hash_mismatch",
+// else "other").
+absl::Status WithPeerReason(absl::Status status, absl::string_view reason);
+std::string PeerReasonOf(const absl::Status& status);
+
+// One load's pull from one peer.
+class PeerPull {
+ public:
+  PeerPull(std::string peer, PeerTransport& transport, std::chrono::steady_clock::time_point deadline,
+           Metrics* metrics)
+      : peer_(std::move(peer)), transport_(transport), deadline_(deadline), metrics_(metrics) {}
+  const std::string& peer() const { return peer_; }
+  PeerTransport& transport() { return transport_; }
+  std::chrono::steady_clock::time_point deadline() const { return deadline_; }
+  uint64_t bytes_read() const { return bytes_read_.load(); }
+  void Received(uint64_t n) {
+    bytes_read_ += n;
+    if (metrics_) metrics_->PeerBytesReceived(peer_, n);
+  }
+
+ private:
+  std::string peer_;
+  PeerTransport& transport_;
+  std::chrono::steady_clock::time_point deadline_;
+  Metrics* metrics_;
+  std::atomic<uint64_t> bytes_read_{0};
+};
+
+// OK when the seed's generation holds the same checkpoint (files by name,
+// size and header hash; tensors by name, dtype and shape) with the same
+// host segment layout as `plan`; FAILED_PRECONDITION naming the first
+// difference otherwise. Every count in `reply` is checked against the
+// local one before it is used.
+absl::Status CheckSameCheckpoint(const v1::PeerTransferReply& reply, const Catalog& catalog, const LoadPlan& plan);
+
+// Loads `request` with its host segments read from the seed `reply`
+// describes (see peer_join.h); a generation with source "peer <peer>", or
+// an error carrying its fall-back reason. Nothing of a failed pull
+// survives the call.
+absl::StatusOr<std::unique_ptr<ModelGeneration>> SeedFromDescription(const v1::PeerTransferReply& reply,
+                                                                     const Catalog& catalog,
+                                                                     const LoadRequest& request,
+                                                                     const LoaderOptions& loader,
+                                                                     const ProgressFn& progress, PeerPull& pull);
+
+}  // namespace weightd
+
+#endif  // WEIGHTD_SERVER_PEER_PEER_SEEDING_H_

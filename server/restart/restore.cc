@@ -1,0 +1,238 @@
+#include "server/restart/restore.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <map>
+#include <set>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "common/base/parallel.h"
+#include "common/base/status.h"
+#include "common/format/content_hash.h"
+#include "server/restart/state_record.h"
+
+namespace weightd {
+namespace {
+
+// A check that failed: the reason label and what was wrong.
+struct Refusal {
+  std::string reason;
+  std::string message;
+};
+
+absl::StatusOr<std::string> ReadRecord(int fd) {
+  if (!SealedAgainstWrites(fd)) return absl::FailedPreconditionError("the record is not a memfd sealed against writes");
+  struct stat st {};
+  if (fstat(fd, &st) != 0) return ErrnoToStatus("fstat record", errno);
+  uint64_t size = static_cast<uint64_t>(st.st_size);
+  if (size > kMaxStateRecordBytes + kStateRecordHeaderBytes) {
+    return absl::FailedPreconditionError(absl::StrCat("the record is ", size, " bytes, over the bound"));
+  }
+  std::string bytes(size, '\0');
+  size_t done = 0;
+  while (done < size) {
+    ssize_t got = pread(fd, bytes.data() + done, size - done, static_cast<off_t>(done));
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) return ErrnoToStatus("read record", got < 0 ? errno : EIO);
+    done += static_cast<size_t>(got);
+  }
+  return bytes;
+}
+
+class Restorer {
+ public:
+  Restorer(std::vector<NamedFd> fds, const RestoreOptions& options) : options_(options) {
+    for (NamedFd& f : fds) {
+      if (absl::StartsWith(f.name, "wd-rec-")) {
+        records_.push_back(std::move(f));
+      } else {
+        segments_[f.name] = std::move(f.fd);  // a repeated name keeps the last fd
+      }
+    }
+    if (options_.device_backend != nullptr) {
+      if (absl::StatusOr<std::vector<DeviceInfo>> devices = options_.device_backend->Devices(); devices.ok()) {
+        devices_ = *devices;
+      }
+    }
+  }
+
+  RestoreResult Run() {
+    std::vector<StateRecord> decoded;
+    std::vector<NamedFd> record_fds;
+    for (NamedFd& f : records_) {
+      absl::StatusOr<std::string> bytes = ReadRecord(f.fd.get());
+      absl::StatusOr<StateRecord> record = bytes.ok() ? DecodeStateRecord(*bytes, options_.key) : bytes.status();
+      if (!record.ok()) {
+        result_.dropped.push_back({f.name, "", "corrupt", std::string(record.status().message())});
+        continue;
+      }
+      decoded.push_back(std::move(*record));
+      record_fds.push_back(std::move(f));
+    }
+    // One record per name: the newest generation wins.
+    std::vector<size_t> order(decoded.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::sort(order.begin(), order.end(),
+              [&](size_t a, size_t b) { return decoded[a].model->generation > decoded[b].model->generation; });
+    std::set<std::string> names;
+    std::vector<size_t> chosen;
+    for (size_t i : order) {
+      const std::string& name = decoded[i].model->request.name;
+      if (!names.insert(name).second) {
+        result_.dropped.push_back({record_fds[i].name, name, "duplicate",
+                                   absl::StrCat("generation ", decoded[i].model->generation, " is older than another record of it")});
+        continue;
+      }
+      chosen.push_back(i);
+    }
+    std::reverse(chosen.begin(), chosen.end());  // oldest first
+    std::set<std::string> used;
+    for (size_t i : chosen) {
+      auto start = std::chrono::steady_clock::now();
+      RestoredModel restored;
+      restored.record_name = record_fds[i].name;
+      std::optional<Refusal> refusal = Adopt(decoded[i], restored);
+      if (refusal) {
+        result_.dropped.push_back({record_fds[i].name, decoded[i].model->request.name, refusal->reason, refusal->message});
+        continue;
+      }
+      for (const auto& n : restored.host_segment_names) used.insert(n);
+      for (const auto& n : restored.arena_names) used.insert(n);
+      restored.record_fd = std::move(record_fds[i].fd);
+      restored.model = std::move(decoded[i].model);
+      restored.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      result_.models.push_back(std::move(restored));
+    }
+    for (const DroppedRecord& d : result_.dropped) result_.unused.push_back(d.fd_name);
+    for (const auto& [name, fd] : segments_) {
+      if (!used.count(name)) result_.unused.push_back(name);
+    }
+    return std::move(result_);
+  }
+
+ private:
+  // Checks every segment of `record` and adopts them into its model.
+  std::optional<Refusal> Adopt(StateRecord& record, RestoredModel& out) {
+    ModelGeneration& m = *record.model;
+    m.source = "fd store";  // DESIGN.md "source": a restarted daemon's generation
+    if (options_.model_roots == nullptr || !options_.model_roots->Contains(m.request.checkpoint_path)) {
+      return Refusal{"outside_model_roots", absl::StrCat(m.request.checkpoint_path, " is under no --model-root (",
+                                                         options_.model_roots ? options_.model_roots->Describe() : "", ")")};
+    }
+    for (const StoredSegment& s : record.host_segments) {
+      absl::StatusOr<ScopedFd> fd = Take(s);
+      if (!fd.ok()) return Refused(fd.status());
+      absl::StatusOr<std::unique_ptr<HostSegment>> segment = HostSegment::Adopt(std::move(*fd), s.size, s.huge_pages);
+      if (!segment.ok()) return Refusal{"segment_mismatch", absl::StrCat(s.fd_name, ": ", segment.status().message())};
+      m.huge_page_bytes += (*segment)->huge_bytes();  // hugetlb ones; THP is not known after a restart
+      m.host_segments.push_back(std::move(*segment));
+      out.host_segment_names.push_back(s.fd_name);
+    }
+    for (const StoredSegment& s : record.arenas) {
+      if (options_.device_backend == nullptr || options_.device_backend->segment_backend() != s.backend) {
+        return Refusal{"device_unavailable", absl::StrCat(s.fd_name, ": a ", SegmentBackendName(s.backend),
+                                                          " arena, and this daemon's device backend is ",
+                                                          options_.device_backend ? options_.device_backend->name() : "none")};
+      }
+      auto device = std::find_if(devices_.begin(), devices_.end(), [&](const DeviceInfo& d) { return d.uuid == s.gpu_uuid; });
+      if (device == devices_.end()) {
+        return Refusal{"device_unavailable", absl::StrCat(s.fd_name, ": GPU ", s.gpu_uuid, " is not present")};
+      }
+      absl::StatusOr<ScopedFd> fd = Take(s);
+      if (!fd.ok()) return Refused(fd.status());
+      absl::StatusOr<std::unique_ptr<DeviceArena>> arena = options_.device_backend->Adopt(*device, std::move(*fd), s.size);
+      if (!arena.ok()) {
+        bool cannot = arena.status().code() == absl::StatusCode::kUnimplemented;
+        return Refusal{cannot ? "device_unavailable" : "segment_mismatch", absl::StrCat(s.fd_name, ": ", arena.status().message())};
+      }
+      m.arenas.push_back(std::move(*arena));
+      out.arena_names.push_back(s.fd_name);
+    }
+    for (SegmentRecord& s : m.segments) {
+      s.fd = s.placement == Placement::kHost ? m.host_segments[s.owner]->fd() : m.arenas[s.owner]->export_fd();
+    }
+    // An authenticated record was written by a daemon holding the key, and
+    // each of its segments was checked above to be the very memfd it stored
+    // (inode), sealed against writes: its bytes are the ones verified at
+    // load. Any other record may name memfds of whoever passed the fds.
+    out.authenticated = record.authenticated;
+    if (record.authenticated) return std::nullopt;
+    return VerifyHostTensors(m);
+  }
+
+  // A record without a valid HMAC may have been written by whoever handed
+  // the daemon fds at start (naming a sealed memfd of their own, with its
+  // checksum recomputed). So every host tensor is hashed again from its
+  // segment and must equal the content hash its record gives (which the
+  // fingerprint covers); a tensor shared by several ranks is hashed once. In
+  // parallel.
+  static std::optional<Refusal> VerifyHostTensors(const ModelGeneration& m) {
+    constexpr size_t kMaxHashThreads = 8;
+    std::vector<const TensorRecord*> tensors;
+    std::vector<const char*> data;
+    std::set<std::pair<const char*, uint64_t>> seen;
+    for (const RankManifest& rank : m.ranks) {
+      for (const TensorRecord& t : rank.tensors) {
+        if (t.placement != Placement::kHost || t.segment >= rank.segments.size()) continue;
+        const SegmentRecord& seg = m.segments[rank.segments[t.segment]];
+        const char* at = m.host_segments[seg.owner]->data() + t.offset;
+        if (!seen.insert({at, t.nbytes}).second) continue;
+        tensors.push_back(&t);
+        data.push_back(at);
+      }
+    }
+    absl::Status hashed = ParallelFor(
+        tensors.size(),
+        [&](size_t i) -> absl::Status {
+          uint64_t hash = TensorContentHash(data[i], tensors[i]->nbytes);
+          if (hash == tensors[i]->content_hash) return absl::OkStatus();
+          return absl::DataLossError(absl::StrCat("tensor ", QuoteName(tensors[i]->name), ": its bytes hash to ",
+                                                  ContentHashHex(hash), ", the record says ",
+                                                  ContentHashHex(tensors[i]->content_hash),
+                                                  " (not the bytes that were verified at load)"));
+        },
+        kMaxHashThreads);
+    if (!hashed.ok()) return Refusal{"content_mismatch", std::string(hashed.message())};
+    return std::nullopt;
+  }
+
+  // A copy of the stored fd `s` names, checked to be the file that was stored.
+  absl::StatusOr<ScopedFd> Take(const StoredSegment& s) {
+    auto it = segments_.find(s.fd_name);
+    if (it == segments_.end()) return absl::NotFoundError(absl::StrCat(s.fd_name, " was not passed"));
+    if (s.inode != 0) {
+      struct stat st {};
+      if (fstat(it->second.get(), &st) != 0 || static_cast<uint64_t>(st.st_ino) != s.inode) {
+        return absl::FailedPreconditionError(absl::StrCat(s.fd_name, " is not the memfd that was stored (inode ",
+                                                          st.st_ino, ", recorded ", s.inode, ")"));
+      }
+    }
+    ScopedFd copy(fcntl(it->second.get(), F_DUPFD_CLOEXEC, 3));
+    if (!copy.valid()) return ErrnoToStatus(absl::StrCat("dup ", s.fd_name), errno);
+    return copy;
+  }
+
+  static Refusal Refused(const absl::Status& status) {
+    return Refusal{status.code() == absl::StatusCode::kNotFound ? "missing_fd" : "segment_mismatch",
+                   std::string(status.message())};
+  }
+
+  const RestoreOptions& options_;
+  std::vector<NamedFd> records_;
+  std::map<std::string, ScopedFd> segments_;  // closed when the restorer ends; adopted ones are copies
+  std::vector<DeviceInfo> devices_;
+  RestoreResult result_;
+};
+
+}  // namespace
+
+RestoreResult RestoreFromFdStore(std::vector<NamedFd> fds, const RestoreOptions& options) {
+  return Restorer(std::move(fds), options).Run();
+}
+
+}  // namespace weightd
