@@ -704,7 +704,10 @@ def DropSelf(sig):
 
 
 def Public(sig):
-    return sig.replace(parameters=[p for p in sig.parameters.values() if not p.name.startswith("_")])
+    """`sig` as the docs spell it: no private parameters, no annotations."""
+    return sig.replace(parameters=[p.replace(annotation=inspect.Parameter.empty)
+                                   for p in sig.parameters.values() if not p.name.startswith("_")],
+                       return_annotation=inspect.Signature.empty)
 
 
 def Resolve(func, row_class=None):

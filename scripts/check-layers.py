@@ -12,7 +12,7 @@ include is an upward (or sideways) dependency the link graph does not have.
 Run by the build before any layer compiles (target weightd_check_layers), so
 such an include fails the build with one line per include:
   server/model/model.h:12: includes "server/registry/registry.h" (layer server/registry), but
-  weightd_server_model may include only ... : a layer includes only the layers it links (server/CMakeLists.txt)
+  weightd_server_model links only common/base, ...: a layer includes only the layers it links (server/CMakeLists.txt)
 Exit status: 0 when every include keeps to the rule, 1 otherwise, 2 on bad input.
 """
 import argparse
@@ -86,11 +86,12 @@ def main():
                     if owner is None or owner["dir"] in allowed:
                         continue
                     line = text.count("\n", 0, m.start()) + 1
-                    below = ", ".join(sorted(allowed - {l["dir"]})) or "nothing"
+                    others = sorted(allowed - {l["dir"]})
+                    below = f"only {', '.join(others)}" if others else "no other layer"
                     cmake = os.path.join(l["dir"].split("/")[0], "CMakeLists.txt")
                     errors.append(
                         f'{rel}:{line}: includes "{included}" (layer {owner["dir"]}), but {l["target"]} '
-                        f"links only {below}: a layer includes only its own headers and the layers it links "
+                        f"links {below}: a layer includes only its own headers and the layers it links "
                         f"({cmake})")
     for e in errors:
         print(e, file=sys.stderr)
