@@ -1,5 +1,7 @@
 #include "server/load/loader.h"
 
+#include <optional>
+
 #include <xxhash.h>
 
 #include <algorithm>
@@ -534,10 +536,18 @@ std::string FingerprintOf(const std::vector<TensorRecord>& tensors) {
 
 FileStamp StampOf(const CatalogFile& file) { return FileStamp{file.name, file.identity, file.header_hash}; }
 
+absl::StatusOr<PlannedLoad> PlanLoad(const Catalog& catalog, const LoadRequest& request, const LoaderOptions& options) {
+  PlannedLoad planned;
+  WEIGHTD_ASSIGN_OR_RETURN(planned.devices, ResolveDevices(request, options.device_backend));
+  WEIGHTD_ASSIGN_OR_RETURN(planned.plan, MakeLoadPlan(catalog, request, planned.devices.size(), options.max_arena_bytes));
+  return planned;
+}
+
 absl::StatusOr<std::unique_ptr<ModelGeneration>> LoadGeneration(const Catalog& catalog, const LoadRequest& request,
                                                                  const LoaderOptions& options,
                                                                  const ProgressFn& progress,
-                                                                 const ModelGeneration* previous) {
+                                                                 const ModelGeneration* previous,
+                                                                 const PlannedLoad* planned) {
   static_assert(kReadBlockBytes == kHashBlockBytes, "a read block is a hash block");
   if (options.host_source != nullptr && previous != nullptr) {
     return absl::InternalError("a load from a host source shares nothing with the generation before");
@@ -552,8 +562,13 @@ absl::StatusOr<std::unique_ptr<ModelGeneration>> LoadGeneration(const Catalog& c
     if (progress) progress(p);
   };
   report(LoadProgress::Phase::kPlan);
-  WEIGHTD_ASSIGN_OR_RETURN(std::vector<DeviceInfo> devices, ResolveDevices(request, options.device_backend));
-  WEIGHTD_ASSIGN_OR_RETURN(LoadPlan plan, MakeLoadPlan(catalog, request, devices.size(), options.max_arena_bytes));
+  std::optional<PlannedLoad> own;
+  if (planned == nullptr) {
+    WEIGHTD_ASSIGN_OR_RETURN(own, PlanLoad(catalog, request, options));
+    planned = &*own;
+  }
+  const std::vector<DeviceInfo>& devices = planned->devices;
+  const LoadPlan& plan = planned->plan;
   Reuse reuse = FindReusable(catalog, plan, previous);
   std::vector<bool> read_file(catalog.files.size());
   for (size_t f = 0; f < catalog.files.size(); ++f) read_file[f] = reuse.file[f] == nullptr;

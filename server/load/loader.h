@@ -119,6 +119,18 @@ struct LoaderOptions {
   HostSource* host_source = nullptr;
 };
 
+// What a load does first: the devices `request` names, resolved through
+// options.device_backend (common/memory/device.h), and the plan that places
+// every tensor on them (server/load/plan.h). A caller that must look at the
+// plan before loading (peer seeding compares it with the seed's) makes it
+// once here and hands it to LoadGeneration, so the plan checked is the plan
+// loaded. Errors: those of the device resolution and of MakeLoadPlan.
+struct PlannedLoad {
+  std::vector<DeviceInfo> devices;
+  LoadPlan plan;
+};
+absl::StatusOr<PlannedLoad> PlanLoad(const Catalog& catalog, const LoadRequest& request, const LoaderOptions& options);
+
 // Loads `catalog` (already validated) into a new generation placed per
 // `request`. With `previous` (the READY generation of the name, loaded with
 // the same plan; not owned, must outlive the call), every catalog file whose
@@ -127,10 +139,13 @@ struct LoaderOptions {
 // their content hashes; only the other files are read. Progress is reported from the calling thread only, at most every
 // 100 ms and at each phase change. On any error everything allocated is freed
 // before returning. Errors name the file and byte offset of a failed read.
+// `planned`: PlanLoad's result for the same catalog, request and options
+// (not owned); null: LoadGeneration makes it.
 absl::StatusOr<std::unique_ptr<ModelGeneration>> LoadGeneration(const Catalog& catalog, const LoadRequest& request,
                                                                  const LoaderOptions& options,
                                                                  const ProgressFn& progress,
-                                                                 const ModelGeneration* previous = nullptr);
+                                                                 const ModelGeneration* previous = nullptr,
+                                                                 const PlannedLoad* planned = nullptr);
 
 // The model fingerprint (above) of a rank's manifest, from each tensor's
 // name, dtype, full (checkpoint) shape and content hash: one formula for

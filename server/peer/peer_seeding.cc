@@ -131,15 +131,17 @@ absl::StatusOr<std::unique_ptr<ModelGeneration>> SeedFromDescription(const v1::P
                                                                      const LoadRequest& request,
                                                                      const LoaderOptions& loader,
                                                                      const ProgressFn& progress, PeerPull& pull) {
-  absl::StatusOr<LoadPlan> plan = MakeLoadPlan(catalog, request, request.devices.size(), loader.max_arena_bytes);
-  if (!plan.ok()) return WithPeerReason(plan.status(), "other");
+  // One plan, checked against the seed's and then loaded.
+  absl::StatusOr<PlannedLoad> planned = PlanLoad(catalog, request, loader);
+  if (!planned.ok()) return WithPeerReason(planned.status(), "other");
+  const LoadPlan& plan = planned->plan;
   if (reply.transport() != pull.transport().name()) {
     return WithPeerReason(absl::FailedPreconditionError(absl::StrCat("the peer offers transport ",
                                                                      QuoteName(reply.transport()), ", this node has ",
                                                                      pull.transport().name())),
                           "different_checkpoint");
   }
-  if (absl::Status same = CheckSameCheckpoint(reply, catalog, *plan); !same.ok()) {
+  if (absl::Status same = CheckSameCheckpoint(reply, catalog, plan); !same.ok()) {
     return WithPeerReason(same, "different_checkpoint");
   }
   PeerOffer offer{reply.worker_address(), reply.session_token(), {}};
@@ -149,11 +151,11 @@ absl::StatusOr<std::unique_ptr<ModelGeneration>> SeedFromDescription(const v1::P
   PullSource source(**connection, pull);
   LoaderOptions options = loader;
   options.host_source = &source;
-  absl::StatusOr<std::unique_ptr<ModelGeneration>> gen = LoadGeneration(catalog, request, options, progress, nullptr);
+  absl::StatusOr<std::unique_ptr<ModelGeneration>> gen = LoadGeneration(catalog, request, options, progress, nullptr, &*planned);
   if (!gen.ok()) return gen.status();  // its code tells the reason (PeerReasonOf)
   if (absl::Status verified = Verify(**gen, reply); !verified.ok()) return WithPeerReason(verified, "hash_mismatch");
   (*gen)->source = absl::StrCat("peer ", pull.peer());
-  (*gen)->bytes_read = DeviceBytes(catalog, *plan);
+  (*gen)->bytes_read = DeviceBytes(catalog, plan);
   return gen;
 }
 
