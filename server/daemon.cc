@@ -212,7 +212,7 @@ class DaemonImpl final : public Daemon {
                                                                          registry_.get());
     if (!channel.ok()) return channel.status();
     fd_channel_ = std::move(*channel);
-    service_ = std::make_unique<WeightdService>(registry_.get(), config_.fd_socket, config_.mlock);
+    service_ = std::make_unique<WeightdService>(registry_.get(), config_.fd_socket, config_.mlock, encodings_);
     service_->EnableUpgrade([this]() -> absl::StatusOr<std::string> {
       WEIGHTD_ASSIGN_OR_RETURN(std::string binary, binary_);
       WEIGHTD_RETURN_IF_ERROR(CheckUpgradable(binary));
@@ -361,6 +361,7 @@ class DaemonImpl final : public Daemon {
                            .admin = config_.grpc_tcp_admin,
                            .fd_socket = config_.fd_socket,
                            .mlock = config_.mlock,
+                           .encodings = encodings_,
                            .limits = GrpcLimits()};
     WEIGHTD_ASSIGN_OR_RETURN(tcp_listener_, TcpListener::Start(tcp, registry_.get(), metrics_.get()));
     listener_.AddServer(tcp_listener_->server());
@@ -507,6 +508,8 @@ class DaemonImpl final : public Daemon {
   std::unique_ptr<PrometheusMetrics> metrics_;  // destroyed before registry_, which it samples on each scrape
   std::unique_ptr<MetricsListener> metrics_listener_;
   std::unique_ptr<FdChannel> fd_channel_;
+  // Attach's reply bodies, encoded once per generation for every service.
+  std::shared_ptr<AttachEncodingCache> encodings_ = std::make_shared<AttachEncodingCache>();
   std::unique_ptr<WeightdService> service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<GrpcAcceptor> acceptor_;  // destroyed before server_

@@ -16,36 +16,62 @@ void AddSegments(const ModelGeneration& m, const RankManifest& rank, v1::AttachR
 
 }  // namespace
 
-const std::string& EntriesEncoding(ModelGeneration& m, uint32_t rank) {
-  std::call_once(m.encode_once, [&m] {
-    for (const RankManifest& r : m.ranks) {
-      v1::AttachResponse body;
-      AddSegments(m, r, &body);
-      for (const TensorRecord& t : r.tensors) ToProto(t, body.add_tensors());
-      m.encoded_manifests.push_back(body.SerializeAsString());
-    }
-  });
-  return m.encoded_manifests[rank];
+void AttachEncodingCache::DropFreedLocked() {
+  std::erase_if(entries_, [](const auto& e) { return e.second->model.expired(); });
 }
 
-std::shared_ptr<const std::string> PackedEncoding(ModelGeneration& m, uint32_t rank) {
-  std::call_once(m.pack_once, [&m] {
-    for (const RankManifest& r : m.ranks) {
+size_t AttachEncodingCache::size() {
+  absl::MutexLock lock(&mu_);
+  DropFreedLocked();
+  return entries_.size();
+}
+
+std::shared_ptr<AttachEncodingCache::Entry> AttachEncodingCache::EntryOf(
+    const std::shared_ptr<const ModelGeneration>& m) {
+  absl::MutexLock lock(&mu_);
+  DropFreedLocked();  // also an entry whose generation's address `m` now reuses
+  std::shared_ptr<Entry>& entry = entries_[m.get()];
+  if (entry == nullptr) {
+    entry = std::make_shared<Entry>();
+    entry->model = m;
+  }
+  return entry;
+}
+
+std::shared_ptr<const std::string> AttachEncodingCache::Entries(const std::shared_ptr<const ModelGeneration>& m,
+                                                                uint32_t rank) {
+  std::shared_ptr<Entry> entry = EntryOf(m);
+  std::call_once(entry->entries_once, [&] {
+    for (const RankManifest& r : m->ranks) {
+      v1::AttachResponse body;
+      AddSegments(*m, r, &body);
+      for (const TensorRecord& t : r.tensors) ToProto(t, body.add_tensors());
+      entry->entries.push_back(std::make_shared<const std::string>(body.SerializeAsString()));
+    }
+  });
+  return entry->entries[rank];
+}
+
+std::shared_ptr<const std::string> AttachEncodingCache::Packed(const std::shared_ptr<const ModelGeneration>& m,
+                                                               uint32_t rank) {
+  std::shared_ptr<Entry> entry = EntryOf(m);
+  std::call_once(entry->packed_once, [&] {
+    for (const RankManifest& r : m->ranks) {
       absl::StatusOr<std::string> table = PackRankTensors(r);
       if (!table.ok()) {
-        LogWarning(absl::StrCat("model ", QuoteName(m.request.name), " generation ", m.generation,
+        LogWarning(absl::StrCat("model ", QuoteName(m->request.name), " generation ", m->generation,
                                 ": packed tensor table refused (", table.status().message(),
                                 "); clients get one TensorEntry per tensor"));
-        m.packed_manifests.push_back(nullptr);
+        entry->packed.push_back(nullptr);
         continue;
       }
       v1::AttachResponse body;
-      AddSegments(m, r, &body);
+      AddSegments(*m, r, &body);
       body.set_packed_tensors(std::move(*table));
-      m.packed_manifests.push_back(std::make_shared<const std::string>(body.SerializeAsString()));
+      entry->packed.push_back(std::make_shared<const std::string>(body.SerializeAsString()));
     }
   });
-  return m.packed_manifests[rank];
+  return entry->packed[rank];
 }
 
 absl::StatusOr<std::string> PackRankTensors(const RankManifest& rank) {

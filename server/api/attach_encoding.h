@@ -7,26 +7,61 @@
 //   PACKED_TABLE_V1:  AttachResponse.segments + .packed_tensors, one byte string
 //                     (common/format/packed_manifest.h; docs/api.md)
 //
-// Thread-safety: any thread; each encoding is built under its own
-// std::once_flag of the generation.
+// The encodings are the API layer's, kept in an AttachEncodingCache beside
+// the generations rather than in them: a ModelGeneration stays what the
+// registry made, immutable once READY.
 #ifndef WEIGHTD_SERVER_API_ATTACH_ENCODING_H_
 #define WEIGHTD_SERVER_API_ATTACH_ENCODING_H_
 
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "server/model/model.h"
 
 namespace weightd {
 
-// Rank `rank` (< m.ranks.size()) as TENSOR_ENTRIES; owned by `m`.
-const std::string& EntriesEncoding(ModelGeneration& m, uint32_t rank);
+// The encodings of the generations clients attach, built once per
+// generation and encoding (on the first Attach that asks for it) and shared
+// by every reply that sends them. An entry lives while its generation does:
+// each lookup first drops the entries of generations that were freed, so
+// the cache holds at most one entry per generation alive, never bytes of a
+// freed one past the next Attach.
+//
+// Thread-safety: every method may be called from any thread; an encoding is
+// built outside the cache's lock (under its own std::once_flag), so attaches
+// of other generations do not wait for it.
+class AttachEncodingCache {
+ public:
+  // Rank `rank` (< m->ranks.size()) as TENSOR_ENTRIES.
+  std::shared_ptr<const std::string> Entries(const std::shared_ptr<const ModelGeneration>& m, uint32_t rank)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Rank `rank` as PACKED_TABLE_V1; null when the rank's tensors do not fit
+  // a packed table (the caller then answers with Entries; logged once).
+  std::shared_ptr<const std::string> Packed(const std::shared_ptr<const ModelGeneration>& m, uint32_t rank)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Generations with an entry, after dropping those freed.
+  size_t size() ABSL_LOCKS_EXCLUDED(mu_);
 
-// Rank `rank` as PACKED_TABLE_V1, shared so that a reply can hold it without
-// a copy; null when the rank's tensors do not fit a packed table (the caller
-// then answers with EntriesEncoding).
-std::shared_ptr<const std::string> PackedEncoding(ModelGeneration& m, uint32_t rank);
+ private:
+  struct Entry {
+    std::weak_ptr<const ModelGeneration> model;
+    std::once_flag entries_once;
+    std::vector<std::shared_ptr<const std::string>> entries;  // by rank
+    std::once_flag packed_once;
+    std::vector<std::shared_ptr<const std::string>> packed;  // by rank; null: does not fit
+  };
+  std::shared_ptr<Entry> EntryOf(const std::shared_ptr<const ModelGeneration>& m) ABSL_LOCKS_EXCLUDED(mu_);
+  void DropFreedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  absl::Mutex mu_;
+  std::map<const ModelGeneration*, std::shared_ptr<Entry>> entries_ ABSL_GUARDED_BY(mu_);
+};
 
 // The packed tensor table of one rank. INVALID_ARGUMENT when it does not fit
 // (PackedManifestWriter::Finish).

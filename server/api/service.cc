@@ -39,8 +39,12 @@ grpc::Status AdminOnly(const char* method) {
 
 }  // namespace
 
-WeightdService::WeightdService(ModelRegistry* registry, std::string fd_socket_path, bool mlock)
-    : registry_(registry), fd_socket_path_(std::move(fd_socket_path)), mlock_(mlock) {}
+WeightdService::WeightdService(ModelRegistry* registry, std::string fd_socket_path, bool mlock,
+                               std::shared_ptr<AttachEncodingCache> encodings)
+    : registry_(registry),
+      fd_socket_path_(std::move(fd_socket_path)),
+      mlock_(mlock),
+      encodings_(encodings != nullptr ? std::move(encodings) : std::make_shared<AttachEncodingCache>()) {}
 
 grpc::Status WeightdService::LoadModel(grpc::ServerContext* context, const v1::LoadModelRequest* request,
                                        grpc::ServerWriter<v1::LoadModelProgress>* writer) {
@@ -135,9 +139,11 @@ grpc::Status WeightdService::AttachEncoded(const grpc::ByteBuffer& raw, grpc::By
   if (!parsed.ok()) return parsed;
   absl::StatusOr<ModelRegistry::Grant> grant = registry_->Attach(request.name(), request.rank());
   if (!grant.ok()) return ToGrpcStatus(grant.status());
-  ModelGeneration& m = *grant->model;
+  const ModelGeneration& m = *grant->model;
   std::shared_ptr<const std::string> packed;
-  if (request.manifest_encoding() == v1::AttachRequest::PACKED_TABLE_V1) packed = PackedEncoding(m, grant->rank);
+  if (request.manifest_encoding() == v1::AttachRequest::PACKED_TABLE_V1) {
+    packed = encodings_->Packed(grant->model, grant->rank);
+  }
   v1::AttachResponse head;
   head.set_lease_id(grant->lease_id);
   head.set_fd_socket(fd_socket_path_);
@@ -151,7 +157,7 @@ grpc::Status WeightdService::AttachEncoded(const grpc::ByteBuffer& raw, grpc::By
   // and tensors, parse as one AttachResponse.
   std::string bytes = head.SerializeAsString();
   if (packed == nullptr) {
-    bytes += EntriesEncoding(m, grant->rank);
+    bytes += *encodings_->Entries(grant->model, grant->rank);
     grpc::Slice slice(bytes);
     *out = grpc::ByteBuffer(&slice, 1);
     return grpc::Status::OK;

@@ -15,6 +15,7 @@
 #include <functional>
 #include <string>
 
+#include "server/api/attach_encoding.h"
 #include "server/registry/registry.h"
 #include "weightd/v1/weightd.grpc.pb.h"
 
@@ -25,7 +26,10 @@ class WeightdService final
  public:
   // `registry` must outlive the service.
   // `mlock`: lock the sealed segments of a writer's commit (--mlock).
-  WeightdService(ModelRegistry* registry, std::string fd_socket_path, bool mlock = true);
+  // `encodings`: Attach's reply bodies, shared by every service of the
+  // daemon so each generation is encoded once; null: one of its own.
+  WeightdService(ModelRegistry* registry, std::string fd_socket_path, bool mlock = true,
+                 std::shared_ptr<AttachEncodingCache> encodings = nullptr);
   // Enables UpgradeDaemon on this service (the Unix socket's): `upgrade`
   // checks that the daemon can upgrade and starts it, returning the binary
   // it will execute. Unset, UpgradeDaemon answers PERMISSION_DENIED.
@@ -58,18 +62,16 @@ class WeightdService final
 
  private:
   grpc::Status AttachEncoded(const grpc::ByteBuffer& request, grpc::ByteBuffer* response);
-
- private:
   static ProgressFn MakeProgress(grpc::ServerWriter<v1::LoadModelProgress>* writer);
   // Writes the DONE message of a load or reload.
   static grpc::Status FinishLoad(const absl::StatusOr<ModelRegistry::LoadResult>& result,
                                  grpc::ServerWriter<v1::LoadModelProgress>* writer);
- public:
 
   ModelRegistry* registry_;
   std::string fd_socket_path_;
   bool mlock_;
   std::function<absl::StatusOr<std::string>()> upgrade_;
+  std::shared_ptr<AttachEncodingCache> encodings_;
 };
 
 // Random hex, drawn once per process image (ListModelsResponse.daemon_instance).

@@ -93,7 +93,7 @@ absl::StatusOr<std::unique_ptr<TcpListener>> TcpListener::Start(const TcpListene
   }
   std::unique_ptr<TcpListener> tcp(new TcpListener());
   tcp->mode_ = Mode(options);
-  tcp->full_ = std::make_unique<WeightdService>(registry, options.fd_socket, options.mlock);
+  tcp->full_ = std::make_unique<WeightdService>(registry, options.fd_socket, options.mlock, options.encodings);
   grpc::ServerBuilder builder;
   // Plain TCP is accepted by our own GrpcAcceptor (bounded, recovers after
   // EMFILE); TLS only by gRPC's listener (AddTcpPort), so the self-check

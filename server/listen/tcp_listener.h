@@ -66,6 +66,9 @@ struct TcpListenerOptions {
   bool admin = false;           // --grpc-tcp-admin: every method (needs mutual TLS)
   std::string fd_socket;        // named in Attach replies
   bool mlock = true;            // as WeightdService
+  // Attach's reply bodies, shared with the daemon's other services; null:
+  // the listener's own.
+  std::shared_ptr<AttachEncodingCache> encodings;
   GrpcServerLimits limits;
 };
 

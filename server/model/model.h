@@ -13,7 +13,6 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
@@ -181,18 +180,6 @@ class ModelGeneration {
   uint64_t bytes_read = 0;
   uint64_t bytes_reused = 0;
   uint64_t tensor_count = 0;
-
-  // The RPC layer's wire encoding of each rank's segments and tensors,
-  // built once on first Attach (server/api/service.cc) and reused by every lease.
-  std::once_flag encode_once;
-  std::vector<std::string> encoded_manifests;
-  // The same for clients that ask for the packed tensor table: each rank's
-  // segments and packed_tensors (common/format/packed_manifest.h), built
-  // once on the first such Attach; shared so a reply can send it without a
-  // copy. Null for a rank whose table could not be packed (it then gets
-  // encoded_manifests).
-  std::once_flag pack_once;
-  std::vector<std::shared_ptr<const std::string>> packed_manifests;
 
   std::atomic<ModelState> state{ModelState::kLoading};
   std::atomic<int> leases{0};
