@@ -23,5 +23,5 @@ CC=clang CXX=clang++ cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Debug -DCM
   -DCMAKE_CXX_FLAGS_DEBUG=-O0 -DCMAKE_CXX_FLAGS="-Wthread-safety -Werror=thread-safety" \
   -DWEIGHTD_BUILD_TESTS=OFF "${launcher[@]}" >/dev/null
 cmake --build "$dir" --parallel "$(nproc)" --target weightd_base weightd_io weightd_format weightd_transport weightd_memory weightd_peer \
-  weightd_server_lib weightd_client weightd weightctl
+  weightd_server_daemon weightd-peer-helper weightd_client weightd weightctl
 echo "check-thread-safety: clang -Wthread-safety build of the libraries and executables passed"

@@ -1,5 +1,7 @@
 #include "server/listen/fd_channel.h"
 
+#include "absl/strings/match.h"
+
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/socket.h>
@@ -187,17 +189,16 @@ bool FdChannel::Serve(Connection& c) {
   if (!claim.ok() || claim->kind != FdChannelMessage::Kind::kClaim) {
     return refuse(absl::InvalidArgumentError("expected 'CLAIM <lease_id>'"));
   }
-  absl::StatusOr<ModelRegistry::Grant> grant = registry_->Claim(claim->lease_id);
-  if (absl::IsNotFound(grant.status())) {
-    // Not a lease: a writer's update (BeginUpdate) is claimed the same way.
+  if (absl::StartsWith(claim->lease_id, kUpdateIdPrefix)) {
+    // A writer's update (BeginUpdate) is claimed the same way as a lease.
     absl::StatusOr<std::shared_ptr<const StagedUpdate>> update = registry_->ClaimUpdate(claim->lease_id);
-    if (absl::IsNotFound(update.status())) return refuse(absl::NotFoundError("unknown or expired lease id"));
     if (!update.ok()) return refuse(update.status());
     c.update_id = claim->lease_id;
     std::vector<int> fds;
     for (const StagedSegment& s : (*update)->segments) fds.push_back(s.memory->fd());
     return SendFds(c.sock.get(), fds);
   }
+  absl::StatusOr<ModelRegistry::Grant> grant = registry_->Claim(claim->lease_id);
   if (!grant.ok()) return refuse(grant.status());
   c.lease_id = grant->lease_id;
   return SendSegmentFds(c.sock.get(), *grant);

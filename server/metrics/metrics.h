@@ -42,7 +42,7 @@ class Metrics {
   // The writer path: an update was staged; committed, having written
   // `bytes_written` bytes of staged segments and shared `bytes_shared`, in
   // `seconds` (seal, hash, publish); or aborted for `reason` (one of
-  // kUpdateAbortReasons in server/registry/registry.h).
+  // kUpdateAbortReasons in server/update/update.h).
   virtual void UpdateStarted() {}
   virtual void UpdateCommitted(uint64_t bytes_written, uint64_t bytes_shared, double seconds) {}
   virtual void UpdateAborted(absl::string_view reason) {}

@@ -2,7 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
-#include <random>
+#include <optional>
 #include <set>
 #include <utility>
 
@@ -24,13 +24,6 @@ namespace {
 bool HasHandleExportedArenas(const ModelGeneration& model) {
   return std::any_of(model.arenas.begin(), model.arenas.end(),
                      [](const std::shared_ptr<DeviceArena>& arena) { return arena->export_fd() < 0; });
-}
-
-std::string NewLeaseId() {
-  static absl::Mutex mu(absl::kConstInit);
-  static std::random_device device ABSL_GUARDED_BY(mu);
-  absl::MutexLock lock(&mu);
-  return absl::StrFormat("%08x%08x%08x%08x", device(), device(), device(), device());
 }
 
 // "CODE: message", without the status's payloads.
@@ -300,124 +293,87 @@ absl::Status ModelRegistry::Adopt(std::shared_ptr<ModelGeneration> model) {
 
 absl::StatusOr<ModelRegistry::UpdateGrant> ModelRegistry::BeginUpdate(const std::string& name,
                                                                       const std::vector<std::string>& tensors) {
-  std::string id = NewLeaseId();
   std::shared_ptr<ModelGeneration> base;
+  std::string id;
   {
     absl::MutexLock lock(&mu_);
     WEIGHTD_ASSIGN_OR_RETURN(base, GetLocked(name));
-    if (updates_.count(name)) {
-      return absl::AlreadyExistsError(
-          absl::StrCat("model '", name, "' already has an open update (one writer per model at a time)"));
-    }
-    updates_[name] = OpenUpdate{id, nullptr, false, false, Now() + options_.claim_timeout};
+    WEIGHTD_ASSIGN_OR_RETURN(id, updates_.Open(name, Now() + options_.claim_timeout));
   }
-  absl::StatusOr<std::unique_ptr<StagedUpdate>> staged = StageUpdate(base, tensors, options_.loader.admission, options_.loader.device_backend);
-  std::shared_ptr<StagedUpdate> dropped;  // freed after the lock
+  absl::StatusOr<std::unique_ptr<StagedUpdate>> staged =
+      StageUpdate(base, tensors, options_.loader.admission, options_.loader.device_backend);
+  std::shared_ptr<StagedUpdate> update;  // dropped after the lock when not handed out
   absl::MutexLock lock(&mu_);
-  auto it = updates_.find(name);
-  bool ours = it != updates_.end() && it->second.id == id;
   if (!staged.ok()) {
-    if (ours) updates_.erase(it);
+    (void)updates_.End(id);  // unless an unload ended it already
     return staged.status();
   }
-  if (!ours) {
-    dropped = std::move(*staged);
+  update = std::move(*staged);
+  if (!updates_.SetStaged(id, update, Now() + options_.claim_timeout).ok()) {
     return absl::AbortedError(absl::StrCat("model '", name, "' was unloaded while the update was being staged"));
   }
-  it->second.staged = std::move(*staged);
-  it->second.deadline = Now() + options_.claim_timeout;
-  if (listener_) listener_->OnUpdateStarted(name, it->second.staged->bytes_staged);
+  if (listener_) listener_->OnUpdateStarted(name, update->bytes_staged);
   NotifyMemory();
-  return UpdateGrant{id, it->second.staged};
+  return UpdateGrant{id, update};
 }
 
-std::map<std::string, ModelRegistry::OpenUpdate>::iterator ModelRegistry::FindUpdateLocked(const std::string& id) {
-  return std::find_if(updates_.begin(), updates_.end(), [&](const auto& u) { return u.second.id == id; });
-}
-
-std::shared_ptr<StagedUpdate> ModelRegistry::EndUpdateLocked(std::map<std::string, OpenUpdate>::iterator it,
-                                                             const std::string& reason) {
-  std::shared_ptr<StagedUpdate> staged = std::move(it->second.staged);
-  std::string name = it->first;
-  updates_.erase(it);
+std::shared_ptr<StagedUpdate> ModelRegistry::FinishUpdateLocked(UpdateTable::Ended ended, const std::string& reason) {
   if (!reason.empty()) {
-    if (listener_) listener_->OnUpdateAborted(name, reason);
+    if (listener_) listener_->OnUpdateAborted(ended.name, reason);
     // A writer may keep the fds of an update that ended: its pages must not
     // stay charged to the daemon. Sealed segments (a refused commit) cannot
     // be punched; they go when the writer closes them.
-    if (staged != nullptr) {
-      for (const StagedSegment& s : staged->segments) s.memory->Discard();
+    if (ended.staged != nullptr) {
+      for (const StagedSegment& s : ended.staged->segments) s.memory->Discard();
     }
   }
-  return staged;
+  return std::move(ended.staged);
 }
 
 absl::StatusOr<std::shared_ptr<const StagedUpdate>> ModelRegistry::ClaimUpdate(const std::string& update_id) {
-  absl::MutexLock lock(&mu_);
-  auto it = FindUpdateLocked(update_id);
-  if (it == updates_.end() || it->second.staged == nullptr) return absl::NotFoundError("unknown or ended update id");
-  if (it->second.claimed) return absl::FailedPreconditionError("update already claimed on another connection");
-  it->second.claimed = true;
-  return std::shared_ptr<const StagedUpdate>(it->second.staged);
+  return updates_.Claim(update_id);
 }
 
-bool ModelRegistry::IsUpdateOpen(const std::string& update_id) const {
-  absl::MutexLock lock(&mu_);
-  return std::any_of(updates_.begin(), updates_.end(), [&](const auto& u) { return u.second.id == update_id; });
-}
+bool ModelRegistry::IsUpdateOpen(const std::string& update_id) const { return updates_.IsOpen(update_id); }
 
 absl::StatusOr<ModelRegistry::CommitResult> ModelRegistry::CommitUpdate(const std::string& update_id,
                                                                         const CommitOptions& options) {
   auto start = std::chrono::steady_clock::now();
-  std::shared_ptr<StagedUpdate> staged;
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = FindUpdateLocked(update_id);
-    if (it == updates_.end() || it->second.staged == nullptr) return absl::NotFoundError("unknown or ended update id");
-    if (it->second.committing) return absl::FailedPreconditionError("this update is already being committed");
-    it->second.committing = true;
-    staged = it->second.staged;
-  }
-  bool sealed = false;
-  absl::StatusOr<CommitOutcome> outcome = SealAndVerify(*staged, options, &sealed);
+  WEIGHTD_ASSIGN_OR_RETURN(std::shared_ptr<StagedUpdate> staged, updates_.BeginCommit(update_id));
+  CommitAttempt attempt = SealAndVerify(*staged, options);
   std::shared_ptr<StagedUpdate> dropped;  // freed after the lock
   absl::MutexLock lock(&mu_);
-  auto it = FindUpdateLocked(update_id);
-  if (it == updates_.end()) {
+  std::optional<std::string> name = updates_.NameOf(update_id);
+  if (!name.has_value()) {
     return absl::AbortedError(absl::StrCat("model '", staged->base->request.name,
                                            "' was unloaded during the commit; the update is aborted"));
   }
-  const std::string name = it->first;
-  auto current = current_.find(name);
-  bool base_current = current != current_.end() && current->second == staged->base;
-  if (!outcome.ok()) {
-    // Left open only for what the writer can fix and retry: a bad label or
-    // expected hash (INVALID_ARGUMENT, before anything was sealed) or a
-    // segment still mapped writable (FAILED_PRECONDITION before sealing),
-    // and only while the update's base is still the served generation.
-    bool retryable = !sealed && base_current && (absl::IsInvalidArgument(outcome.status()) ||
-                                                 absl::IsFailedPrecondition(outcome.status()));
-    if (retryable) {
-      it->second.committing = false;
-    } else {
-      dropped = EndUpdateLocked(it, sealed ? "verification_failed" : base_current ? "aborted_by_writer" : "superseded");
-      NotifyMemory();
-    }
-    return outcome.status();
+  auto current = current_.find(*name);
+  const bool base_current = current != current_.end() && current->second == staged->base;
+  CommitDecision decision = DecideCommit(attempt, base_current);
+  if (decision.fate == CommitDecision::Fate::kRetry) {
+    updates_.Reopen(update_id);
+    return attempt.outcome.status();
   }
-  if (!base_current) {
-    uint64_t now = current == current_.end() ? 0 : current->second->generation;
-    dropped = EndUpdateLocked(it, "superseded");
+  if (decision.fate == CommitDecision::Fate::kAbort) {
+    if (absl::StatusOr<UpdateTable::Ended> ended = updates_.End(update_id); ended.ok()) {
+      dropped = FinishUpdateLocked(std::move(*ended), decision.abort_reason);
+    }
     NotifyMemory();
-    return absl::FailedPreconditionError(absl::StrCat("model '", name, "' is at generation ", now,
+    if (!attempt.outcome.ok()) return attempt.outcome.status();
+    uint64_t now = current == current_.end() ? 0 : current->second->generation;
+    return absl::FailedPreconditionError(absl::StrCat("model '", *name, "' is at generation ", now,
                                                       " but this update began from generation ",
                                                       staged->base->generation, "; the update is aborted"));
   }
-  std::shared_ptr<ModelGeneration> model = std::move(outcome->generation);
+  std::shared_ptr<ModelGeneration> model = std::move(attempt.outcome->generation);
   model->load_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  dropped = EndUpdateLocked(it, "");
+  if (absl::StatusOr<UpdateTable::Ended> ended = updates_.End(update_id); ended.ok()) {
+    dropped = FinishUpdateLocked(std::move(*ended), "");
+  }
   InstallLocked(model);
-  CommitResult result{model, outcome->tensors_changed, model->bytes_read, model->bytes_reused, model->load_seconds};
+  CommitResult result{model, attempt.outcome->tensors_changed, model->bytes_read, model->bytes_reused,
+                      model->load_seconds};
   if (listener_) {
     listener_->OnUpdateCommitted(*model, result.bytes_written, result.bytes_shared, result.tensors_changed,
                                  result.seconds);
@@ -432,10 +388,8 @@ absl::StatusOr<ModelRegistry::CommitResult> ModelRegistry::CommitUpdate(const st
 absl::Status ModelRegistry::AbortUpdate(const std::string& update_id, const std::string& reason) {
   std::shared_ptr<StagedUpdate> dropped;  // freed after the lock
   absl::MutexLock lock(&mu_);
-  auto it = FindUpdateLocked(update_id);
-  if (it == updates_.end()) return absl::NotFoundError("unknown or ended update id");
-  if (it->second.committing) return absl::FailedPreconditionError("this update is being committed");
-  dropped = EndUpdateLocked(it, reason);
+  WEIGHTD_ASSIGN_OR_RETURN(UpdateTable::Ended ended, updates_.End(update_id, /*unless_committing=*/true));
+  dropped = FinishUpdateLocked(std::move(ended), reason);
   NotifyMemory();
   return absl::OkStatus();
 }
@@ -496,8 +450,8 @@ absl::StatusOr<ModelRegistry::UnloadResult> ModelRegistry::Unload(const std::str
     failed_.erase(f);
   }
   std::shared_ptr<StagedUpdate> dropped_update;  // an open update of the name ends with it
-  if (auto u = updates_.find(name); u != updates_.end() && !u->second.committing) {
-    dropped_update = EndUpdateLocked(u, "unloaded");
+  if (std::optional<UpdateTable::Ended> ended = updates_.EndOf(name)) {
+    dropped_update = FinishUpdateLocked(std::move(*ended), "unloaded");
   }
   auto it = current_.find(name);
   if (it == current_.end()) return UnloadDraining(name, force, std::move(failed));
@@ -616,51 +570,37 @@ absl::StatusOr<std::shared_ptr<ModelGeneration>> ModelRegistry::GetLocked(const 
 absl::StatusOr<ModelRegistry::Grant> ModelRegistry::Attach(const std::string& name, uint32_t rank) {
   absl::MutexLock lock(&mu_);  // one critical section: an Unload cannot slip in before the lease
   WEIGHTD_ASSIGN_OR_RETURN(std::shared_ptr<ModelGeneration> model, GetRankLocked(name, rank));
-  std::string id = NewLeaseId();
   auto now = Now();
-  leases_[id] = Lease{model, rank, false, now, now + options_.claim_timeout};
-  int count = ++model->leases;
-  if (listener_) listener_->OnLeasesChanged(name, count);
-  return Grant{id, model, rank};
+  LeaseTable::Lease lease = leases_.Add(model, rank, now, now + options_.claim_timeout);
+  if (listener_) listener_->OnLeasesChanged(name, model->leases.load());
+  return Grant{lease.id, model, rank};
 }
 
 absl::StatusOr<ModelRegistry::Grant> ModelRegistry::Claim(const std::string& lease_id) {
   absl::MutexLock lock(&mu_);
-  auto it = leases_.find(lease_id);
-  if (it == leases_.end()) return absl::NotFoundError("unknown or expired lease id");
-  if (it->second.claimed) return absl::FailedPreconditionError("lease already claimed on another connection");
-  it->second.claimed = true;
+  WEIGHTD_ASSIGN_OR_RETURN(LeaseTable::Lease lease, leases_.Claim(lease_id));
   if (listener_) {
-    double seconds = std::chrono::duration<double>(Now() - it->second.attached).count();
-    listener_->OnLeaseClaimed(it->second.model->request.name, seconds);
+    double seconds = std::chrono::duration<double>(Now() - lease.attached).count();
+    listener_->OnLeaseClaimed(lease.model->request.name, seconds);
   }
-  return Grant{lease_id, it->second.model, it->second.rank};
+  return Grant{lease.id, lease.model, lease.rank};
 }
 
-void ModelRegistry::DropLease(std::map<std::string, Lease>::iterator it) {
-  std::shared_ptr<ModelGeneration> model = std::move(it->second.model);
-  leases_.erase(it);
-  int count = --model->leases;
-  if (listener_) listener_->OnLeasesChanged(model->request.name, count);
-  if (count == 0 && model->state == ModelState::kDraining) {
-    std::erase(draining_, model);
+void ModelRegistry::LeaseRemovedLocked(const LeaseTable::Removed& removed) {
+  if (listener_) listener_->OnLeasesChanged(removed.model->request.name, removed.leases_left);
+  if (removed.leases_left == 0 && removed.model->state == ModelState::kDraining) {
+    std::erase(draining_, removed.model);
   }
 }
 
 void ModelRegistry::DropLeasesOf(const std::string& name) {
   std::map<uint64_t, int> kept;  // generation -> claimed handle-exported leases left to their clients
-  for (auto l = leases_.begin(); l != leases_.end();) {
-    auto next = std::next(l);
-    const Lease& lease = l->second;
-    if (lease.model->request.name == name) {
-      if (lease.claimed && HasHandleExportedArenas(*lease.model)) {
-        ++kept[lease.model->generation];
-      } else {
-        DropLease(l);
-      }
-    }
-    l = next;
-  }
+  std::vector<LeaseTable::Removed> removed = leases_.RemoveOf(name, [&](const LeaseTable::Lease& lease) {
+    bool keep = lease.claimed && HasHandleExportedArenas(*lease.model);
+    if (keep) ++kept[lease.model->generation];
+    return keep;
+  });
+  for (const LeaseTable::Removed& r : removed) LeaseRemovedLocked(r);
   for (const auto& [generation, count] : kept) {
     LogWarning(absl::StrCat("forced unload of model '", name, "' generation ", generation, ": ", count,
                             " claimed lease(s) on cuda-legacy-ipc arenas end only when their clients close them or "
@@ -670,9 +610,9 @@ void ModelRegistry::DropLeasesOf(const std::string& name) {
 
 void ModelRegistry::Release(const std::string& lease_id) {
   absl::MutexLock lock(&mu_);
-  auto it = leases_.find(lease_id);
-  if (it == leases_.end()) return;
-  DropLease(it);
+  LeaseTable::Removed removed = leases_.Remove(lease_id);
+  if (removed.model == nullptr) return;
+  LeaseRemovedLocked(removed);
   NotifyMemory();
 }
 
@@ -682,33 +622,22 @@ absl::Status ModelRegistry::Detach(const std::string& lease_id) {
   return absl::OkStatus();
 }
 
-bool ModelRegistry::IsLeaseLive(const std::string& lease_id) const {
-  absl::MutexLock lock(&mu_);
-  return leases_.count(lease_id) != 0;
-}
+bool ModelRegistry::IsLeaseLive(const std::string& lease_id) const { return leases_.Contains(lease_id); }
 
 int ModelRegistry::ExpirePending() {
+  std::vector<std::shared_ptr<StagedUpdate>> dropped;  // freed after the lock
   absl::MutexLock lock(&mu_);
   auto now = Now();
   int expired = 0;
-  for (auto it = leases_.begin(); it != leases_.end();) {
-    auto next = std::next(it);
-    if (!it->second.claimed && it->second.deadline < now) {
-      DropLease(it);
-      ++expired;
-    }
-    it = next;
+  for (const LeaseTable::Removed& r : leases_.RemoveExpired(now)) {
+    LeaseRemovedLocked(r);
+    ++expired;
   }
-  std::vector<std::shared_ptr<StagedUpdate>> dropped;  // freed after the lock
-  for (auto it = updates_.begin(); it != updates_.end();) {
-    auto next = std::next(it);
-    if (it->second.staged != nullptr && !it->second.claimed && !it->second.committing && it->second.deadline < now) {
-      LogWarning(absl::StrCat("update of model '", it->first, "' was not claimed on the fd socket within ",
-                              options_.claim_timeout.count(), " ms; aborted"));
-      dropped.push_back(EndUpdateLocked(it, "claim_timeout"));
-      ++expired;
-    }
-    it = next;
+  for (UpdateTable::Ended& ended : updates_.Expire(now)) {
+    LogWarning(absl::StrCat("update of model '", ended.name, "' was not claimed on the fd socket within ",
+                            options_.claim_timeout.count(), " ms; aborted"));
+    dropped.push_back(FinishUpdateLocked(std::move(ended), "claim_timeout"));
+    ++expired;
   }
   if (expired) NotifyMemory();
   return expired;
@@ -727,10 +656,7 @@ void ModelRegistry::NotifyMemory() {
   };
   for (const auto& [name, model] : current_) add(*model);
   for (const auto& model : draining_) add(*model);
-  for (const auto& [name, update] : updates_) {
-    if (update.staged == nullptr) continue;
-    for (const StagedSegment& s : update.staged->segments) host += s.memory->size();
-  }
+  host += updates_.StagedBytes();
   listener_->OnMemoryChanged(host, locked);
 }
 

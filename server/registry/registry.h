@@ -1,4 +1,8 @@
 // The model registry: names -> generations, their states, and leases.
+// It composes the tables of what clients hold (LeaseTable, lease_table.h;
+// UpdateTable, update_table.h), each with its own lock and contract, with
+// the state of names (current, loading, failed and draining generations)
+// under its own lock, taken first.
 //
 // Memory ownership: a generation is held by shared_ptr from the registry
 // (while it is the current generation of its name, or DRAINING) and from
@@ -26,6 +30,8 @@
 #include "server/load/loader.h"
 #include "server/model/segment_pinner.h"
 #include "server/model/model.h"
+#include "server/registry/lease_table.h"
+#include "server/registry/update_table.h"
 #include "server/update/update.h"
 #include "server/model/model_events.h"
 
@@ -49,16 +55,12 @@ class RegistryListener {
   virtual void OnLeaseClaimed(const std::string& name, double seconds) {}
   virtual void OnMemoryChanged(uint64_t host_bytes, uint64_t locked_bytes) {}
   // The writer path: an update was staged; committed as `model`; or aborted
-  // for `reason` (one of kUpdateAbortReasons).
+  // for `reason` (one of kUpdateAbortReasons, server/update/update.h).
   virtual void OnUpdateStarted(const std::string& name, uint64_t bytes_staged) {}
   virtual void OnUpdateCommitted(const ModelGeneration& model, uint64_t bytes_written, uint64_t bytes_shared,
                                  uint32_t tensors_changed, double seconds) {}
   virtual void OnUpdateAborted(const std::string& name, const std::string& reason) {}
 };
-
-// Why an update ended without a commit (a metric label and a log word).
-inline constexpr const char* kUpdateAbortReasons[] = {"aborted_by_writer", "writer_disconnected", "claim_timeout",
-                                                      "verification_failed", "unloaded", "superseded"};
 
 struct RegistryOptions {
   // A load path must resolve under one of these, and so must every file the
@@ -190,7 +192,7 @@ class ModelRegistry {
   // open update per name (ALREADY_EXISTS for a second writer), claimed on
   // the fd socket within claim_timeout (else aborted, "claim_timeout").
   struct UpdateGrant {
-    std::string update_id;  // 32 hex digits
+    std::string update_id;  // kUpdateIdPrefix + 32 hex digits
     std::shared_ptr<const StagedUpdate> update;
   };
   absl::StatusOr<UpdateGrant> BeginUpdate(const std::string& name, const std::vector<std::string>& tensors);
@@ -208,9 +210,8 @@ class ModelRegistry {
   };
   // Seals, verifies and publishes (see SealAndVerify): Attach returns the
   // new generation from the moment this returns, the old one until then;
-  // the old one drains as after a reload. A refusal after sealing, a model
-  // unloaded meanwhile, or a base generation no longer current aborts the
-  // update; "still mapped writable" leaves it open.
+  // the old one drains as after a reload. Whether a failed commit leaves the
+  // update open for a retry or aborts it is DecideCommit's (update.h).
   absl::StatusOr<CommitResult> CommitUpdate(const std::string& update_id, const CommitOptions& options);
   // Frees what the update staged; the served generation is untouched.
   // NOT_FOUND for an unknown id, FAILED_PRECONDITION while it commits.
@@ -248,14 +249,6 @@ class ModelRegistry {
   uint64_t DropHostPageTables() ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
-  struct Lease {
-    std::shared_ptr<ModelGeneration> model;
-    uint32_t rank;
-    bool claimed;
-    std::chrono::steady_clock::time_point attached;
-    std::chrono::steady_clock::time_point deadline;
-  };
-
   absl::StatusOr<std::string> ResolvePath(const std::string& path) const;
   // The checks of a load before anything is recorded: the name, the TP
   // size's default, and the path resolved under a model root (in place).
@@ -270,20 +263,11 @@ class ModelRegistry {
   // (the one before drains), and tells the listener it serves.
   void InstallLocked(const std::shared_ptr<ModelGeneration>& model) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  struct OpenUpdate {
-    std::string id;
-    std::shared_ptr<StagedUpdate> staged;  // null while staging
-    bool claimed = false;
-    bool committing = false;
-    std::chrono::steady_clock::time_point deadline;  // to be claimed by
-  };
-  // The open update with `id`, or updates_.end().
-  std::map<std::string, OpenUpdate>::iterator FindUpdateLocked(const std::string& id)
+  // An update taken out of updates_: tells the listener it ended for
+  // `reason` (none for a commit) and frees its pages; returns what it
+  // staged, to be dropped after the lock is released.
+  std::shared_ptr<StagedUpdate> FinishUpdateLocked(UpdateTable::Ended ended, const std::string& reason)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Drops the update of `name` for `reason`; returns what it staged, to be
-  // freed after the lock is released.
-  std::shared_ptr<StagedUpdate> EndUpdateLocked(std::map<std::string, OpenUpdate>::iterator it,
-                                                const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The end of every Load: drops its LOADING `record`; for a `failure`
   // after the plan was `accepted`, keeps a FAILED record instead.
   void EndLoad(const LoadRequest& request, const ModelGeneration& record, const absl::Status& failure, bool accepted)
@@ -307,7 +291,9 @@ class ModelRegistry {
   // event (ModelGeneration::on_freed). Every path that publishes a
   // generation calls it.
   void AnnouncePublished(ModelGeneration& model) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void DropLease(std::map<std::string, Lease>::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A lease taken out of leases_: the listener's count, and a DRAINING
+  // generation's last lease lets it go.
+  void LeaseRemovedLocked(const LeaseTable::Removed& removed) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void NotifyMemory() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The pinner finished `model`: logs what it locked and updates the gauges.
   void ReportPinned(const ModelGeneration& model, const PinResult& pinned) ABSL_LOCKS_EXCLUDED(mu_);
@@ -329,8 +315,10 @@ class ModelRegistry {
   // Records of loads in flight (LOADING) and of the last failed load of a name (FAILED).
   std::map<std::string, std::shared_ptr<ModelGeneration>> loading_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::shared_ptr<ModelGeneration>> failed_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, Lease> leases_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, OpenUpdate> updates_ ABSL_GUARDED_BY(mu_);  // by model name: one writer per name
+  // Each with its own lock, taken after mu_. A change that spans a table
+  // and the maps above (an attach, an unload, a commit) holds mu_ too.
+  LeaseTable leases_;
+  UpdateTable updates_;
   absl::Mutex release_mu_;
   std::vector<std::shared_ptr<const void>> to_release_ ABSL_GUARDED_BY(release_mu_);
   bool stop_release_ ABSL_GUARDED_BY(release_mu_) = false;

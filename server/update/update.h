@@ -98,24 +98,56 @@ struct CommitOutcome {
   uint32_t tensors_changed = 0;
 };
 
+// Why an update ended without a commit (a metric label and a log word).
+inline constexpr const char* kUpdateAbortReasons[] = {"aborted_by_writer", "writer_disconnected", "claim_timeout",
+                                                      "verification_failed", "unloaded", "superseded"};
+
 // Checks `options` before touching anything: INVALID_ARGUMENT for a label
 // over kMaxVersionLabelBytes or with bytes outside printable ASCII, an
 // expected hash that is not 16 hex digits or names a tensor not in the
 // update. Refusals here leave the update open.
 absl::Status CheckCommitOptions(const StagedUpdate& update, const CommitOptions& options);
 
+// One try at committing: the next generation, or why not and whether the
+// staged segments were sealed by then (a sealed update can no longer be
+// written, so it can only be aborted).
+struct CommitAttempt {
+  absl::StatusOr<CommitOutcome> outcome = absl::UnknownError("not attempted");
+  bool sealed = false;
+};
+
 // Seals, hashes and verifies the staged segments and builds the next
-// generation: the base's layout, manifests and shared segments with the
-// sealed staged ones in place of theirs, the new content hashes and
-// fingerprint, and `options.version_label`. Errors:
-//  - FAILED_PRECONDITION "... still mapped writable ..." when a process
-//    still maps a staged segment writable (EBUSY from F_ADD_SEALS): the
-//    update stays open and may be committed again once unmapped;
-//  - FAILED_PRECONDITION naming the tensor when an expected hash differs
-//    or a tensor not named in the update changed (the segments are sealed
-//    by then: the caller aborts the update).
-// `*sealed` tells the caller which kind it got.
-absl::StatusOr<CommitOutcome> SealAndVerify(StagedUpdate& update, const CommitOptions& options, bool* sealed);
+// generation, in these phases:
+//   1. CheckCommitOptions;
+//   2. seal every staged memfd against writes (F_SEAL_WRITE, EBUSY while a
+//      process still maps it writable: FAILED_PRECONDITION "... still
+//      mapped writable ...", nothing sealed is undone; a retry seals the rest);
+//   3. every byte no tensor covers must equal the base's;
+//   4. hash every tensor of a staged segment from the sealed bytes;
+//      a changed tensor not named in the update is FAILED_PRECONDITION;
+//   5. expected hashes must match (FAILED_PRECONDITION naming the tensor);
+//   6. build the generation: the base's layout, manifests and shared
+//      segments with the sealed staged ones in place of theirs, arenas of
+//      changed device tensors copied and rewritten, the new content hashes,
+//      file stamps of rewritten files cleared, fingerprint, byte counts and
+//      `options.version_label`.
+CommitAttempt SealAndVerify(StagedUpdate& update, const CommitOptions& options);
+
+// What becomes of an update after a commit attempt, decided in one place:
+//   kPublish  the attempt succeeded and its base is still the served generation;
+//   kRetry    the writer can fix it and commit again (a bad label or expected
+//             hash, or a segment still mapped writable: INVALID_ARGUMENT or
+//             FAILED_PRECONDITION before anything was sealed) and the base is
+//             still served: the update stays open;
+//   kAbort    anything else; `abort_reason` (kUpdateAbortReasons) is
+//             "verification_failed" once sealed, "superseded" when another
+//             generation was published meanwhile, else "aborted_by_writer".
+struct CommitDecision {
+  enum class Fate { kPublish, kRetry, kAbort };
+  Fate fate = Fate::kAbort;
+  std::string abort_reason = {};
+};
+CommitDecision DecideCommit(const CommitAttempt& attempt, bool base_still_served);
 
 }  // namespace weightd
 

@@ -45,7 +45,9 @@ TEST_F(UpdateTest, CommitPublishesTheNextGenerationAndTheOldOneDrains) {
   WEIGHTD_ASSERT_OK_AND_ASSIGN(auto gen1, registry_.Get("m"));
   WEIGHTD_ASSERT_OK_AND_ASSIGN(auto lease, registry_.Attach("m", 0));
   WEIGHTD_ASSERT_OK_AND_ASSIGN(auto grant, registry_.BeginUpdate("m", {"b.bias"}));
-  EXPECT_EQ(grant.update_id.size(), 32u);
+  ASSERT_EQ(grant.update_id.size(), 7u + 32u);
+  EXPECT_EQ(grant.update_id.substr(0, 7), "update-");
+  EXPECT_EQ(grant.update_id.find_first_not_of("0123456789abcdef", 7), std::string::npos);
   ASSERT_EQ(grant.update->segments.size(), 1u);  // the checkpoint's one host segment, copied
   EXPECT_EQ(grant.update->bytes_staged, gen1->host_bytes);
   EXPECT_EQ(grant.update->bytes_shared, 0u);
