@@ -188,6 +188,10 @@ class WriterE2E : public ::testing::Test {
 // pages; the watch stream saw it; generation 1 goes when the reader leaves.
 TEST_F(WriterE2E, ReaderKeepsItsGenerationWhileAWriterPublishesTheNext) {
   testing::Process watch(d_.CtlArgv({"watch", "tiny", "--json"}), d_.dir().path());
+  // The watch has subscribed once it printed CURRENT (generation 1); a
+  // commit before that would reach it as CURRENT of generation 2, never as
+  // PUBLISHED (under load the watch process can start after the commit).
+  ASSERT_TRUE(WaitUntil([&] { return absl::StrContains(watch.Stdout(), "\"CURRENT\""); }, 10)) << watch.Stdout();
   std::unique_ptr<Client> client = Connect();
   absl::StatusOr<MappedModel> reader = client->Attach("tiny", 0);
   ASSERT_TRUE(reader.ok()) << reader.status();
