@@ -470,6 +470,7 @@ class DaemonImpl final : public Daemon {
     self_check_thread_ = std::thread([this, interval, watchdog, targets] {
       absl::Status last;  // logged once per change: failing, failing for another reason, passing again
       while (!WaitOrStop(interval)) {
+        encodings_->DropFreed();  // Attach's reply bodies of generations freed since
         absl::Status status = ProbeListeners(targets, kProbeDeadline);
         if (status != last) {
           if (status.ok()) LogInfo("self-check passes again");

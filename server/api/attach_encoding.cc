@@ -16,13 +16,17 @@ void AddSegments(const ModelGeneration& m, const RankManifest& rank, v1::AttachR
 
 }  // namespace
 
-void AttachEncodingCache::DropFreedLocked() {
-  std::erase_if(entries_, [](const auto& e) { return e.second->model.expired(); });
+size_t AttachEncodingCache::DropFreedLocked() {
+  return std::erase_if(entries_, [](const auto& e) { return e.second->model.expired(); });
+}
+
+size_t AttachEncodingCache::DropFreed() {
+  absl::MutexLock lock(&mu_);
+  return DropFreedLocked();
 }
 
 size_t AttachEncodingCache::size() {
   absl::MutexLock lock(&mu_);
-  DropFreedLocked();
   return entries_.size();
 }
 

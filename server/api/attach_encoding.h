@@ -28,10 +28,10 @@ namespace weightd {
 
 // The encodings of the generations clients attach, built once per
 // generation and encoding (on the first Attach that asks for it) and shared
-// by every reply that sends them. An entry lives while its generation does:
-// each lookup first drops the entries of generations that were freed, so
-// the cache holds at most one entry per generation alive, never bytes of a
-// freed one past the next Attach.
+// by every reply that sends them. An entry holds its generation weakly and
+// goes once the generation is freed: at the next lookup, or at the next
+// DropFreed (the daemon calls it from its self-check, every
+// --self-check-interval-seconds), whichever comes first.
 //
 // Thread-safety: every method may be called from any thread; an encoding is
 // built outside the cache's lock (under its own std::once_flag), so attaches
@@ -45,7 +45,9 @@ class AttachEncodingCache {
   // a packed table (the caller then answers with Entries; logged once).
   std::shared_ptr<const std::string> Packed(const std::shared_ptr<const ModelGeneration>& m, uint32_t rank)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // Generations with an entry, after dropping those freed.
+  // Drops the entries of freed generations; returns how many.
+  size_t DropFreed() ABSL_LOCKS_EXCLUDED(mu_);
+  // Entries held, freed generations' included until dropped.
   size_t size() ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
@@ -57,7 +59,7 @@ class AttachEncodingCache {
     std::vector<std::shared_ptr<const std::string>> packed;  // by rank; null: does not fit
   };
   std::shared_ptr<Entry> EntryOf(const std::shared_ptr<const ModelGeneration>& m) ABSL_LOCKS_EXCLUDED(mu_);
-  void DropFreedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  size_t DropFreedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   absl::Mutex mu_;
   std::map<const ModelGeneration*, std::shared_ptr<Entry>> entries_ ABSL_GUARDED_BY(mu_);

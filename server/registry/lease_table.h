@@ -13,7 +13,9 @@
 //
 // Thread-safety: every method may be called from any thread; the table's
 // lock is its own, taken after ModelRegistry's when both are held, and the
-// table calls nothing outside itself while holding it.
+// table calls nothing outside itself while holding it but RemoveOf's `keep`.
+// ModelRegistry removes leases only under its own lock too, since a
+// DRAINING generation leaves its draining list when its last lease goes.
 #ifndef WEIGHTD_SERVER_REGISTRY_LEASE_TABLE_H_
 #define WEIGHTD_SERVER_REGISTRY_LEASE_TABLE_H_
 

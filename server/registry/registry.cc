@@ -343,14 +343,13 @@ absl::StatusOr<ModelRegistry::CommitResult> ModelRegistry::CommitUpdate(const st
   CommitAttempt attempt = SealAndVerify(*staged, options);
   std::shared_ptr<StagedUpdate> dropped;  // freed after the lock
   absl::MutexLock lock(&mu_);
-  std::optional<std::string> name = updates_.NameOf(update_id);
-  if (!name.has_value()) {
-    return absl::AbortedError(absl::StrCat("model '", staged->base->request.name,
-                                           "' was unloaded during the commit; the update is aborted"));
-  }
-  auto current = current_.find(*name);
+  // Nothing ends an update under its commit (Unload and AbortUpdate record
+  // their reason on it instead), so it is still in the table.
+  const std::string name = updates_.NameOf(update_id).value_or(staged->base->request.name);
+  auto current = current_.find(name);
   const bool base_current = current != current_.end() && current->second == staged->base;
-  CommitDecision decision = DecideCommit(attempt, base_current);
+  const std::optional<std::string> abort_requested = updates_.AbortRequested(update_id);
+  CommitDecision decision = DecideCommit(attempt, base_current, abort_requested);
   if (decision.fate == CommitDecision::Fate::kRetry) {
     updates_.Reopen(update_id);
     return attempt.outcome.status();
@@ -360,9 +359,13 @@ absl::StatusOr<ModelRegistry::CommitResult> ModelRegistry::CommitUpdate(const st
       dropped = FinishUpdateLocked(std::move(*ended), decision.abort_reason);
     }
     NotifyMemory();
+    if (decision.abort_reason == "unloaded") {
+      return absl::AbortedError(
+          absl::StrCat("model '", name, "' was unloaded during the commit; the update is aborted"));
+    }
     if (!attempt.outcome.ok()) return attempt.outcome.status();
     uint64_t now = current == current_.end() ? 0 : current->second->generation;
-    return absl::FailedPreconditionError(absl::StrCat("model '", *name, "' is at generation ", now,
+    return absl::FailedPreconditionError(absl::StrCat("model '", name, "' is at generation ", now,
                                                       " but this update began from generation ",
                                                       staged->base->generation, "; the update is aborted"));
   }
@@ -388,7 +391,7 @@ absl::StatusOr<ModelRegistry::CommitResult> ModelRegistry::CommitUpdate(const st
 absl::Status ModelRegistry::AbortUpdate(const std::string& update_id, const std::string& reason) {
   std::shared_ptr<StagedUpdate> dropped;  // freed after the lock
   absl::MutexLock lock(&mu_);
-  WEIGHTD_ASSIGN_OR_RETURN(UpdateTable::Ended ended, updates_.End(update_id, /*unless_committing=*/true));
+  WEIGHTD_ASSIGN_OR_RETURN(UpdateTable::Ended ended, updates_.Abort(update_id, reason));
   dropped = FinishUpdateLocked(std::move(ended), reason);
   NotifyMemory();
   return absl::OkStatus();
@@ -443,14 +446,14 @@ absl::StatusOr<std::shared_ptr<ModelEventHub::Watcher>> ModelRegistry::Watch(con
 
 absl::StatusOr<ModelRegistry::UnloadResult> ModelRegistry::Unload(const std::string& name, bool force) {
   WEIGHTD_RETURN_IF_ERROR(ValidateModelName(name));  // before any message echoes it
+  std::shared_ptr<StagedUpdate> dropped_update;  // an open update of the name ends with it, freed after the lock
   absl::MutexLock lock(&mu_);
   std::shared_ptr<ModelGeneration> failed;
   if (auto f = failed_.find(name); f != failed_.end()) {
     failed = std::move(f->second);
     failed_.erase(f);
   }
-  std::shared_ptr<StagedUpdate> dropped_update;  // an open update of the name ends with it
-  if (std::optional<UpdateTable::Ended> ended = updates_.EndOf(name)) {
+  if (std::optional<UpdateTable::Ended> ended = updates_.EndOf(name, "unloaded")) {
     dropped_update = FinishUpdateLocked(std::move(*ended), "unloaded");
   }
   auto it = current_.find(name);

@@ -13,7 +13,7 @@ absl::StatusOr<std::string> UpdateTable::Open(const std::string& name, Clock::ti
         absl::StrCat("model '", name, "' already has an open update (one writer per model at a time)"));
   }
   id_of_name_[name] = id;
-  by_id_[id] = Entry{name, nullptr, false, false, deadline};
+  by_id_[id] = Entry{name, nullptr, false, false, "", deadline};
   return id;
 }
 
@@ -57,23 +57,41 @@ UpdateTable::Ended UpdateTable::EndLocked(std::map<std::string, Entry>::iterator
   return ended;
 }
 
-absl::StatusOr<UpdateTable::Ended> UpdateTable::End(const std::string& id, bool unless_committing) {
+absl::StatusOr<UpdateTable::Ended> UpdateTable::End(const std::string& id) {
   absl::MutexLock lock(&mu_);
   auto it = by_id_.find(id);
   if (it == by_id_.end()) return absl::NotFoundError("unknown or ended update id");
-  if (unless_committing && it->second.committing) {
+  return EndLocked(it);
+}
+
+absl::StatusOr<UpdateTable::Ended> UpdateTable::Abort(const std::string& id, const std::string& reason) {
+  absl::MutexLock lock(&mu_);
+  auto it = by_id_.find(id);
+  if (it == by_id_.end()) return absl::NotFoundError("unknown or ended update id");
+  if (it->second.committing) {
+    if (it->second.abort_requested.empty()) it->second.abort_requested = reason;
     return absl::FailedPreconditionError("this update is being committed");
   }
   return EndLocked(it);
 }
 
-std::optional<UpdateTable::Ended> UpdateTable::EndOf(const std::string& name) {
+std::optional<UpdateTable::Ended> UpdateTable::EndOf(const std::string& name, const std::string& reason) {
   absl::MutexLock lock(&mu_);
   auto id = id_of_name_.find(name);
   if (id == id_of_name_.end()) return std::nullopt;
   auto it = by_id_.find(id->second);
-  if (it->second.committing) return std::nullopt;
+  if (it->second.committing) {
+    if (it->second.abort_requested.empty()) it->second.abort_requested = reason;
+    return std::nullopt;
+  }
   return EndLocked(it);
+}
+
+std::optional<std::string> UpdateTable::AbortRequested(const std::string& id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = by_id_.find(id);
+  if (it == by_id_.end() || it->second.abort_requested.empty()) return std::nullopt;
+  return it->second.abort_requested;
 }
 
 std::vector<UpdateTable::Ended> UpdateTable::Expire(Clock::time_point now) {

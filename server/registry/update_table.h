@@ -3,8 +3,10 @@
 // are staged, then holds its StagedUpdate (SetStaged) until it ends: claimed
 // once on the fd socket (Claim: the writer's connection is its lease),
 // committed (BeginCommit, then End, or Reopen when the writer may retry), or
-// ended for a reason (End, EndOf, Expire). Ending returns what it staged,
-// for the caller to free outside its locks.
+// ended for a reason (Abort, EndOf, Expire). Ending returns what it staged,
+// for the caller to free outside its locks. An update being committed is
+// never ended under the commit: Abort and EndOf record their reason on it
+// instead (AbortRequested), and the commit ends it unless it publishes.
 //
 // Update ids are kUpdateIdPrefix + 32 hex digits (NewRandomId), distinct
 // from lease ids, so a CLAIM is one lookup in one table.
@@ -58,12 +60,18 @@ class UpdateTable {
   absl::StatusOr<std::shared_ptr<StagedUpdate>> BeginCommit(const std::string& id) ABSL_LOCKS_EXCLUDED(mu_);
   // The commit of `id` failed and the writer may commit again.
   void Reopen(const std::string& id) ABSL_LOCKS_EXCLUDED(mu_);
-  // Removes `id` in any state: NOT_FOUND when unknown; with
-  // `unless_committing`, FAILED_PRECONDITION instead while a commit of it runs.
-  absl::StatusOr<Ended> End(const std::string& id, bool unless_committing = false) ABSL_LOCKS_EXCLUDED(mu_);
-  // Removes the update of `name` unless a commit of it runs; nullopt when
-  // there is none to remove.
-  std::optional<Ended> EndOf(const std::string& name) ABSL_LOCKS_EXCLUDED(mu_);
+  // Removes `id` in any state (its own commit's end, a failed staging).
+  // NOT_FOUND when unknown.
+  absl::StatusOr<Ended> End(const std::string& id) ABSL_LOCKS_EXCLUDED(mu_);
+  // Removes `id` for `reason`. NOT_FOUND when unknown; while a commit of it
+  // runs, FAILED_PRECONDITION, having recorded `reason` (the first recorded
+  // stays) for the commit to end the update with unless it publishes.
+  absl::StatusOr<Ended> Abort(const std::string& id, const std::string& reason) ABSL_LOCKS_EXCLUDED(mu_);
+  // Abort of the update of `name`, if any: nullopt when there is none, or
+  // when a commit of it runs (the reason is then recorded as by Abort).
+  std::optional<Ended> EndOf(const std::string& name, const std::string& reason) ABSL_LOCKS_EXCLUDED(mu_);
+  // The reason an Abort or EndOf recorded on `id` during its commit.
+  std::optional<std::string> AbortRequested(const std::string& id) const ABSL_LOCKS_EXCLUDED(mu_);
   // Removes every staged update that nobody claimed or is committing by
   // its deadline.
   std::vector<Ended> Expire(Clock::time_point now) ABSL_LOCKS_EXCLUDED(mu_);
@@ -79,6 +87,7 @@ class UpdateTable {
     std::shared_ptr<StagedUpdate> staged;  // null while staging
     bool claimed = false;
     bool committing = false;
+    std::string abort_requested;  // during the commit: by Abort or EndOf
     Clock::time_point deadline;  // to be claimed by
   };
   Ended EndLocked(std::map<std::string, Entry>::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -482,7 +482,7 @@ void StampGeneration(ModelGeneration& gen, const TensorChanges& changes, const a
   gen.fingerprint = FingerprintOf(gen.ranks[0].tensors);
 }
 
-// Phases 4-6 of SealAndVerify, on sealed segments.
+// Phases 3-6 of SealAndVerify, on sealed segments.
 absl::StatusOr<CommitOutcome> VerifyAndBuild(const StagedUpdate& update, const CommitOptions& options) {
   WEIGHTD_RETURN_IF_ERROR(CheckUncoveredBytes(update));
   WEIGHTD_ASSIGN_OR_RETURN(TensorChanges changes, HashStagedTensors(update));
@@ -559,12 +559,12 @@ CommitAttempt SealAndVerify(StagedUpdate& update, const CommitOptions& options) 
   return attempt;
 }
 
-CommitDecision DecideCommit(const CommitAttempt& attempt, bool base_still_served) {
+CommitDecision DecideCommit(const CommitAttempt& attempt, bool base_still_served,
+                            const std::optional<std::string>& abort_requested) {
   using Fate = CommitDecision::Fate;
-  if (attempt.outcome.ok()) {
-    if (base_still_served) return {Fate::kPublish};
-    return {Fate::kAbort, "superseded"};
-  }
+  if (attempt.outcome.ok() && base_still_served) return {Fate::kPublish};
+  if (abort_requested.has_value()) return {Fate::kAbort, *abort_requested};
+  if (attempt.outcome.ok()) return {Fate::kAbort, "superseded"};
   const absl::Status& error = attempt.outcome.status();
   bool fixable = absl::IsInvalidArgument(error) || absl::IsFailedPrecondition(error);
   if (!attempt.sealed && base_still_served && fixable) return {Fate::kRetry};

@@ -31,14 +31,16 @@
 // "a node never serves a byte it did not verify" for device memory too, at
 // the price of one host-to-device copy by the daemon.
 //
-// Thread-safety: a StagedUpdate is used by one thread at a time (the
-// registry serialises begin, commit and abort of an update).
+// Thread-safety: a StagedUpdate is changed by one thread at a time (the
+// registry's UpdateTable lets one commit run, and ends no update under it);
+// the fd socket may read its segments' fds meanwhile.
 #ifndef WEIGHTD_SERVER_UPDATE_UPDATE_H_
 #define WEIGHTD_SERVER_UPDATE_UPDATE_H_
 
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -134,20 +136,25 @@ struct CommitAttempt {
 CommitAttempt SealAndVerify(StagedUpdate& update, const CommitOptions& options);
 
 // What becomes of an update after a commit attempt, decided in one place:
-//   kPublish  the attempt succeeded and its base is still the served generation;
+//   kPublish  the attempt succeeded and its base is still the served generation
+//             (whatever abort was asked for while it ran);
 //   kRetry    the writer can fix it and commit again (a bad label or expected
 //             hash, or a segment still mapped writable: INVALID_ARGUMENT or
 //             FAILED_PRECONDITION before anything was sealed) and the base is
 //             still served: the update stays open;
-//   kAbort    anything else; `abort_reason` (kUpdateAbortReasons) is
-//             "verification_failed" once sealed, "superseded" when another
-//             generation was published meanwhile, else "aborted_by_writer".
+//   kAbort    anything else; `abort_reason` (kUpdateAbortReasons) is the
+//             one `abort_requested` names when an abort was asked for while
+//             the commit ran (an unload, AbortUpdate, the writer's fd-socket
+//             connection closing), else "verification_failed" once sealed,
+//             "superseded" when another generation was published meanwhile,
+//             else "aborted_by_writer".
 struct CommitDecision {
   enum class Fate { kPublish, kRetry, kAbort };
   Fate fate = Fate::kAbort;
   std::string abort_reason = {};
 };
-CommitDecision DecideCommit(const CommitAttempt& attempt, bool base_still_served);
+CommitDecision DecideCommit(const CommitAttempt& attempt, bool base_still_served,
+                            const std::optional<std::string>& abort_requested = std::nullopt);
 
 }  // namespace weightd
 

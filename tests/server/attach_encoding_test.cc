@@ -12,9 +12,11 @@
 namespace weightd {
 namespace {
 
-// `ranks` ranks of one host tensor "t<rank>" each, in one segment.
-std::shared_ptr<ModelGeneration> Model(uint64_t generation, uint32_t ranks) {
-  auto m = std::make_shared<ModelGeneration>();
+// `ranks` ranks of one host tensor "<prefix><rank>" each, in one segment.
+// Made as the registry makes generations (unique_ptr, then shared), so a
+// freed generation's memory goes back at once and its address may be reused.
+std::shared_ptr<ModelGeneration> Model(uint64_t generation, uint32_t ranks, const std::string& prefix = "t") {
+  auto m = std::make_unique<ModelGeneration>();
   m->request.name = "m";
   m->generation = generation;
   m->segments.push_back({Placement::kHost, 4096, SegmentBackend::kMemfd, "", -1, ""});
@@ -22,13 +24,13 @@ std::shared_ptr<ModelGeneration> Model(uint64_t generation, uint32_t ranks) {
   for (uint32_t r = 0; r < ranks; ++r) {
     m->ranks[r].segments = {0};
     TensorRecord t;
-    t.name = "t" + std::to_string(r);
+    t.name = prefix + std::to_string(r);
     t.shape = t.full_shape = {4};
     t.nbytes = 16;
     t.offset = 64 * r;
     m->ranks[r].tensors.push_back(t);
   }
-  return m;
+  return std::shared_ptr<ModelGeneration>(std::move(m));
 }
 
 TEST(AttachEncodingCache, EachEncodingIsBuiltOnceAndShared) {
@@ -53,26 +55,40 @@ TEST(AttachEncodingCache, EachEncodingIsBuiltOnceAndShared) {
   EXPECT_EQ(cache.size(), 1u);
 }
 
-TEST(AttachEncodingCache, AFreedGenerationsEncodingsGoAtTheNextLookup) {
+TEST(AttachEncodingCache, AFreedGenerationsEncodingsGoAtTheNextLookupOrDropFreed) {
   AttachEncodingCache cache;
   auto kept = Model(1, 1);
+  cache.Entries(kept, 0);
   std::weak_ptr<const std::string> gone_bytes;
   {
     auto gone = Model(2, 1);
     gone_bytes = cache.Entries(gone, 0);
-    EXPECT_EQ(cache.size(), 1u);  // only `gone` so far
-    cache.Entries(kept, 0);
     EXPECT_EQ(cache.size(), 2u);
   }
-  // `gone` was freed: the cache holds its bytes until it next looks.
-  EXPECT_EQ(cache.size(), 1u);
+  EXPECT_FALSE(gone_bytes.expired());  // held until dropped
+  EXPECT_EQ(cache.DropFreed(), 1u);
   EXPECT_TRUE(gone_bytes.expired());
-  // A new generation (possibly at the freed one's address) is encoded afresh.
-  auto next = Model(3, 1);
-  v1::AttachResponse body;
-  ASSERT_TRUE(body.ParseFromString(*cache.Entries(next, 0)));
-  EXPECT_EQ(body.tensors(0).name(), "t0");
-  EXPECT_EQ(cache.size(), 2u);
+  EXPECT_EQ(cache.size(), 1u);
+  EXPECT_EQ(cache.DropFreed(), 0u);
+
+  // A generation freed and another made right after (often at the same
+  // address), with no DropFreed between: the lookup sees the old entry is
+  // stale and encodes the new generation's own tensors.
+  for (int i = 0; i < 20; ++i) {
+    std::string before_name = "old" + std::to_string(i) + "_", after_name = "new" + std::to_string(i) + "_";
+    { cache.Entries(Model(10 + i, 1, before_name), 0); }
+    auto next = Model(100 + i, 1, after_name);
+    v1::AttachResponse body;
+    ASSERT_TRUE(body.ParseFromString(*cache.Entries(next, 0)));
+    ASSERT_EQ(body.tensors_size(), 1);
+    EXPECT_EQ(body.tensors(0).name(), after_name + "0");
+    v1::AttachResponse packed;
+    ASSERT_TRUE(packed.ParseFromString(*cache.Packed(next, 0)));
+    EXPECT_FALSE(packed.packed_tensors().empty());
+  }
+  EXPECT_EQ(cache.size(), 2u);  // `kept`, and the last `next`, freed but not yet dropped
+  EXPECT_EQ(cache.DropFreed(), 1u);
+  EXPECT_EQ(cache.size(), 1u);
 }
 
 }  // namespace

@@ -126,19 +126,21 @@ TEST(UpdateTable, AnUpdateIsClaimedOnceAndOnlyOnceStaged) {
   EXPECT_THAT(table.Claim("update-0"), StatusIs(Code::kNotFound, "unknown or ended update id"));
 }
 
-TEST(UpdateTable, ACommittingUpdateIsNotEndedByAnUnloadOrAnAbortOrExpiry) {
+TEST(UpdateTable, ACommittingUpdateIsNotEndedByAnUnloadOrAnAbortOrExpiryButRemembersTheFirstReason) {
   UpdateTable table;
   Clock::time_point t0{};
   std::string id = table.Open("m", t0).value();
   ASSERT_TRUE(table.SetStaged(id, Staged(4096), t0).ok());
   ASSERT_TRUE(table.BeginCommit(id).ok());
   EXPECT_THAT(table.BeginCommit(id), StatusIs(Code::kFailedPrecondition, "this update is already being committed"));
-  EXPECT_FALSE(table.EndOf("m").has_value());
-  EXPECT_THAT(table.End(id, /*unless_committing=*/true),
+  EXPECT_EQ(table.AbortRequested(id), std::nullopt);
+  EXPECT_THAT(table.Abort(id, "writer_disconnected"),
               StatusIs(Code::kFailedPrecondition, "this update is being committed"));
+  EXPECT_FALSE(table.EndOf("m", "unloaded").has_value());
+  EXPECT_EQ(table.AbortRequested(id), "writer_disconnected");  // the first reason stays
   EXPECT_TRUE(table.Expire(t0 + std::chrono::hours(1)).empty());
-  table.Reopen(id);  // the writer may retry
-  absl::StatusOr<UpdateTable::Ended> ended = table.End(id, /*unless_committing=*/true);
+  EXPECT_TRUE(table.IsOpen(id));
+  absl::StatusOr<UpdateTable::Ended> ended = table.End(id);  // the commit ends it
   ASSERT_TRUE(ended.ok());
   EXPECT_EQ(ended->name, "m");
   EXPECT_NE(ended->staged, nullptr);
@@ -147,11 +149,25 @@ TEST(UpdateTable, ACommittingUpdateIsNotEndedByAnUnloadOrAnAbortOrExpiry) {
   EXPECT_TRUE(table.Open("m", t0).ok());  // the name is free again
 }
 
+TEST(UpdateTable, AnUpdateNotCommittingIsAbortedAtOnce) {
+  UpdateTable table;
+  Clock::time_point t0{};
+  std::string id = table.Open("m", t0).value();
+  ASSERT_TRUE(table.SetStaged(id, Staged(4096), t0).ok());
+  ASSERT_TRUE(table.BeginCommit(id).ok());
+  table.Reopen(id);  // that commit failed; the writer may retry, or abort
+  absl::StatusOr<UpdateTable::Ended> ended = table.Abort(id, "aborted_by_writer");
+  ASSERT_TRUE(ended.ok());
+  EXPECT_EQ(ended->name, "m");
+  EXPECT_FALSE(table.IsOpen(id));
+  EXPECT_THAT(table.Abort(id, "aborted_by_writer"), StatusIs(Code::kNotFound, "unknown or ended update id"));
+}
+
 TEST(UpdateTable, AnUpdateEndedWhileStagingRefusesItsStagedBytes) {
   UpdateTable table;
   Clock::time_point t0{};
   std::string id = table.Open("m", t0).value();
-  std::optional<UpdateTable::Ended> ended = table.EndOf("m");  // an unload while staging
+  std::optional<UpdateTable::Ended> ended = table.EndOf("m", "unloaded");  // an unload while staging
   ASSERT_TRUE(ended.has_value());
   EXPECT_EQ(ended->staged, nullptr);
   EXPECT_THAT(table.SetStaged(id, Staged(4096), t0),
@@ -216,6 +232,18 @@ TEST(DecideCommit, EveryCaseHasOneFate) {
     EXPECT_EQ(d.fate, c.fate) << c.what;
     EXPECT_EQ(d.abort_reason, c.reason) << c.what;
   }
+  // An abort asked for while the commit ran ends the update unless it publishes.
+  CommitDecision d = DecideCommit(mapped, true, "writer_disconnected");
+  EXPECT_EQ(d.fate, Fate::kAbort);
+  EXPECT_EQ(d.abort_reason, "writer_disconnected");
+  d = DecideCommit(ok, false, "unloaded");
+  EXPECT_EQ(d.fate, Fate::kAbort);
+  EXPECT_EQ(d.abort_reason, "unloaded");
+  d = DecideCommit(mismatch, true, "aborted_by_writer");
+  EXPECT_EQ(d.abort_reason, "aborted_by_writer");
+  d = DecideCommit(ok, true, "writer_disconnected");
+  EXPECT_EQ(d.fate, Fate::kPublish);
+  EXPECT_EQ(d.abort_reason, "");
 }
 
 }  // namespace
