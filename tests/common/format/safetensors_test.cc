@@ -326,7 +326,7 @@ TEST(Safetensors, QuotesLongNamesElidedInEveryTensorMessage) {
 }
 
 // The reason (the metric's label) is attached where each rule is checked;
-// these are the rules tests/server/metrics_test.cc does not reach through
+// these are the rules tests/server/ops/metrics_test.cc does not reach through
 // ../shared, each with the label it had when labels were found by phrase.
 TEST(Safetensors, EveryRefusalCarriesTheRuleItBroke) {
   using enum CheckpointRule;

@@ -10,7 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/format/content_hash.h"
-#include "tests/server/registry_fixture.h"
+#include "tests/server/registry/registry_fixture.h"
 #include "tests/testing/status_matchers.h"
 
 namespace weightd::registry_test {

@@ -7,7 +7,7 @@
 
 #include "gtest/gtest.h"
 #include "server/metrics/metrics.h"
-#include "tests/server/registry_fixture.h"
+#include "tests/server/registry/registry_fixture.h"
 #include "tests/testing/counting_backend.h"
 #include "tests/testing/fault_env.h"
 #include "tests/testing/status_matchers.h"

@@ -5,7 +5,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tests/server/registry_fixture.h"
+#include "tests/server/registry/registry_fixture.h"
 #include "tests/testing/event_recorder.h"
 #include "tests/testing/status_matchers.h"
 

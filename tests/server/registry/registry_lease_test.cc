@@ -1,7 +1,7 @@
 // ModelRegistry leases: attach, claim, release, expiry, and how unloads and
 // reloads drain leased generations.
 #include "gtest/gtest.h"
-#include "tests/server/registry_fixture.h"
+#include "tests/server/registry/registry_fixture.h"
 #include "tests/testing/status_matchers.h"
 
 namespace weightd {

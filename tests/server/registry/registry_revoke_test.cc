@@ -10,7 +10,7 @@
 #include "common/transport/unix_socket.h"
 #include "gtest/gtest.h"
 #include "server/listen/fd_channel.h"
-#include "tests/server/registry_fixture.h"
+#include "tests/server/registry/registry_fixture.h"
 #include "tests/testing/counting_backend.h"
 #include "tests/testing/status_matchers.h"
 

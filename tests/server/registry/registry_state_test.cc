@@ -1,11 +1,11 @@
 // The states ListAll() shows besides READY and DRAINING: a load in flight is
 // LOADING with its bytes, a load refused before its plan leaves nothing, and
-// a cancelled load is FAILED (tests/server/registry_fault_test.cc covers
+// a cancelled load is FAILED (tests/server/registry/registry_fault_test.cc covers
 // failures of the disk).
 #include <tuple>
 
 #include "gtest/gtest.h"
-#include "tests/server/registry_fixture.h"
+#include "tests/server/registry/registry_fixture.h"
 #include "server/metrics/metrics.h"
 #include "tests/testing/status_matchers.h"
 

@@ -7,7 +7,7 @@
 #include <chrono>
 #include <thread>
 
-#include "tests/server/registry_fixture.h"
+#include "tests/server/registry/registry_fixture.h"
 #include "tests/testing/status_matchers.h"
 
 namespace weightd::registry_test {
