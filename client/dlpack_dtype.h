@@ -1,12 +1,15 @@
 // The one table from safetensors dtypes to DLPack 0.6 type codes, used by
 // the C++ client (MappedModel::ToDLPack) and the Python extension.
 //
-// Policy: F8_E4M3 and F8_E5M2 travel as 8-bit unsigned carriers, since
+// Policy: every 8-bit float (F8_E4M3, F8_E5M2, F8_E8M0, F8_E4M3FNUZ,
+// F8_E5M2FNUZ) travels as an 8-bit unsigned carrier of the same shape, since
 // DLPack 0.6 has no float8 code; the consumer reinterprets the bytes (torch:
-// Tensor.view(torch.float8_e4m3fn / float8_e5m2), which the Python package
-// does). Other dtypes without a DLPack code (F8_E8M0, the FNUZ float8s, ...)
-// have no entry: read their raw bytes. BOOL uses code 6 (kDLBool in DLPack
-// >= 0.8, which torch and numpy read; 0.6 has no bool code).
+// Tensor.view(torch.float8_e4m3fn, float8_e8m0fnu, ...), which the Python
+// package does). The sub-byte dtypes (F4, F6_E2M3, F6_E3M2) have no entry:
+// no DLPack 0.6 type holds an element smaller than a byte; read their raw
+// bytes (the Python package pairs F4 into torch.float4_e2m1fn_x2). BOOL uses
+// code 6 (kDLBool in DLPack >= 0.8, which torch and numpy read; 0.6 has no
+// bool code).
 #ifndef WEIGHTD_CLIENT_DLPACK_DTYPE_H_
 #define WEIGHTD_CLIENT_DLPACK_DTYPE_H_
 
@@ -30,6 +33,7 @@ inline constexpr DlpackDtype kDlpackDtypes[] = {
     {"C64", kDLComplex, 64}, {"I64", kDLInt, 64},       {"I32", kDLInt, 32},       {"I16", kDLInt, 16},
     {"I8", kDLInt, 8},       {"U64", kDLUInt, 64},      {"U32", kDLUInt, 32},      {"U16", kDLUInt, 16},
     {"U8", kDLUInt, 8},      {"BOOL", kDLBoolCode, 8}, {"F8_E4M3", kDLUInt, 8},   {"F8_E5M2", kDLUInt, 8},
+    {"F8_E8M0", kDLUInt, 8}, {"F8_E4M3FNUZ", kDLUInt, 8}, {"F8_E5M2FNUZ", kDLUInt, 8},
 };
 
 // The entry for `dtype`, or nullptr when it has no DLPack equivalent.

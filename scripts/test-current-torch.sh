@@ -3,8 +3,10 @@
 # by CI: torch from PyPI brings several GiB of CUDA wheels). Makes a venv
 # without system site packages in DIR (kept for the next run), installs
 # torch, transformers, numpy, pytest and this checkout's package
-# (pip install ./client/python) there, then runs tests/python/frameworks and
-# tests/python/test_torch_load.py against the daemon of BUILD (default: build).
+# (pip install ./client/python) there, then runs tests/python/frameworks,
+# tests/python/test_torch_load.py and the dtype tests of test_client.py (the
+# dtypes only a current torch has: float8, F8_E8M0, F4, uint16-64) against
+# the daemon of BUILD (default: build).
 #   scripts/test-current-torch.sh /tmp/weightd-current-torch [BUILD]
 set -euo pipefail
 dir=${1:?usage: scripts/test-current-torch.sh DIR [BUILD]}
@@ -22,4 +24,6 @@ fi
 "$dir/bin/python" -c 'import sys, torch, transformers, weightd; print("python", sys.version.split()[0], "torch", torch.__version__, "transformers", transformers.__version__, "weightd", weightd.__file__)'
 cd "$root"
 WEIGHTD_BINARY=$build/server/weightd WEIGHTCTL_BINARY=$build/client/weightctl PYTHONDONTWRITEBYTECODE=1 \
-  "$dir/bin/python" -m pytest -q -rs -p no:cacheprovider tests/python/frameworks tests/python/test_torch_load.py
+  "$dir/bin/python" -m pytest -q -rs -p no:cacheprovider tests/python/frameworks tests/python/test_torch_load.py \
+  tests/python/test_client.py::test_hand_made_dtypes_export_or_name_the_dtype \
+  tests/python/test_client.py::test_real_checkpoint_tensors_equal_the_files

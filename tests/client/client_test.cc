@@ -161,8 +161,15 @@ TEST(DlpackDtype, OneTableForBothClients) {
   EXPECT_EQ(f8->code, kDLUInt);
   EXPECT_EQ(f8->bits, 8);
   EXPECT_EQ(FindDlpackDtype("BOOL")->code, kDLBoolCode);
-  EXPECT_EQ(FindDlpackDtype("F8_E8M0"), nullptr);  // no DLPack equivalent: read raw bytes
+  for (const char* f8 : {"F8_E4M3", "F8_E8M0", "F8_E4M3FNUZ", "F8_E5M2FNUZ"}) {  // uint8 carriers
+    ASSERT_NE(FindDlpackDtype(f8), nullptr) << f8;
+    EXPECT_EQ(FindDlpackDtype(f8)->code, kDLUInt) << f8;
+    EXPECT_EQ(FindDlpackDtype(f8)->bits, 8) << f8;
+  }
+  // Sub-byte elements have no DLPack 0.6 type: read their raw bytes.
   EXPECT_EQ(FindDlpackDtype("F4"), nullptr);
+  EXPECT_EQ(FindDlpackDtype("F6_E2M3"), nullptr);
+  EXPECT_EQ(FindDlpackDtype("F6_E3M2"), nullptr);
 }
 
 }  // namespace

@@ -47,6 +47,8 @@ def check_model_matches_files(model, expected):
                 tensor.to_torch()
             continue
         value = tensor.to_torch()
+        if dtype == "F4":  # torch.float4_e2m1fn_x2 holds two elements
+            shape = shape[:-1] + (shape[-1] // 2,)
         assert (value.dtype, tuple(value.shape)) == (target, shape), name
         if len(data):
             assert _inside(model, tensor.info, value.data_ptr(), len(data)), f"{name} was copied"
@@ -81,7 +83,7 @@ def test_bf16_and_f8_get_their_torch_dtypes(daemon):
             if hasattr(torch, dtype):
                 assert model[name].to_torch().dtype == getattr(torch, dtype)
             else:
-                with pytest.raises(weightd.UnsupportedDtypeError, match=f"F8_E[45]M[32].*torch.{dtype} is missing"):
+                with pytest.raises(weightd.UnsupportedDtypeError, match=rf"F8_E[45]M[32] .*\(torch.{dtype} is added in torch 2\.1\)"):
                     model[name].to_torch()
 
 
@@ -91,7 +93,8 @@ def test_demo_small_tensors_equal_the_files(daemon, demo_small):
 
 
 def test_hand_made_dtypes_export_or_name_the_dtype(daemon):
-    """Dtypes no real file has: C64 and wide unsigned travel through DLPack; F4/F6/E8M0/FNUZ are refused by name."""
+    """Dtypes no real file has: C64 and wide unsigned travel through DLPack; F4, F8_E8M0 and FNUZ reach torch
+    where it has them (else the error names the torch release that adds them); F6 is refused by name."""
     path = daemon.models / "hand-made.safetensors"
     tensors = {
         "c64": ("C64", (2,), np.array([1 + 2j, -3.5j], dtype=np.complex64).tobytes()),
@@ -103,6 +106,7 @@ def test_hand_made_dtypes_export_or_name_the_dtype(daemon):
         "e8m0": ("F8_E8M0", (2,), b"\x7f\x80"),
         "fnuz": ("F8_E4M3FNUZ", (2,), b"\x01\x02"),
         "f4": ("F4", (4,), b"\x12\x34"),
+        "f4odd": ("F4", (2, 3), b"\x12\x34\x56"),
         "f6": ("F6_E2M3", (4,), b"\x01\x02\x03"),
     }
     write_safetensors(path, tensors)
@@ -119,15 +123,44 @@ def test_hand_made_dtypes_export_or_name_the_dtype(daemon):
             if hasattr(torch, f"uint{name[1:]}"):  # torch 2.3+
                 assert model[name].to_torch().tolist() == np.from_dlpack(model[name]).tolist()
             else:
-                with pytest.raises(weightd.UnsupportedDtypeError, match=f"U{name[1:]}.*torch.uint{name[1:]} is missing"):
+                with pytest.raises(weightd.UnsupportedDtypeError, match=rf"U{name[1:]} .*\(torch.uint{name[1:]} is added in torch 2\.3\)"):
                     model[name].to_torch()
+        # No DLPack 0.6 code: reach torch by reinterpreting bytes where torch
+        # has the dtype, else refused naming the torch release that adds it.
+        expected = {"e8m0": ("float8_e8m0fnu", "2.7", (2,)), "fnuz": ("float8_e4m3fnuz", "2.2", (2,)),
+                    "f4": ("float4_e2m1fn_x2", "2.8", (2,))}
         for name in ("e8m0", "fnuz", "f4", "f6"):
-            dtype = tensors[name][0]
-            with pytest.raises(ValueError, match=f"safetensors dtype {dtype} has no DLPack equivalent"):
-                model[name].__dlpack__()
-            with pytest.raises(weightd.UnsupportedDtypeError, match=f"{name!r}.*{dtype}"):
-                model[name].to_torch()
-            assert np.from_dlpack(model[name].raw()).tobytes() == tensors[name][2]
+            dtype, _, data = tensors[name]
+            if name in ("e8m0", "fnuz"):  # 8-bit floats: uint8 carriers of the same shape
+                carrier = np.from_dlpack(model[name])
+                assert (carrier.dtype, carrier.shape, carrier.tobytes()) == (np.uint8, (2,), data)
+            else:  # no DLPack type holds an element under a byte
+                with pytest.raises(ValueError, match=f"safetensors dtype {dtype} has no DLPack equivalent"):
+                    model[name].__dlpack__()
+            assert np.from_dlpack(model[name].raw()).tobytes() == data
+            if name == "f6":
+                with pytest.raises(weightd.UnsupportedDtypeError) as e:
+                    model[name].to_torch()
+                assert str(e.value) == (f"tensor 'f6': safetensors dtype F6_E2M3 has no torch dtype in torch "
+                                        f"{torch.__version__} (no torch release has a dtype for it); Tensor.raw() "
+                                        "exports its bytes")
+                continue
+            target, release, torch_shape = expected[name]
+            if hasattr(torch, target):
+                value = model[name].to_torch()
+                assert (value.dtype, tuple(value.shape)) == (getattr(torch, target), torch_shape)
+                assert value.view(torch.uint8).numpy().tobytes() == data
+                assert value.data_ptr() == np.from_dlpack(model[name].raw()).__array_interface__["data"][0]
+            else:
+                with pytest.raises(weightd.UnsupportedDtypeError) as e:
+                    model[name].to_torch()
+                assert str(e.value) == (f"tensor {name!r}: safetensors dtype {dtype} has no torch dtype in torch "
+                                        f"{torch.__version__} (torch.{target} is added in torch {release}); "
+                                        "Tensor.raw() exports its bytes")
+        # F4 pairs along the last dimension: an odd one cannot be a float4_e2m1fn_x2 view.
+        if hasattr(torch, "float4_e2m1fn_x2"):
+            with pytest.raises(weightd.UnsupportedDtypeError, match=r"'f4odd': F4 shape \[2, 3\] does not pair up"):
+                model["f4odd"].to_torch()
 
 
 def test_model_is_a_mapping_of_dlpack_tensors(daemon, demo_small):

@@ -39,13 +39,13 @@ namespace {
 using weightd::DlpackDtype;
 using weightd::FindDlpackDtype;
 
-// The DLPack type of `dtype` (client/dlpack_dtype.h: F8_E4M3/F8_E5M2 as
+// The DLPack type of `dtype` (client/dlpack_dtype.h: the 8-bit floats as
 // uint8 carriers that the Python side reinterprets with Tensor.view).
 const DlpackDtype& LookupDtype(const std::string& dtype) {
   if (const DlpackDtype* d = FindDlpackDtype(dtype)) return *d;
   throw py::value_error("safetensors dtype " + dtype +
                         " has no DLPack equivalent (weightd exports F64, F32, F16, BF16, C64, I8-I64, U8-U64, BOOL, "
-                        "F8_E4M3, F8_E5M2); use Tensor.raw() for its bytes");
+                        "and the 8-bit floats as uint8); use Tensor.raw() for its bytes");
 }
 
 // Raises RuntimeError(message) with attribute `code`: the absl (= gRPC)

@@ -139,9 +139,11 @@ class Tensor(_Exporter):
         """The tensor's bytes as a 1-D uint8 DLPack exporter (any dtype, including F4/F6/F8_E8M0)."""
         return _Exporter(self._lease, self._segment, self._offset, self._nbytes, "U8", (self._nbytes,))
 
-    def _carrier(self, dtype: str) -> _Exporter:
-        """The same elements exported as `dtype` of equal width, to reinterpret after import."""
-        return _Exporter(self._lease, self._segment, self._offset, self._nbytes, dtype, self.shape)
+    def _carrier(self, dtype: str, shape: Optional[Tuple[int, ...]] = None) -> _Exporter:
+        """The same bytes exported as `dtype` (of `shape`, default the tensor's,
+        covering exactly its bytes), to reinterpret after import."""
+        return _Exporter(self._lease, self._segment, self._offset, self._nbytes, dtype,
+                         self.shape if shape is None else shape)
 
     def __repr__(self) -> str:
         return f"<weightd.Tensor {self.name!r} {self.dtype}{list(self.shape)}>"
