@@ -65,7 +65,7 @@ const std::vector<Command>& Commands() {
        {{{"PATH", "a checkpoint folder or .safetensors file"}}, {Json()}}, RunInspect},
       {"make-demo", "write the synthetic, deterministic demo checkpoint",
        {{{"DIR", "the folder to write"}},
-        {{"--preset", OptionKind::kText, "tiny|small|llama-1b", "the checkpoint's size", "tiny"}}},
+        {{"--preset", OptionKind::kText, "tiny|small|llama-1b|engram", "the checkpoint's size and layout", "tiny"}}},
        RunMakeDemo},
   };
   return *commands;

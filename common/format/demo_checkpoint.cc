@@ -25,6 +25,7 @@ const std::vector<DemoPreset>& Presets() {
       {"tiny", 4096, 256, 768, 2, 4, 4, 4 * kMiB},
       {"small", 32000, 1024, 2816, 6, 16, 8, 64 * kMiB},
       {"llama-1b", 80000, 2048, 8192, 16, 32, 8, 1024 * kMiB},
+      {"engram", 2048, 256, 512, 2, 4, 2, 2 * kMiB, 4096, 256},
   };
   return *presets;
 }
@@ -53,7 +54,7 @@ std::string ShardHeader(const std::vector<const DemoTensor*>& tensors) {
   header["__metadata__"] = {{"format", "pt"}, {"generator", "weightctl make-demo"}};
   uint64_t offset = 0;
   for (const DemoTensor* t : tensors) {
-    header[t->name] = {{"dtype", "BF16"}, {"shape", t->shape}, {"data_offsets", {offset, offset + t->nbytes()}}};
+    header[t->name] = {{"dtype", t->dtype}, {"shape", t->shape}, {"data_offsets", {offset, offset + t->nbytes()}}};
     offset += t->nbytes();
   }
   std::string text = header.dump();
@@ -75,12 +76,17 @@ absl::Status WriteShard(const std::string& path, const std::vector<const DemoTen
   std::vector<char> buffer(kChunkElements * 2);
   for (const DemoTensor* t : tensors) {
     uint32_t hash = DemoNameHash(t->name);
-    uint64_t elements = t->nbytes() / 2;
+    const uint64_t width = t->element_bytes();
+    uint64_t elements = t->nbytes() / width;
     for (uint64_t first = 0; first < elements; first += kChunkElements) {
       uint64_t count = std::min(kChunkElements, elements - first);
-      FillDemoValues(hash, first, count, buffer.data());
-      WEIGHTD_RETURN_IF_ERROR(WriteAll(fd.get(), buffer.data(), count * 2, path));
-      done += count * 2;
+      if (width == 2) {
+        FillDemoValues(hash, first, count, buffer.data());
+      } else {
+        for (uint64_t i = 0; i < count; ++i) buffer[i] = static_cast<char>(DemoByte(t->dtype, hash, first + i));
+      }
+      WEIGHTD_RETURN_IF_ERROR(WriteAll(fd.get(), buffer.data(), count * width, path));
+      done += count * width;
       if (progress) progress(done, total);
     }
   }
@@ -90,7 +96,7 @@ absl::Status WriteShard(const std::string& path, const std::vector<const DemoTen
 }  // namespace
 
 uint64_t DemoTensor::nbytes() const {
-  uint64_t n = 2;
+  uint64_t n = element_bytes();
   for (uint64_t d : shape) n *= d;
   return n;
 }
@@ -99,7 +105,7 @@ absl::StatusOr<DemoPreset> FindDemoPreset(absl::string_view name) {
   for (const DemoPreset& p : Presets()) {
     if (p.name == name) return p;
   }
-  return absl::NotFoundError(absl::StrCat("unknown demo preset '", name, "' (use tiny, small or llama-1b)"));
+  return absl::NotFoundError(absl::StrCat("unknown demo preset '", name, "' (use tiny, small, llama-1b or engram)"));
 }
 
 std::vector<std::string> DemoPresetNames() {
@@ -126,6 +132,15 @@ std::vector<DemoTensor> DemoTensors(const DemoPreset& p) {
   }
   out.push_back({"model.norm.weight", {p.hidden}});
   out.push_back({"lm_head.weight", {p.vocab, p.hidden}});
+  if (p.engram_rows > 0) {  // one Engram file per layer (the first two layers)
+    for (uint64_t l = 0; l < std::min<uint64_t>(p.layers, 2); ++l) {
+      std::string prefix = absl::StrCat("model.layers.", l, ".engram.");
+      int file = static_cast<int>(l) + 1;
+      out.push_back({prefix + "embed.weight", {p.engram_rows, p.engram_dim}, "F8_E4M3", file});
+      out.push_back({prefix + "embed.scale", {p.engram_rows, p.engram_dim / 32}, "F8_E8M0", file});
+      if (file == 2) out.push_back({prefix + "gate_proj.weight", {p.hidden, p.engram_dim}, "BF16", file});
+    }
+  }
   return out;
 }
 
@@ -136,6 +151,12 @@ uint32_t DemoNameHash(absl::string_view name) {
     h *= 16777619u;
   }
   return h;
+}
+
+uint8_t DemoByte(absl::string_view dtype, uint32_t name_hash, uint64_t index) {
+  uint32_t u = name_hash + static_cast<uint32_t>(index) * 2654435761u;
+  if (dtype == "F8_E8M0") return static_cast<uint8_t>(0x78u | ((u >> 16) & 0x07u));
+  return static_cast<uint8_t>(0x30u | ((u >> 16) & 0x87u));  // F8_E4M3
 }
 
 void FillDemoValues(uint32_t name_hash, uint64_t first, uint64_t count, char* out) {
@@ -151,8 +172,15 @@ absl::Status WriteDemoCheckpoint(const std::string& dir, const DemoPreset& prese
   if (mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) return ErrnoToStatus(absl::StrCat(dir, ": mkdir"), errno);
   std::vector<DemoTensor> tensors = DemoTensors(preset);
   std::vector<std::vector<const DemoTensor*>> shards(1);
+  std::vector<std::vector<const DemoTensor*>> engram_files;
   uint64_t shard_bytes = 0, total = 0;
   for (const DemoTensor& t : tensors) {
+    if (t.engram_file > 0) {  // after the ordinary shards, in files of their own
+      engram_files.resize(std::max<size_t>(engram_files.size(), t.engram_file));
+      engram_files[t.engram_file - 1].push_back(&t);
+      total += t.nbytes();
+      continue;
+    }
     if (shard_bytes > 0 && shard_bytes + t.nbytes() > preset.max_shard_bytes) {
       shards.emplace_back();
       shard_bytes = 0;
@@ -161,6 +189,7 @@ absl::Status WriteDemoCheckpoint(const std::string& dir, const DemoPreset& prese
     shard_bytes += t.nbytes();
     total += t.nbytes();
   }
+  shards.insert(shards.end(), engram_files.begin(), engram_files.end());
   json index = {{"metadata", {{"total_size", total}}}, {"weight_map", json::object()}};
   uint64_t done = 0;
   for (size_t s = 0; s < shards.size(); ++s) {

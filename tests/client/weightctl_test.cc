@@ -104,7 +104,7 @@ TEST(Weightctl, UsageErrorsExitTwo) {
   EXPECT_EQ(r.err, "weightctl: unknown option --bogus\n");
   r = Weightctl({"make-demo", "/tmp/x", "--preset", "huge"});
   EXPECT_EQ(r.code, 2);
-  EXPECT_EQ(r.err, "weightctl: unknown demo preset 'huge' (use tiny, small or llama-1b)\n");
+  EXPECT_EQ(r.err, "weightctl: unknown demo preset 'huge' (use tiny, small, llama-1b or engram)\n");
 }
 
 TEST(Weightctl, EveryCommandHasHelpWithItsUsageLine) {
@@ -142,7 +142,7 @@ TEST(Weightctl, UsageLinesFollowTheDesignContract) {
   EXPECT_EQ(usage["unload"], "unload NAME [--force]");
   EXPECT_EQ(usage["health"], "health [MODEL] [--json]");
   EXPECT_EQ(usage["inspect"], "inspect PATH [--json]");
-  EXPECT_EQ(usage["make-demo"], "make-demo DIR [--preset tiny|small|llama-1b]");
+  EXPECT_EQ(usage["make-demo"], "make-demo DIR [--preset tiny|small|llama-1b|engram]");
 }
 
 TEST(Weightctl, BadTypedValuesExitTwoWithOneLineBeforeConnecting) {

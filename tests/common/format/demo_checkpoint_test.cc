@@ -43,6 +43,31 @@ TEST(DemoCheckpoint, PresetsHaveLlamaShapesAndSizes) {
   EXPECT_THAT(FindDemoPreset("huge"), StatusIs(absl::StatusCode::kNotFound, "unknown demo preset 'huge'"));
 }
 
+TEST(DemoCheckpoint, TheEngramPresetKeepsItsTablesInTwoEngramFiles) {
+  // The one-byte value rules at the element the BF16 rule test uses.
+  EXPECT_EQ(DemoByte("F8_E4M3", 0xe40c292cu, 1), 0x33);  // u >> 16 = 0x8243: 0x30 | (0x43 & 0x87)
+  EXPECT_EQ(DemoByte("F8_E8M0", 0xe40c292cu, 1), 0x7B);  // 0x78 | (0x43 & 0x07)
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(DemoPreset engram, FindDemoPreset("engram"));
+  std::vector<DemoTensor> tensors = DemoTensors(engram);
+  ASSERT_EQ(tensors.size(), 2u + 9u * 2u + 1u + 5u);
+  std::vector<std::string> in_engram_files;
+  for (const DemoTensor& t : tensors) {
+    EXPECT_EQ(t.engram_file > 0, t.name.find(".engram.") != std::string::npos) << t.name;
+    if (t.engram_file > 0) in_engram_files.push_back(t.name + " " + t.dtype + " " + std::to_string(t.engram_file));
+  }
+  EXPECT_EQ(in_engram_files, (std::vector<std::string>{
+                                 "model.layers.0.engram.embed.weight F8_E4M3 1",
+                                 "model.layers.0.engram.embed.scale F8_E8M0 1",
+                                 "model.layers.1.engram.embed.weight F8_E4M3 2",
+                                 "model.layers.1.engram.embed.scale F8_E8M0 2",
+                                 "model.layers.1.engram.gate_proj.weight BF16 2",
+                             }));
+  EXPECT_EQ(tensors[tensors.size() - 2].shape, (std::vector<uint64_t>{4096, 8}));  // a scale per 32 FP8 values
+  uint64_t total = 0;
+  for (const DemoTensor& t : tensors) total += t.nbytes();
+  EXPECT_EQ(total, 6752768u);
+}
+
 TEST(DemoCheckpoint, WrittenCheckpointCatalogsAndHoldsTheRuleBytes) {
   testing::TempDir dir;
   WEIGHTD_ASSERT_OK_AND_ASSIGN(DemoPreset tiny, FindDemoPreset("tiny"));
