@@ -83,10 +83,20 @@ std::vector<std::string> PeerJoiner::PeersFor(const LoadRequest& request) const 
 absl::StatusOr<std::unique_ptr<ModelGeneration>> PeerJoiner::Load(const Catalog& catalog, const LoadRequest& request,
                                                                    const LoaderOptions& loader,
                                                                    const ProgressFn& progress) {
+  const std::vector<std::string> peers = PeersFor(request);
+  if (peers.empty()) return absl::NotFoundError("no peers");
+  absl::StatusOr<PlannedLoad> planned = PlanLoad(catalog, request, loader);
+  if (!planned.ok()) {
+    if (options_.metrics) options_.metrics->PeerFallback("other");
+    LogWarning(absl::StrCat("cannot seed '", request.name, "' from peers: ", planned.status().message(),
+                            "; reading storage"));
+    return planned.status();
+  }
   absl::Status last = absl::NotFoundError("no peers");
-  for (const std::string& peer : PeersFor(request)) {
+  for (const std::string& peer : peers) {
     auto start = std::chrono::steady_clock::now();
-    absl::StatusOr<std::unique_ptr<ModelGeneration>> gen = LoadFrom(peer, catalog, request, loader, progress);
+    absl::StatusOr<std::unique_ptr<ModelGeneration>> gen =
+        LoadFrom(peer, catalog, request, *planned, loader, progress);
     if (gen.ok()) {
       double seconds = SecondsSince(start);
       uint64_t bytes = (*gen)->host_bytes;
@@ -112,6 +122,7 @@ absl::StatusOr<std::unique_ptr<ModelGeneration>> PeerJoiner::Load(const Catalog&
 
 absl::StatusOr<std::unique_ptr<ModelGeneration>> PeerJoiner::LoadFrom(const std::string& peer, const Catalog& catalog,
                                                                        const LoadRequest& request,
+                                                                       const PlannedLoad& planned,
                                                                        const LoaderOptions& loader,
                                                                        const ProgressFn& progress) {
   auto deadline = std::chrono::steady_clock::now() + options_.deadline;
@@ -156,7 +167,8 @@ absl::StatusOr<std::unique_ptr<ModelGeneration>> PeerJoiner::LoadFrom(const std:
     return WithPeerReason(st, reason);
   }
   PeerPull pull{peer, **transport, deadline, options_.metrics};
-  absl::StatusOr<std::unique_ptr<ModelGeneration>> gen = SeedFromDescription(reply, catalog, request, loader, progress, pull);
+  absl::StatusOr<std::unique_ptr<ModelGeneration>> gen =
+      SeedFromDescription(reply, catalog, request, planned, loader, progress, pull);
   v1::PeerTransferRequest done;
   done.set_done(true);
   done.set_bytes_read(pull.bytes_read());

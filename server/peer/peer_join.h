@@ -94,15 +94,16 @@ class PeerJoiner final : public GenerationSource {
   // (its host_source is set here). On failure of every peer, the last
   // peer's error: the caller then loads from storage.
   // NOT_FOUND "no peers" at once when PeersFor(request) is empty. Each
-  // peer name is resolved once per call.
+  // peer name is resolved once per call, and the load is planned once
+  // (PlanLoad) for every peer asked; a plan that cannot be made asks none.
   absl::StatusOr<std::unique_ptr<ModelGeneration>> Load(const Catalog& catalog, const LoadRequest& request,
                                                         const LoaderOptions& loader,
                                                         const ProgressFn& progress) override;
 
  private:
   absl::StatusOr<std::unique_ptr<ModelGeneration>> LoadFrom(const std::string& peer, const Catalog& catalog,
-                                                            const LoadRequest& request, const LoaderOptions& loader,
-                                                            const ProgressFn& progress);
+                                                            const LoadRequest& request, const PlannedLoad& planned,
+                                                            const LoaderOptions& loader, const ProgressFn& progress);
   PeerJoinOptions options_;
 };
 

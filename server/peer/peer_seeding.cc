@@ -129,12 +129,10 @@ absl::Status CheckSameCheckpoint(const v1::PeerTransferReply& reply, const Catal
 absl::StatusOr<std::unique_ptr<ModelGeneration>> SeedFromDescription(const v1::PeerTransferReply& reply,
                                                                      const Catalog& catalog,
                                                                      const LoadRequest& request,
+                                                                     const PlannedLoad& planned,
                                                                      const LoaderOptions& loader,
                                                                      const ProgressFn& progress, PeerPull& pull) {
-  // One plan, checked against the seed's and then loaded.
-  absl::StatusOr<PlannedLoad> planned = PlanLoad(catalog, request, loader);
-  if (!planned.ok()) return WithPeerReason(planned.status(), "other");
-  const LoadPlan& plan = planned->plan;
+  const LoadPlan& plan = planned.plan;
   if (reply.transport() != pull.transport().name()) {
     return WithPeerReason(absl::FailedPreconditionError(absl::StrCat("the peer offers transport ",
                                                                      QuoteName(reply.transport()), ", this node has ",
@@ -151,7 +149,7 @@ absl::StatusOr<std::unique_ptr<ModelGeneration>> SeedFromDescription(const v1::P
   PullSource source(**connection, pull);
   LoaderOptions options = loader;
   options.host_source = &source;
-  absl::StatusOr<std::unique_ptr<ModelGeneration>> gen = LoadGeneration(catalog, request, options, progress, nullptr, &*planned);
+  absl::StatusOr<std::unique_ptr<ModelGeneration>> gen = LoadGeneration(catalog, request, options, progress, nullptr, &planned);
   if (!gen.ok()) return gen.status();  // its code tells the reason (PeerReasonOf)
   if (absl::Status verified = Verify(**gen, reply); !verified.ok()) return WithPeerReason(verified, "hash_mismatch");
   (*gen)->source = absl::StrCat("peer ", pull.peer());

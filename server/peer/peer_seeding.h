@@ -63,11 +63,13 @@ absl::Status CheckSameCheckpoint(const v1::PeerTransferReply& reply, const Catal
 
 // Loads `request` with its host segments read from the seed `reply`
 // describes (see peer_join.h); a generation with source "peer <peer>", or
-// an error carrying its fall-back reason. Nothing of a failed pull
-// survives the call.
+// an error carrying its fall-back reason. `planned` is PlanLoad's result for
+// `catalog`, `request` and `loader`: the plan the seed's layout is compared
+// with and then loaded. Nothing of a failed pull survives the call.
 absl::StatusOr<std::unique_ptr<ModelGeneration>> SeedFromDescription(const v1::PeerTransferReply& reply,
                                                                      const Catalog& catalog,
                                                                      const LoadRequest& request,
+                                                                     const PlannedLoad& planned,
                                                                      const LoaderOptions& loader,
                                                                      const ProgressFn& progress, PeerPull& pull);
 

@@ -59,7 +59,8 @@ class PeerSeedingTest : public ::testing::Test {
                                                         std::chrono::milliseconds deadline = std::chrono::seconds(30)) {
     WEIGHTD_ASSIGN_OR_RETURN(Catalog catalog, BuildCatalog(dir_));
     PeerPull pull("10.0.0.1:7000", transport_, std::chrono::steady_clock::now() + deadline, nullptr);
-    auto gen = SeedFromDescription(reply, catalog, Request(), Loader(), nullptr, pull);
+    WEIGHTD_ASSIGN_OR_RETURN(PlannedLoad planned, PlanLoad(catalog, Request(), Loader()));
+    auto gen = SeedFromDescription(reply, catalog, Request(), planned, Loader(), nullptr, pull);
     pulled_ = pull.bytes_read();
     return gen;
   }
