@@ -64,10 +64,8 @@ absl::StatusOr<UpdateTable::Ended> UpdateTable::End(const std::string& id) {
   return EndLocked(it);
 }
 
-absl::StatusOr<UpdateTable::Ended> UpdateTable::Abort(const std::string& id, const std::string& reason) {
-  absl::MutexLock lock(&mu_);
-  auto it = by_id_.find(id);
-  if (it == by_id_.end()) return absl::NotFoundError("unknown or ended update id");
+absl::StatusOr<UpdateTable::Ended> UpdateTable::AbortLocked(std::map<std::string, Entry>::iterator it,
+                                                             const std::string& reason) {
   if (it->second.committing) {
     if (it->second.abort_requested.empty()) it->second.abort_requested = reason;
     return absl::FailedPreconditionError("this update is being committed");
@@ -75,16 +73,20 @@ absl::StatusOr<UpdateTable::Ended> UpdateTable::Abort(const std::string& id, con
   return EndLocked(it);
 }
 
+absl::StatusOr<UpdateTable::Ended> UpdateTable::Abort(const std::string& id, const std::string& reason) {
+  absl::MutexLock lock(&mu_);
+  auto it = by_id_.find(id);
+  if (it == by_id_.end()) return absl::NotFoundError("unknown or ended update id");
+  return AbortLocked(it, reason);
+}
+
 std::optional<UpdateTable::Ended> UpdateTable::EndOf(const std::string& name, const std::string& reason) {
   absl::MutexLock lock(&mu_);
   auto id = id_of_name_.find(name);
   if (id == id_of_name_.end()) return std::nullopt;
-  auto it = by_id_.find(id->second);
-  if (it->second.committing) {
-    if (it->second.abort_requested.empty()) it->second.abort_requested = reason;
-    return std::nullopt;
-  }
-  return EndLocked(it);
+  absl::StatusOr<Ended> ended = AbortLocked(by_id_.find(id->second), reason);
+  if (!ended.ok()) return std::nullopt;
+  return std::move(*ended);
 }
 
 std::optional<std::string> UpdateTable::AbortRequested(const std::string& id) const {

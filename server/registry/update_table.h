@@ -91,6 +91,10 @@ class UpdateTable {
     Clock::time_point deadline;  // to be claimed by
   };
   Ended EndLocked(std::map<std::string, Entry>::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Ends `it`, or, while it commits, records `reason` on it (the first
+  // recorded stays) and returns FAILED_PRECONDITION.
+  absl::StatusOr<Ended> AbortLocked(std::map<std::string, Entry>::iterator it, const std::string& reason)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   mutable absl::Mutex mu_;
   std::map<std::string, Entry> by_id_ ABSL_GUARDED_BY(mu_);
