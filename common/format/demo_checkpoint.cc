@@ -154,7 +154,7 @@ uint32_t DemoNameHash(absl::string_view name) {
 }
 
 uint8_t DemoByte(absl::string_view dtype, uint32_t name_hash, uint64_t index) {
-  uint32_t u = name_hash + static_cast<uint32_t>(index) * 2654435761u;
+  uint32_t u = DemoRuleWord(name_hash, index);
   if (dtype == "F8_E8M0") return static_cast<uint8_t>(0x78u | ((u >> 16) & 0x07u));
   return static_cast<uint8_t>(0x30u | ((u >> 16) & 0x87u));  // F8_E4M3
 }

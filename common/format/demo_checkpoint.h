@@ -65,9 +65,12 @@ std::vector<std::string> DemoPresetNames();
 std::vector<DemoTensor> DemoTensors(const DemoPreset& preset);
 
 uint32_t DemoNameHash(absl::string_view name);
+// u of the rule above.
+inline uint32_t DemoRuleWord(uint32_t name_hash, uint64_t index) {
+  return name_hash + static_cast<uint32_t>(index) * 2654435761u;
+}
 inline uint16_t DemoValueBits(uint32_t name_hash, uint64_t index) {
-  uint32_t u = name_hash + static_cast<uint32_t>(index) * 2654435761u;
-  return static_cast<uint16_t>(0x3C00u | ((u >> 16) & 0x807Fu));
+  return static_cast<uint16_t>(0x3C00u | ((DemoRuleWord(name_hash, index) >> 16) & 0x807Fu));
 }
 // Writes `count` elements starting at element `first` as little-endian BF16 bytes.
 void FillDemoValues(uint32_t name_hash, uint64_t first, uint64_t count, char* out);

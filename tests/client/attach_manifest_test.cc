@@ -9,7 +9,6 @@
 #include <fstream>
 
 #include "common/format/packed_manifest.h"
-#include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/testing/checkpoint_builder.h"
@@ -129,14 +128,14 @@ TEST_F(AttachManifestTest, PrefaultedCopyOnWriteStillSharesEveryPage) {
   // path) no other process maps its pages, and smaps counts a dirty shmem
   // page mapped once as Private_Dirty whether or not it was copied: wait, so
   // that Private_Dirty counts copies only.
-  bool pinned = false;
-  for (int i = 0; i < 500 && !pinned; ++i) {
-    absl::StatusOr<std::vector<ModelSummary>> models = client_->List();
-    pinned = models.ok() && models->size() == 1 && (*models)[0].host_bytes > 0 &&
-             (*models)[0].locked_bytes == (*models)[0].host_bytes;
-    if (!pinned) absl::SleepFor(absl::Milliseconds(20));
-  }
-  ASSERT_TRUE(pinned) << "the daemon did not pin the segment within 10 s";
+  ASSERT_TRUE(testing::WaitFor(
+      [&] {
+        absl::StatusOr<std::vector<ModelSummary>> models = client_->List();
+        return models.ok() && models->size() == 1 && (*models)[0].host_bytes > 0 &&
+               (*models)[0].locked_bytes == (*models)[0].host_bytes;
+      },
+      std::chrono::seconds(10)))
+      << "the daemon did not pin the segment within 10 s";
   WEIGHTD_ASSERT_OK_AND_ASSIGN(MappedModel mine, client_->Attach("m", 0, {.copy_on_write = true, .prefault = true}));
   char* big = static_cast<char*>(const_cast<void*>(mine.Find("big")->data));
   MappingStats populated = StatsOf(big);
