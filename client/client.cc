@@ -528,6 +528,8 @@ absl::StatusOr<LoadResult> Client::Load(const std::string& name, const std::stri
   request.set_name(name);
   request.set_checkpoint_path(checkpoint_path);
   for (const std::string& p : options.host_resident_patterns) request.add_host_resident_patterns(p);
+  for (const std::string& p : options.include_patterns) request.add_include_patterns(p);
+  for (const std::string& p : options.exclude_patterns) request.add_exclude_patterns(p);
   request.set_tp_size(options.tp_size);
   for (const auto& [pattern, dim] : options.tp_rules) {
     v1::TpRule* rule = request.add_tp_rules();

@@ -12,6 +12,7 @@
 #include <map>
 #include <thread>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "common/io/env.h"
 #include "common/memory/device.h"
@@ -445,6 +446,20 @@ class DaemonImpl final : public Daemon {
       LoadRequest request;
       request.name = name;
       request.checkpoint_path = path;
+      if (auto plan = config_.preload_plans.find(name); plan != config_.preload_plans.end()) {
+        const PreloadPlan& p = plan->second;
+        request.host_resident_patterns = p.host_resident;
+        request.include_patterns = p.include;
+        request.exclude_patterns = p.exclude;
+        request.tp_size = p.tp_size;
+        request.devices = p.devices;
+        for (const std::string& rule : p.tp_rules) {  // PATTERN:DIM, checked by the config's validation
+          size_t colon = rule.rfind(':');
+          uint32_t dim = 0;
+          (void)absl::SimpleAtoi(rule.substr(colon + 1), &dim);
+          request.tp_rules.push_back({rule.substr(0, colon), dim});
+        }
+      }
       absl::StatusOr<ModelRegistry::LoadResult> result = registry_->Load(request, nullptr);
       if (!result.ok()) LogError(absl::StrCat("preload '", name, "' from ", path, " failed: ", result.status().message()));
     }

@@ -45,6 +45,8 @@ json SummaryJson(const ModelSummary& m) {
 absl::StatusOr<LoadOptions> ParseLoadOptions(const Args& args) {
   LoadOptions options;
   options.host_resident_patterns = args.List("--host-resident");
+  options.include_patterns = args.List("--include");
+  options.exclude_patterns = args.List("--exclude");
   options.tp_size = static_cast<uint32_t>(args.Int("--tp-size"));
   for (const std::string& rule : args.List("--tp-rule")) {
     size_t colon = rule.rfind(':');

@@ -19,6 +19,8 @@ LoadRequest FromProto(const v1::LoadModelRequest& r) {
   out.name = r.name();
   out.checkpoint_path = r.checkpoint_path();
   out.host_resident_patterns.assign(r.host_resident_patterns().begin(), r.host_resident_patterns().end());
+  out.include_patterns.assign(r.include_patterns().begin(), r.include_patterns().end());
+  out.exclude_patterns.assign(r.exclude_patterns().begin(), r.exclude_patterns().end());
   out.tp_size = r.tp_size() == 0 ? 1 : r.tp_size();
   for (const v1::TpRule& rule : r.tp_rules()) out.tp_rules.push_back({rule.pattern(), rule.dim()});
   out.devices.assign(r.devices().begin(), r.devices().end());

@@ -32,6 +32,7 @@ void ForEachField(Config& c, F&& f) {
   f("health_address", c.health_address);
   f("device_backend", c.device_backend);
   f("preload", c.preload);
+  f("preload_plans", c.preload_plans);
   f("allowed_gids", c.allowed_gids);
   f("lease_claim_timeout_seconds", c.lease_claim_timeout_seconds);
   f("load_threads", c.load_threads);
@@ -61,7 +62,7 @@ void ForEachField(Config& c, F&& f) {
 }
 
 // How a flag's text becomes a field's JSON value, by the field's type.
-enum class Kind { kString, kStringList, kMap, kGidList, kNumber, kInt, kBool };
+enum class Kind { kString, kStringList, kMap, kGidList, kNumber, kInt, kBool, kFileOnly };
 constexpr Kind KindOf(const std::string&) { return Kind::kString; }
 constexpr Kind KindOf(const std::vector<std::string>&) { return Kind::kStringList; }
 constexpr Kind KindOf(const std::map<std::string, std::string>&) { return Kind::kMap; }
@@ -69,6 +70,7 @@ constexpr Kind KindOf(const std::vector<gid_t>&) { return Kind::kGidList; }
 constexpr Kind KindOf(const double&) { return Kind::kNumber; }
 constexpr Kind KindOf(const int&) { return Kind::kInt; }
 constexpr Kind KindOf(const bool&) { return Kind::kBool; }
+constexpr Kind KindOf(const std::map<std::string, PreloadPlan>&) { return Kind::kFileOnly; }
 
 const std::map<std::string, Kind>& Keys() {
   static const auto* keys = [] {
@@ -116,6 +118,8 @@ absl::Status AddFlag(json& patch, const std::string& flag, const std::string& ke
       if (value != "true" && value != "false") return bad("expected true or false");
       patch[key] = value == "true";
       break;
+    case Kind::kFileOnly:
+      return absl::InvalidArgumentError(absl::StrCat("--", flag, " is set in the config file only (--config FILE.json)"));
   }
   return absl::OkStatus();
 }
@@ -191,6 +195,26 @@ absl::Status ValidatePeers(const DaemonConfig& c) {
   return absl::OkStatus();
 }
 
+absl::Status ValidatePreloadPlans(const DaemonConfig& c) {
+  for (const auto& [name, plan] : c.preload_plans) {
+    if (!c.preload.count(name)) {
+      return absl::InvalidArgumentError(absl::StrCat("preload_plans '", name, "' names no preload entry"));
+    }
+    if (plan.tp_size < 1 || plan.tp_size > 1024) {
+      return absl::InvalidArgumentError(absl::StrCat("preload_plans '", name, "': tp_size must be in [1, 1024]"));
+    }
+    for (const std::string& rule : plan.tp_rules) {
+      size_t colon = rule.rfind(':');
+      uint32_t dim;
+      if (colon == std::string::npos || colon == 0 || !absl::SimpleAtoi(rule.substr(colon + 1), &dim)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("preload_plans '", name, "': a tp_rule must be PATTERN:DIM, got '", rule, "'"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Validate(DaemonConfig& c) {
   static const char* kBackends[] = {"auto", "cuda", "cuda-legacy-ipc", "emulated", "none"};
   if (std::find(std::begin(kBackends), std::end(kBackends), c.device_backend) == std::end(kBackends)) {
@@ -238,6 +262,7 @@ absl::Status Validate(DaemonConfig& c) {
     return absl::InvalidArgumentError(absl::StrCat("--direct-io must be auto, on or off, got '", c.direct_io, "'"));
   }
   WEIGHTD_RETURN_IF_ERROR(ValidatePeers(c));
+  WEIGHTD_RETURN_IF_ERROR(ValidatePreloadPlans(c));
   if (c.socket.empty()) return absl::InvalidArgumentError("--socket must not be empty");
   WEIGHTD_RETURN_IF_ERROR(ValidateTcp(c));
   if (c.fd_socket.empty()) {
@@ -249,6 +274,24 @@ absl::Status Validate(DaemonConfig& c) {
 }
 
 }  // namespace
+
+void to_json(json& j, const PreloadPlan& p) {
+  j = json{{"host_resident", p.host_resident}, {"include", p.include}, {"exclude", p.exclude},
+           {"tp_size", p.tp_size}, {"tp_rules", p.tp_rules}, {"devices", p.devices}};
+}
+
+void from_json(const json& j, PreloadPlan& p) {
+  if (!j.is_object()) throw json::type_error::create(302, "a preload plan must be an object", &j);
+  for (auto& [key, value] : j.items()) {
+    if (key == "host_resident") value.get_to(p.host_resident);
+    else if (key == "include") value.get_to(p.include);
+    else if (key == "exclude") value.get_to(p.exclude);
+    else if (key == "tp_size") value.get_to(p.tp_size);
+    else if (key == "tp_rules") value.get_to(p.tp_rules);
+    else if (key == "devices") value.get_to(p.devices);
+    else throw json::other_error::create(501, "unknown preload plan key '" + key + "'", &j);
+  }
+}
 
 std::string DaemonUsage() {
   return "usage: weightd --socket PATH --model-root DIR [--model-root DIR ...] [--metrics-address HOST:PORT]\n"

@@ -16,6 +16,21 @@
 
 namespace weightd {
 
+// How a preload places and selects tensors: the options of `weightctl load`
+// for one `preload` entry, set in the config file only ("preload_plans":
+// {"NAME": {...}}, keys as below; an unknown key is an error naming it).
+struct PreloadPlan {
+  std::vector<std::string> host_resident;  // --host-resident patterns
+  std::vector<std::string> include;        // --include patterns (subset load)
+  std::vector<std::string> exclude;        // --exclude patterns
+  uint32_t tp_size = 1;
+  std::vector<std::string> tp_rules;       // "PATTERN:DIM", as --tp-rule
+  std::vector<std::string> devices;        // one GPU (UUID or ordinal) per rank
+  bool operator==(const PreloadPlan&) const = default;
+};
+void to_json(nlohmann::json& j, const PreloadPlan& plan);
+void from_json(const nlohmann::json& j, PreloadPlan& plan);  // throws json::exception naming a bad key
+
 struct DaemonConfig {
   std::string socket = "/run/weightd/weightd.sock";  // gRPC Unix socket, mode 0660
   std::string fd_socket;                             // default: beside socket, "<stem>.fd.sock"
@@ -29,6 +44,7 @@ struct DaemonConfig {
   std::string health_address;                        // optional TCP health-only listener
   std::string device_backend = "auto";               // auto|cuda|cuda-legacy-ipc|emulated|none
   std::map<std::string, std::string> preload;        // name -> checkpoint path
+  std::map<std::string, PreloadPlan> preload_plans;  // name (of a preload) -> its plan; config file only
   std::vector<gid_t> allowed_gids;                   // fd socket peers besides our uid and root
   double lease_claim_timeout_seconds = 10;
   int load_threads = 0;                              // 0: one per core

@@ -19,6 +19,7 @@
 #include "common/io/proc_files.h"
 #include "server/load/host_fill.h"
 #include "server/load/reader.h"
+#include "server/load/shared_segments.h"
 
 namespace weightd {
 namespace {
@@ -86,11 +87,11 @@ absl::StatusOr<std::vector<DeviceInfo>> ResolveDevices(const LoadRequest& reques
   return out;
 }
 
-// The blocks of every tensor whose file is read (`read_file[f]`).
-std::vector<ReadTask> MakeTasks(const Catalog& catalog, const std::vector<bool>& read_file) {
+// The blocks of every tensor that is read (`read[i]`).
+std::vector<ReadTask> MakeTasks(const Catalog& catalog, const std::vector<bool>& read) {
   std::vector<ReadTask> tasks;
   for (uint32_t i = 0; i < catalog.tensors.size(); ++i) {
-    if (!read_file[catalog.tensors[i].file]) continue;
+    if (!read[i]) continue;
     uint64_t nbytes = catalog.tensors[i].nbytes;
     for (uint64_t start = 0, b = 0; start < nbytes; start += kReadBlockBytes, ++b) {
       tasks.push_back({i, start, std::min(kReadBlockBytes, nbytes - start), static_cast<uint32_t>(b)});
@@ -149,49 +150,86 @@ absl::StatusOr<HostMemoryAdmission::Reservation> AdmitHostMemory(const std::stri
   return HostMemoryAdmission::Reservation();
 }
 
-// What a load takes from the generation before it: for each catalog file
-// whose stamp is unchanged, its segments (same plan, so the same layout)
-// and its tensors' content hashes.
+// What a load takes from the segments this node already serves
+// (server/load/shared_segments.h): for each host segment and arena of the
+// plan, the served segment with the same contents, or null (a fresh one is
+// made and filled); which tensors must be read (those with any fresh
+// destination); and the content hashes of the others.
 struct Reuse {
-  std::vector<const GenerationFile*> file;  // parallel to catalog.files; null: read it
-  absl::flat_hash_map<std::string, uint64_t> hashes;  // tensor name -> content hash
+  std::vector<const SharedSegments::Host*> host;                // parallel to plan.host_segments
+  std::vector<std::vector<const SharedSegments::Arena*>> arenas;  // [rank][arena]
+  std::vector<bool> read;                                       // parallel to catalog.tensors
+  std::vector<uint64_t> hashes;                                 // of tensors not read
 };
 
-Reuse FindReusable(const Catalog& catalog, const LoadPlan& plan, const ModelGeneration* previous) {
+Reuse FindReusable(const Catalog& catalog, const LoadPlan& plan, const std::vector<DeviceInfo>& devices,
+                   const SharedSegments* shared) {
   Reuse reuse;
-  reuse.file.assign(catalog.files.size(), nullptr);
-  if (previous == nullptr) return reuse;
-  std::vector<uint32_t> chunks(catalog.files.size()), arenas(catalog.files.size() * plan.ranks.size());
-  for (const HostChunk& c : plan.host_segments) ++chunks[c.file];
+  reuse.host.assign(plan.host_segments.size(), nullptr);
+  reuse.arenas.resize(devices.empty() ? 0 : plan.ranks.size());
+  for (size_t r = 0; r < reuse.arenas.size(); ++r) reuse.arenas[r].assign(plan.ranks[r].arena_bytes.size(), nullptr);
+  reuse.read.assign(catalog.tensors.size(), true);
+  reuse.hashes.assign(catalog.tensors.size(), 0);
+  if (shared == nullptr) return reuse;
+  const size_t host_count = plan.host_segments.size();
+  // What each segment of the plan holds, as its rank manifests say.
+  std::vector<std::vector<SegmentContent>> host_contents(host_count);
+  std::vector<std::vector<std::vector<SegmentContent>>> arena_contents(reuse.arenas.size());
   for (size_t r = 0; r < plan.ranks.size(); ++r) {
-    for (uint32_t f : plan.ranks[r].arena_file) ++arenas[f * plan.ranks.size() + r];
-  }
-  for (size_t f = 0; f < catalog.files.size(); ++f) {
-    FileStamp stamp = StampOf(catalog.files[f]);
-    for (const GenerationFile& old : previous->files) {
-      if (old.stamp != stamp || old.host_segments.size() != chunks[f] || old.arenas.size() != plan.ranks.size()) continue;
-      bool same_arenas = true;
-      for (size_t r = 0; r < plan.ranks.size(); ++r) same_arenas &= old.arenas[r].size() == arenas[f * plan.ranks.size() + r];
-      if (same_arenas) reuse.file[f] = &old;
-      break;
+    if (r < arena_contents.size()) arena_contents[r].resize(plan.ranks[r].arena_bytes.size());
+    for (const TensorRecord& t : plan.ranks[r].tensors) {
+      SegmentContent c{t.name, t.offset, t.nbytes, t.split_dim, t.split_start};
+      if (t.placement == Placement::kHost) {
+        if (r == 0) host_contents[t.segment].push_back(std::move(c));
+      } else if (r < arena_contents.size()) {
+        arena_contents[r][t.segment - host_count].push_back(std::move(c));
+      }
     }
   }
-  if (!previous->ranks.empty()) {
-    for (const TensorRecord& t : previous->ranks[0].tensors) reuse.hashes.emplace(t.name, t.content_hash);
+  for (size_t i = 0; i < host_count; ++i) {
+    const CatalogFile& file = catalog.files[plan.host_segments[i].file];
+    reuse.host[i] = shared->FindHost(SegmentKey(StampOf(file), "", std::move(host_contents[i])));
+  }
+  for (size_t r = 0; r < reuse.arenas.size(); ++r) {
+    for (size_t i = 0; i < reuse.arenas[r].size(); ++i) {
+      const CatalogFile& file = catalog.files[plan.ranks[r].arena_file[i]];
+      reuse.arenas[r][i] = shared->FindArena(SegmentKey(StampOf(file), devices[r].uuid, std::move(arena_contents[r][i])));
+    }
+  }
+  for (size_t i = 0; i < catalog.tensors.size(); ++i) {
+    const TensorPlan& tp = plan.tensors[i];
+    const absl::flat_hash_map<std::string, uint64_t>* hashes = nullptr;
+    bool fresh = false;
+    if (tp.placement == Placement::kHost) {
+      const SharedSegments::Host* h = reuse.host[tp.host_segment];
+      fresh = h == nullptr;
+      if (h != nullptr) hashes = &h->hashes;
+    } else {
+      for (size_t r = 0; r < tp.ranks.size() && r < reuse.arenas.size(); ++r) {
+        const SharedSegments::Arena* a = reuse.arenas[r][tp.ranks[r].arena];
+        fresh |= a == nullptr;
+        if (a != nullptr) hashes = &a->hashes;
+      }
+      fresh |= reuse.arenas.empty();
+    }
+    if (fresh || hashes == nullptr) continue;
+    auto it = hashes->find(catalog.tensors[i].name);
+    if (it == hashes->end()) continue;  // cannot be: an equal key holds the same tensors; read it then
+    reuse.read[i] = false;
+    reuse.hashes[i] = it->second;
   }
   return reuse;
 }
 
 absl::StatusOr<Allocation> Allocate(const std::string& name, const LoadPlan& plan, const Reuse& reuse,
-                                    const ModelGeneration* previous, const std::vector<DeviceInfo>& devices,
-                                    DeviceBackend* backend, const PageChoice& pages) {
+                                    const std::vector<DeviceInfo>& devices, DeviceBackend* backend,
+                                    const PageChoice& pages) {
   Allocation a;
-  std::vector<uint32_t> next_host(reuse.file.size());  // per file: its next reused host segment
   for (size_t i = 0; i < plan.host_segments.size(); ++i) {
     const HostChunk& c = plan.host_segments[i];
     HostSlot slot;
-    if (const GenerationFile* old = reuse.file[c.file]) {
-      slot.reused = previous->host_segments[previous->segments[old->host_segments[next_host[c.file]++]].owner];
+    if (const SharedSegments::Host* shared = reuse.host[i]) {
+      slot.reused = shared->segment;
     } else {
       WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<HostSegment> segment,
                                HostSegment::Create(absl::StrCat(name, ":host", i), c.bytes, pages));
@@ -201,13 +239,11 @@ absl::StatusOr<Allocation> Allocate(const std::string& name, const LoadPlan& pla
   }
   a.arenas.resize(devices.empty() ? 0 : plan.ranks.size());
   for (size_t r = 0; r < a.arenas.size(); ++r) {
-    std::vector<uint32_t> next_arena(reuse.file.size());
     for (size_t i = 0; i < plan.ranks[r].arena_bytes.size(); ++i) {
       uint64_t bytes = plan.ranks[r].arena_bytes[i];
-      uint32_t file = plan.ranks[r].arena_file[i];
       auto slot = std::make_unique<ArenaSlot>();
-      if (const GenerationFile* old = reuse.file[file]) {
-        slot->arena = previous->arenas[previous->segments[old->arenas[r][next_arena[file]++]].owner];
+      if (const SharedSegments::Arena* shared = reuse.arenas[r][i]) {
+        slot->arena = shared->arena;
         slot->fresh = false;
         a.arenas[r].push_back(std::move(slot));
         continue;
@@ -230,6 +266,7 @@ absl::Status CopyBlockToRanks(const TensorPlan& tp, uint64_t b0, uint64_t b1, co
                               Allocation& a, Staging& staging) {
   for (size_t r = 0; r < tp.ranks.size(); ++r) {
     ArenaSlot& slot = *a.arenas[r][tp.ranks[r].arena];
+    if (!slot.fresh) continue;  // shared: sealed, holds these bytes already
     absl::MutexLock lock(&slot.mu);
     uint64_t base = tp.ranks[r].offset;
     if (tp.split_dim < 0) {
@@ -414,10 +451,11 @@ class ReadJob {
 
 // The page choice of a load: what the kernel offers now (or the test's
 // probe) for the fresh host segments of `plan`.
-PageChoice ChooseLoadPages(const LoadPlan& plan, const std::vector<bool>& read_file, const LoaderOptions& options) {
+PageChoice ChooseLoadPages(const LoadPlan& plan, const Reuse& reuse, const LoaderOptions& options) {
   uint64_t hugetlb_bytes = 0;
-  for (const HostChunk& c : plan.host_segments) {
-    if (read_file[c.file] && c.bytes >= kHugeSegmentMinBytes) {
+  for (size_t i = 0; i < plan.host_segments.size(); ++i) {
+    const HostChunk& c = plan.host_segments[i];
+    if (reuse.host[i] == nullptr && c.bytes >= kHugeSegmentMinBytes) {
       hugetlb_bytes += (c.bytes + kHugePageBytes - 1) / kHugePageBytes * kHugePageBytes;
     }
   }
@@ -534,6 +572,16 @@ std::string FingerprintOf(const std::vector<TensorRecord>& tensors) {
   return absl::StrFormat("%016x%016x", h.high64, h.low64);
 }
 
+uint64_t SharedHostBytes(const Catalog& catalog, const LoadRequest& request, const LoaderOptions& options,
+                         const SharedSegments& shared) {
+  absl::StatusOr<PlannedLoad> planned = PlanLoad(catalog, request, options);
+  if (!planned.ok()) return 0;
+  Reuse reuse = FindReusable(catalog, planned->plan, planned->devices, &shared);
+  uint64_t bytes = 0;
+  for (size_t i = 0; i < reuse.host.size(); ++i) bytes += reuse.host[i] != nullptr ? planned->plan.host_segments[i].bytes : 0;
+  return bytes;
+}
+
 FileStamp StampOf(const CatalogFile& file) { return FileStamp{file.name, file.identity, file.header_hash}; }
 
 absl::StatusOr<PlannedLoad> PlanLoad(const Catalog& catalog, const LoadRequest& request, const LoaderOptions& options) {
@@ -546,11 +594,11 @@ absl::StatusOr<PlannedLoad> PlanLoad(const Catalog& catalog, const LoadRequest& 
 absl::StatusOr<std::unique_ptr<ModelGeneration>> LoadGeneration(const Catalog& catalog, const LoadRequest& request,
                                                                  const LoaderOptions& options,
                                                                  const ProgressFn& progress,
-                                                                 const ModelGeneration* previous,
+                                                                 const SharedSegments* shared,
                                                                  const PlannedLoad* planned) {
   static_assert(kReadBlockBytes == kHashBlockBytes, "a read block is a hash block");
-  if (options.host_source != nullptr && previous != nullptr) {
-    return absl::InternalError("a load from a host source shares nothing with the generation before");
+  if (options.host_source != nullptr && shared != nullptr) {
+    return absl::InternalError("a load from a host source shares no segment");
   }
   auto start = std::chrono::steady_clock::now();
   LoadProgress p;
@@ -569,27 +617,27 @@ absl::StatusOr<std::unique_ptr<ModelGeneration>> LoadGeneration(const Catalog& c
   }
   const std::vector<DeviceInfo>& devices = planned->devices;
   const LoadPlan& plan = planned->plan;
-  Reuse reuse = FindReusable(catalog, plan, previous);
-  std::vector<bool> read_file(catalog.files.size());
-  for (size_t f = 0; f < catalog.files.size(); ++f) read_file[f] = reuse.file[f] == nullptr;
+  Reuse reuse = FindReusable(catalog, plan, devices, shared);
   p.bytes_total = 0;
-  for (const CatalogTensor& t : catalog.tensors) {
-    (read_file[t.file] ? p.bytes_total : p.bytes_reused) += t.nbytes;
+  for (size_t i = 0; i < catalog.tensors.size(); ++i) {
+    (reuse.read[i] ? p.bytes_total : p.bytes_reused) += catalog.tensors[i].nbytes;
   }
 
   report(LoadProgress::Phase::kAllocate);
-  PageChoice pages = ChooseLoadPages(plan, read_file, options);
+  PageChoice pages = ChooseLoadPages(plan, reuse, options);
   uint64_t new_host_bytes = 0;
-  for (const HostChunk& c : plan.host_segments) new_host_bytes += read_file[c.file] ? c.bytes : 0;
+  for (size_t i = 0; i < plan.host_segments.size(); ++i) {
+    new_host_bytes += reuse.host[i] == nullptr ? plan.host_segments[i].bytes : 0;
+  }
   WEIGHTD_ASSIGN_OR_RETURN(HostMemoryAdmission::Reservation admitted,
                            AdmitHostMemory(request.name, new_host_bytes, options));
   WEIGHTD_ASSIGN_OR_RETURN(Allocation alloc,
-                           Allocate(request.name, plan, reuse, previous, devices, options.device_backend, pages));
+                           Allocate(request.name, plan, reuse, devices, options.device_backend, pages));
   WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader,
                            CheckpointReader::Open(catalog, {options.direct_io}));
 
   report(LoadProgress::Phase::kRead);
-  std::vector<ReadTask> tasks = MakeTasks(catalog, read_file);
+  std::vector<ReadTask> tasks = MakeTasks(catalog, reuse.read);
   std::vector<WorkUnit> units = MakeUnits(plan, tasks);
   std::vector<std::vector<uint64_t>> block_hashes(catalog.tensors.size());
   for (const ReadTask& t : tasks) block_hashes[t.tensor].resize(std::max<size_t>(block_hashes[t.tensor].size(), t.block + 1));
@@ -611,18 +659,7 @@ absl::StatusOr<std::unique_ptr<ModelGeneration>> LoadGeneration(const Catalog& c
   if (!host_pages.empty()) LogInfo(host_pages);
   std::vector<uint64_t> hashes(catalog.tensors.size());
   for (size_t i = 0; i < hashes.size(); ++i) {
-    const CatalogTensor& t = catalog.tensors[i];
-    if (read_file[t.file]) {
-      hashes[i] = CombineBlockHashes(block_hashes[i]);
-    } else {
-      auto it = reuse.hashes.find(t.name);
-      if (it == reuse.hashes.end()) {  // cannot be: an unchanged file holds the same tensors
-        return absl::InternalError(absl::StrCat("tensor ", QuoteName(t.name), " of unchanged file ",
-                                                ElideName(catalog.files[t.file].name), " has no hash in generation ",
-                                                previous->generation));
-      }
-      hashes[i] = it->second;
-    }
+    hashes[i] = reuse.read[i] ? CombineBlockHashes(block_hashes[i]) : reuse.hashes[i];
   }
   auto gen = std::make_unique<ModelGeneration>();
   WEIGHTD_RETURN_IF_ERROR(Publish(catalog, plan, alloc, hashes, options.device_backend, *gen));

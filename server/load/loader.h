@@ -43,6 +43,7 @@
 #include "server/load/host_fill.h"
 #include "server/load/plan.h"
 #include "server/load/reader.h"
+#include "server/load/shared_segments.h"
 
 namespace weightd {
 
@@ -132,11 +133,14 @@ struct PlannedLoad {
 absl::StatusOr<PlannedLoad> PlanLoad(const Catalog& catalog, const LoadRequest& request, const LoaderOptions& options);
 
 // Loads `catalog` (already validated) into a new generation placed per
-// `request`. With `previous` (the READY generation of the name, loaded with
-// the same plan; not owned, must outlive the call), every catalog file whose
-// FileStamp equals one of `previous`'s files is not read: its host segments
-// and arenas are shared with `previous` by reference and its tensors keep
-// their content hashes; only the other files are read. Progress is reported from the calling thread only, at most every
+// `request`. With `shared` (the segments this node serves, indexed by what
+// they hold: server/load/shared_segments.h; not owned, must outlive the
+// call), every host segment and arena of the plan whose contents equal a
+// served one is that segment, shared by reference (no read, no new memory,
+// its tensors keep their content hashes); only tensors with a fresh
+// destination are read. A reload of one changed file of a sharded
+// checkpoint reads that file; a second name, a subset or another TP plan
+// over the same files reads what no served segment holds. Progress is reported from the calling thread only, at most every
 // 100 ms and at each phase change. On any error everything allocated is freed
 // before returning. Errors name the file and byte offset of a failed read.
 // `planned`: PlanLoad's result for the same catalog, request and options
@@ -144,8 +148,14 @@ absl::StatusOr<PlannedLoad> PlanLoad(const Catalog& catalog, const LoadRequest& 
 absl::StatusOr<std::unique_ptr<ModelGeneration>> LoadGeneration(const Catalog& catalog, const LoadRequest& request,
                                                                  const LoaderOptions& options,
                                                                  const ProgressFn& progress,
-                                                                 const ModelGeneration* previous = nullptr,
+                                                                 const SharedSegments* shared = nullptr,
                                                                  const PlannedLoad* planned = nullptr);
+
+// Bytes of the host segments `request`'s plan over `catalog` would share
+// with `shared` instead of filling; 0 also when the plan cannot be made
+// (LoadGeneration then reports why).
+uint64_t SharedHostBytes(const Catalog& catalog, const LoadRequest& request, const LoaderOptions& options,
+                         const SharedSegments& shared);
 
 // The model fingerprint (above) of a rank's manifest, from each tensor's
 // name, dtype, full (checkpoint) shape and content hash: one formula for

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -148,6 +149,26 @@ absl::StatusOr<LoadPlan> MakeLoadPlan(const Catalog& catalog, const LoadRequest&
     }
   }
   return plan;
+}
+
+absl::Status SelectTensors(const LoadRequest& request, Catalog& catalog) {
+  if (request.include_patterns.empty() && request.exclude_patterns.empty()) return absl::OkStatus();
+  size_t before = catalog.tensors.size();
+  std::erase_if(catalog.tensors, [&](const CatalogTensor& t) { return !request.Selects(t.name); });
+  if (catalog.tensors.empty()) {
+    auto quoted = [](const std::vector<std::string>& patterns) {
+      std::vector<std::string> out;
+      for (const std::string& p : patterns) out.push_back(QuoteName(p));
+      return out.empty() ? std::string("none") : absl::StrJoin(out, ", ");
+    };
+    absl::Status none = absl::InvalidArgumentError(
+        absl::StrCat("the subset selects none of the ", before, " tensors of ", catalog.root, " (include ",
+                     quoted(request.include_patterns), "; exclude ", quoted(request.exclude_patterns), ")"));
+    none.SetPayload(kInvalidLoadRequestPayload, absl::Cord("1"));
+    return none;
+  }
+  catalog.Finish();
+  return absl::OkStatus();
 }
 
 }  // namespace weightd

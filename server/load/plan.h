@@ -89,6 +89,14 @@ struct LoadPlan {
   uint64_t device_bytes_per_rank(uint32_t rank) const;
 };
 
+// Keeps only the tensors `request` selects (LoadRequest::Selects: its
+// include and exclude patterns) in `catalog`, before it is planned: what a
+// subset load reads, places, hashes and fingerprints. Files stay (their
+// headers were read and checked; a file with no selected tensor adds no
+// segment and no byte to read). INVALID_ARGUMENT when no tensor is left,
+// naming the checkpoint, its tensor count and the patterns.
+absl::Status SelectTensors(const LoadRequest& request, Catalog& catalog);
+
 // INVALID_ARGUMENT naming the tensor, its shape and the plan for a rule that
 // cannot apply. `device_count` is the number of devices (0: host only; else
 // must equal tp_size).

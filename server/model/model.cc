@@ -1,7 +1,9 @@
 #include "server/model/model.h"
 
+#include <algorithm>
 #include <cctype>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 
 namespace weightd {
@@ -25,7 +27,48 @@ bool LoadRequest::SamePlan(const LoadRequest& o) const {
     return true;
   };
   return host_resident_patterns == o.host_resident_patterns && tp_size == o.tp_size && devices == o.devices &&
-         same_rules();
+         include_patterns == o.include_patterns && exclude_patterns == o.exclude_patterns && same_rules();
+}
+
+bool LoadRequest::Selects(const std::string& tensor) const {
+  auto contains = [&](const std::string& pattern) { return tensor.find(pattern) != std::string::npos; };
+  if (!include_patterns.empty() && std::none_of(include_patterns.begin(), include_patterns.end(), contains)) {
+    return false;
+  }
+  return std::none_of(exclude_patterns.begin(), exclude_patterns.end(), contains);
+}
+
+absl::Status CheckLoadPatterns(const LoadRequest& request) {
+  auto refuse = [](std::string message) {
+    absl::Status status = absl::InvalidArgumentError(std::move(message));
+    status.SetPayload(kInvalidLoadRequestPayload, absl::Cord("1"));
+    return status;
+  };
+  std::vector<std::string> rule_patterns;
+  for (const TpRule& rule : request.tp_rules) rule_patterns.push_back(rule.pattern);
+  struct List {
+    const char* option;
+    const std::vector<std::string>* patterns;
+    bool nonempty;
+  };
+  for (const List& list : {List{"--host-resident", &request.host_resident_patterns, false},
+                           List{"--include", &request.include_patterns, true},
+                           List{"--exclude", &request.exclude_patterns, true},
+                           List{"--tp-rule", &rule_patterns, true}}) {
+    if (list.patterns->size() > kMaxLoadPatterns) {
+      return refuse(absl::StrCat(list.option, " was given ", list.patterns->size(), " patterns; at most ",
+                                 kMaxLoadPatterns, " are allowed"));
+    }
+    for (size_t i = 0; i < list.patterns->size(); ++i) {
+      const std::string& p = (*list.patterns)[i];
+      if (p.size() > kMaxPatternBytes) {
+        return refuse(absl::StrCat(list.option, " pattern ", i + 1, " is ", p.size(), " bytes; at most ",
+                                   kMaxPatternBytes, " are allowed"));
+      }
+      if (list.nonempty && p.empty()) return refuse(absl::StrCat(list.option, " pattern ", i + 1, " is empty"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status ValidateModelName(const std::string& name) {

@@ -56,11 +56,24 @@ absl::Status ValidateVersionLabel(const std::string& label);
 inline constexpr size_t kMaxModelNameBytes = 128;
 absl::Status ValidateModelName(const std::string& name);
 
+// Bounds on the pattern lists of a load request (host-resident, include,
+// exclude, TP rules): at most this many patterns, each at most this many
+// bytes. CheckLoadPatterns enforces them.
+inline constexpr size_t kMaxLoadPatterns = 1024;
+inline constexpr size_t kMaxPatternBytes = 1024;
+
 // What a client asked to load (LoadModelRequest in domain types).
 struct LoadRequest {
   std::string name;
   std::string checkpoint_path;
   std::vector<std::string> host_resident_patterns = {};
+  // A subset load (a draft model that reads part of a checkpoint): a tensor
+  // is loaded when its name contains one of `include_patterns` (empty: every
+  // tensor) and none of `exclude_patterns`. The generation's manifest,
+  // fingerprint, checkpoint_bytes and memory cover exactly those tensors.
+  // Part of the plan. Substrings, as host-resident patterns; never empty.
+  std::vector<std::string> include_patterns = {};
+  std::vector<std::string> exclude_patterns = {};
   uint32_t tp_size = 1;
   std::vector<TpRule> tp_rules = {};
   std::vector<std::string> devices = {};
@@ -71,7 +84,15 @@ struct LoadRequest {
   // the checkpoint path: a generation loaded with the same plan may share the
   // segments of unchanged files (see LoadGeneration).
   bool SamePlan(const LoadRequest& other) const;
+  // Whether tensor `name` is in the subset (include/exclude above).
+  bool Selects(const std::string& name) const;
 };
+
+// INVALID_ARGUMENT with kInvalidLoadRequestPayload for a pattern list over
+// its bounds (kMaxLoadPatterns, kMaxPatternBytes) or an empty include or
+// exclude pattern (which would select or drop every tensor), naming the
+// option: "--include pattern 2 is empty".
+absl::Status CheckLoadPatterns(const LoadRequest& request);
 
 struct TensorRecord {
   std::string name;

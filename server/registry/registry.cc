@@ -168,6 +168,7 @@ void ModelRegistry::RefuseLoad(const LoadRequest& request, const absl::Status& s
 
 absl::Status ModelRegistry::AdmitLoad(LoadRequest& request) const {
   WEIGHTD_RETURN_IF_ERROR(ValidateModelName(request.name));
+  WEIGHTD_RETURN_IF_ERROR(CheckLoadPatterns(request));
   if (request.tp_size == 0) request.tp_size = 1;
   WEIGHTD_ASSIGN_OR_RETURN(request.checkpoint_path, ResolvePath(request.checkpoint_path));
   return absl::OkStatus();
@@ -200,10 +201,16 @@ absl::StatusOr<ModelRegistry::LoadResult> ModelRegistry::Load(LoadRequest reques
   if (progress) progress(LoadProgress{});
   absl::StatusOr<Catalog> catalog = BuildCatalog(request.checkpoint_path, CatalogOptions{&env(), options_.model_roots});
   if (!catalog.ok()) return fail(catalog.status());
+  if (absl::Status none = SelectTensors(request, *catalog); !none.ok()) return fail(none);
   record->bytes_total = catalog->total_bytes();
   std::shared_ptr<ModelGeneration> previous;  // the name's READY generation, when its plan is the same
+  // Every segment served now, by what it holds: what this load may share
+  // (server/load/shared_segments.h). Freed off the reply's path.
+  auto shared = std::make_shared<SharedSegments>();
   {
     absl::MutexLock lock(&mu_);
+    for (const auto& [name, model] : current_) shared->Add(*model);
+    for (const auto& model : draining_) shared->Add(*model);
     if (std::shared_ptr<ModelGeneration> same = Reusable(request, *catalog)) {
       loading_.erase(request.name);
       failed_.erase(request.name);
@@ -220,15 +227,17 @@ absl::StatusOr<ModelRegistry::LoadResult> ModelRegistry::Load(LoadRequest reques
     if (progress) progress(p);
   };
   absl::StatusOr<std::unique_ptr<ModelGeneration>> loaded = absl::NotFoundError("not seeded from a peer");
-  // A READY generation with the same plan (a reload) shares its unchanged
-  // files instead: peers seed only names this node does not serve yet.
-  if (options_.seed_source != nullptr && previous == nullptr) {
+  // A READY generation with the same plan (a reload), or host segments this
+  // node serves already (another name or plan over the same files), are
+  // shared instead: peers seed only what this node holds none of.
+  if (options_.seed_source != nullptr && previous == nullptr && SharedHostBytes(*catalog, request, options_.loader, *shared) == 0) {
     loaded = options_.seed_source->Load(*catalog, request, options_.loader, track);  // each failure logged there
   }
-  if (!loaded.ok()) loaded = LoadGeneration(*catalog, request, options_.loader, track, previous.get());
+  if (!loaded.ok()) loaded = LoadGeneration(*catalog, request, options_.loader, track, shared.get());
   if (!loaded.ok()) return fail(loaded.status());
   LoadResult result = Publish(std::move(*loaded), *catalog);
   if (options_.loader.mlock) pinner_->Pin(result.model);
+  ReleaseLater(std::move(shared));
   if (previous != nullptr) ReleaseLater(std::move(previous));  // freed off the reply's path when unleased
   return result;
 }

@@ -125,12 +125,22 @@ class Restorer {
                                                          options_.model_roots ? options_.model_roots->Describe() : "", ")")};
     }
     for (const StoredSegment& s : record.host_segments) {
-      absl::StatusOr<ScopedFd> fd = Take(s);
-      if (!fd.ok()) return Refused(fd.status());
-      absl::StatusOr<std::unique_ptr<HostSegment>> segment = HostSegment::Adopt(std::move(*fd), s.size, s.huge_pages);
-      if (!segment.ok()) return Refusal{"segment_mismatch", absl::StrCat(s.fd_name, ": ", segment.status().message())};
-      m.huge_page_bytes += (*segment)->huge_bytes();  // hugetlb ones; THP is not known after a restart
-      m.host_segments.push_back(std::move(*segment));
+      // A segment several generations share (another name or plan over
+      // the same files, server/load/shared_segments.h) was stored once and
+      // is adopted once: every record naming it gets the same object.
+      std::shared_ptr<const HostSegment>& adopted = host_adopted_[s.fd_name];
+      if (adopted == nullptr) {
+        absl::StatusOr<ScopedFd> fd = Take(s);
+        if (!fd.ok()) return Refused(fd.status());
+        absl::StatusOr<std::unique_ptr<HostSegment>> segment = HostSegment::Adopt(std::move(*fd), s.size, s.huge_pages);
+        if (!segment.ok()) return Refusal{"segment_mismatch", absl::StrCat(s.fd_name, ": ", segment.status().message())};
+        adopted = std::move(*segment);
+      } else if (adopted->size() != s.size) {
+        return Refusal{"segment_mismatch", absl::StrCat(s.fd_name, ": another record gives it ", adopted->size(),
+                                                        " bytes, this one ", s.size)};
+      }
+      m.huge_page_bytes += adopted->huge_bytes();  // hugetlb ones; THP is not known after a restart
+      m.host_segments.push_back(adopted);
       out.host_segment_names.push_back(s.fd_name);
     }
     for (const StoredSegment& s : record.arenas) {
@@ -143,6 +153,14 @@ class Restorer {
       if (device == devices_.end()) {
         return Refusal{"device_unavailable", absl::StrCat(s.fd_name, ": GPU ", s.gpu_uuid, " is not present")};
       }
+      if (auto it = arena_adopted_.find(s.fd_name); it != arena_adopted_.end()) {  // shared, as host segments above
+        if (it->second->size() != s.size || it->second->device().uuid != s.gpu_uuid) {
+          return Refusal{"segment_mismatch", absl::StrCat(s.fd_name, ": another record gives it another size or GPU")};
+        }
+        m.arenas.push_back(it->second);
+        out.arena_names.push_back(s.fd_name);
+        continue;
+      }
       absl::StatusOr<ScopedFd> fd = Take(s);
       if (!fd.ok()) return Refused(fd.status());
       absl::StatusOr<std::unique_ptr<DeviceArena>> arena = options_.device_backend->Adopt(*device, std::move(*fd), s.size);
@@ -150,7 +168,9 @@ class Restorer {
         bool cannot = arena.status().code() == absl::StatusCode::kUnimplemented;
         return Refusal{cannot ? "device_unavailable" : "segment_mismatch", absl::StrCat(s.fd_name, ": ", arena.status().message())};
       }
-      m.arenas.push_back(std::move(*arena));
+      std::shared_ptr<DeviceArena> adopted = std::move(*arena);
+      arena_adopted_[s.fd_name] = adopted;
+      m.arenas.push_back(std::move(adopted));
       out.arena_names.push_back(s.fd_name);
     }
     for (SegmentRecord& s : m.segments) {
@@ -225,6 +245,9 @@ class Restorer {
   const RestoreOptions& options_;
   std::vector<NamedFd> records_;
   std::map<std::string, ScopedFd> segments_;  // closed when the restorer ends; adopted ones are copies
+  // Segments adopted so far, by store name: one object per stored segment.
+  std::map<std::string, std::shared_ptr<const HostSegment>> host_adopted_;
+  std::map<std::string, std::shared_ptr<DeviceArena>> arena_adopted_;
   std::vector<DeviceInfo> devices_;
   RestoreResult result_;
 };

@@ -55,7 +55,8 @@ json RequestJson(const LoadRequest& r) {
   json rules = json::array();
   for (const TpRule& rule : r.tp_rules) rules.push_back({{"pattern", rule.pattern}, {"dim", rule.dim}});
   return {{"name", r.name},       {"checkpoint_path", r.checkpoint_path}, {"host_resident_patterns", r.host_resident_patterns},
-          {"tp_size", r.tp_size}, {"tp_rules", rules},                    {"devices", r.devices}};
+          {"tp_size", r.tp_size}, {"tp_rules", rules},                    {"devices", r.devices},
+          {"include_patterns", r.include_patterns}, {"exclude_patterns", r.exclude_patterns}};
 }
 
 json FileJson(const GenerationFile& f) {
@@ -169,6 +170,12 @@ absl::StatusOr<LoadRequest> DecodeRequest(const json& j) {
   WEIGHTD_ASSIGN_OR_RETURN(r.host_resident_patterns, Field<std::vector<std::string>>(j, "host_resident_patterns", where));
   WEIGHTD_ASSIGN_OR_RETURN(r.tp_size, Field<uint32_t>(j, "tp_size", where));
   WEIGHTD_ASSIGN_OR_RETURN(r.devices, Field<std::vector<std::string>>(j, "devices", where));
+  // Records written before subset loads have neither list: the whole checkpoint.
+  for (auto [key, list] : {std::pair{"include_patterns", &r.include_patterns}, std::pair{"exclude_patterns", &r.exclude_patterns}}) {
+    if (!j.contains(key)) continue;
+    WEIGHTD_ASSIGN_OR_RETURN(*list, Field<std::vector<std::string>>(j, key, where));
+  }
+  WEIGHTD_RETURN_IF_ERROR(CheckLoadPatterns(r));
   WEIGHTD_ASSIGN_OR_RETURN(const json* rules, ArrayField(j, "tp_rules", where, 1024));
   for (const json& rule : *rules) {
     TpRule t;

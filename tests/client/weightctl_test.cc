@@ -133,8 +133,11 @@ TEST(Weightctl, TopLevelHelpListsEveryCommandsUsage) {
 TEST(Weightctl, UsageLinesFollowTheDesignContract) {
   std::map<std::string, std::string> usage;
   for (const Command& command : Commands()) usage[command.name] = Usage(command);
+  // The contract's options in its order; --include/--exclude (a subset
+  // load, issue "Engram host tables") and --peer are additions after it.
   EXPECT_EQ(usage["load"], "load NAME PATH [--host-resident PATTERN ...] [--tp-size N] [--tp-rule PATTERN:DIM ...] "
-                           "[--devices LIST] [--peer HOST:PORT ...] [--json]");
+                           "[--devices LIST] [--include PATTERN ...] [--exclude PATTERN ...] [--peer HOST:PORT ...] "
+                           "[--json]");
   EXPECT_EQ(usage["update"], "update NAME --from DIR [--version-label LABEL] [--json]");
   EXPECT_EQ(usage["ls"], "ls [--json]");
   EXPECT_EQ(usage["manifest"], "manifest NAME [--rank R] [--json]");

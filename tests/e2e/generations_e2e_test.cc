@@ -363,21 +363,41 @@ TEST_F(WriterE2E, AReloadAfterAnUpdateReadsTheFilesTheWriterChanged) {
   std::unique_ptr<Client> client = Connect();
   absl::StatusOr<MappedModel> model = client->Attach("tiny", 0);
   ASSERT_TRUE(model.ok());
-  std::string name = model->manifest().tensors[0].name;
+  const std::string name = model->manifest().tensors[0].name;
+  const std::string fingerprint = model->manifest().fingerprint;
   {
     absl::StatusOr<Updater> u = client->BeginUpdate("tiny", {name});
     ASSERT_TRUE(u.ok());
     memset(u->Find(name)->data, 1, u->Find(name)->info.nbytes);
     ASSERT_TRUE(u->Commit().ok());
   }
-  // The disk still holds the original: a reload must read the updated file
-  // again (its segment no longer holds the file's bytes) and share the other.
+  // While the lease holds generation 1 (DRAINING), its segments still hold
+  // the file's bytes: a reload shares them (server/load/shared_segments.h)
+  // and reads nothing.
+  CommandResult held = d_.Ctl({"reload", "tiny", "--json"});
+  ASSERT_EQ(held.code, 0) << held.err;
+  json h = json::parse(held.out);
+  EXPECT_EQ(h["bytes_read"].get<uint64_t>(), 0u) << h.dump();
+  EXPECT_EQ(h["fingerprint"], fingerprint);
+  EXPECT_EQ(d_.Ctl({"attach", "tiny", "--verify", dir_}).code, 0);
+  // Once it is gone, the disk is the only source of the file's bytes. An
+  // update again, then a reload: the updated file is read (its segment holds
+  // the writer's bytes, never shared as the file's) and the other shared.
+  model = absl::CancelledError("detached");
+  ASSERT_TRUE(testing::WaitFor([&] { return Models(d_).size() == 1; }, std::chrono::seconds(10))) << Models(d_).dump();
+  {
+    absl::StatusOr<Updater> u = client->BeginUpdate("tiny", {name});
+    ASSERT_TRUE(u.ok()) << u.status();
+    memset(u->Find(name)->data, 2, u->Find(name)->info.nbytes);
+    ASSERT_TRUE(u->Commit().ok());
+  }
+  ASSERT_TRUE(testing::WaitFor([&] { return Models(d_).size() == 1; }, std::chrono::seconds(10))) << Models(d_).dump();
   CommandResult reload = d_.Ctl({"reload", "tiny", "--json"});
   ASSERT_EQ(reload.code, 0) << reload.err;
   json r = json::parse(reload.out);
   EXPECT_GT(r["bytes_read"].get<uint64_t>(), 0u);
   EXPECT_GT(r["bytes_reused"].get<uint64_t>(), 0u);
-  EXPECT_EQ(r["fingerprint"], model->manifest().fingerprint);  // the checkpoint's bytes again
+  EXPECT_EQ(r["fingerprint"], fingerprint);  // the checkpoint's bytes again
   EXPECT_EQ(d_.Ctl({"attach", "tiny", "--verify", dir_}).code, 0);
 }
 }  // namespace

@@ -208,11 +208,13 @@ TEST_F(RestartE2E, ALostRecordKeyCostsAHashOfEveryByteNotAModel) {
 }
 
 TEST_F(RestartE2E, DamagedRecordsAreDroppedAndTheOthersRestored) {
-  std::string tiny = Demo("tiny", "tiny");
+  // Three copies of the files: one name's segments are not another's
+  // (names over the same files share them, as the next test shows).
+  std::string tiny = Demo("tiny", "tiny"), tiny_b = Demo("tiny-b", "tiny"), tiny_c = Demo("tiny-c", "tiny");
   Start();
-  ASSERT_EQ(Ctl({"load", "a", tiny}).code, 0);  // generation 1: its record will be corrupt
-  ASSERT_EQ(Ctl({"load", "b", tiny}).code, 0);  // generation 2: a segment will be missing
-  ASSERT_EQ(Ctl({"load", "c", tiny}).code, 0);  // generation 3: intact
+  ASSERT_EQ(Ctl({"load", "a", tiny}).code, 0);    // generation 1: its record will be corrupt
+  ASSERT_EQ(Ctl({"load", "b", tiny_b}).code, 0);  // generation 2: a segment will be missing
+  ASSERT_EQ(Ctl({"load", "c", tiny_c}).code, 0);  // generation 3: intact
   WaitForRecords(3);
   std::map<std::string, json> before = Models();
   store_.Kill(SIGKILL);
@@ -245,9 +247,41 @@ TEST_F(RestartE2E, DamagedRecordsAreDroppedAndTheOthersRestored) {
         return Count(s, "wd-rec-") == 1 && Count(s, "wd-seg-") == 2;
       },
       std::chrono::seconds(5)));
-  Verify("c", tiny);
+  Verify("c", tiny_c);
   // The names can be loaded again.
   EXPECT_EQ(Ctl({"load", "a", tiny}).code, 0);
+}
+
+// Two names over the same files share their host segments
+// (server/load/shared_segments.h): the store holds each segment once, and a
+// restart gives both names the one copy again.
+TEST_F(RestartE2E, SegmentsSharedByTwoNamesAreStoredAndRestoredOnce) {
+  std::string tiny = Demo("tiny", "tiny");
+  Start();
+  ASSERT_EQ(Ctl({"load", "a", tiny}).code, 0);
+  ASSERT_EQ(Ctl({"load", "b", tiny}).code, 0);
+  WaitForRecords(2);
+  std::map<std::string, int> stored = store_.Stored();
+  EXPECT_EQ(Count(stored, "wd-seg-"), 2);  // the tiny demo's two host segments, once
+  const std::optional<double> one_copy = testing::SampleValue(Scrape(), "weightd_host_resident_bytes");
+  ASSERT_TRUE(one_copy.has_value());
+  std::map<std::string, json> before = Models();
+  store_.Kill(SIGKILL);
+  Start();
+  EXPECT_EQ(Models(), before);
+  EXPECT_EQ(testing::SampleValue(Scrape(), "weightd_host_resident_bytes"), one_copy);
+  EXPECT_EQ(Count(store_.Stored(), "wd-seg-"), 2);
+  Verify("a", tiny);
+  Verify("b", tiny);
+  // Unloading one name keeps the segments the other still needs.
+  ASSERT_EQ(Ctl({"unload", "a"}).code, 0);
+  EXPECT_TRUE(FdStoreStandIn::WaitUntil(
+      [&] {
+        std::map<std::string, int> s = store_.Stored();
+        return Count(s, "wd-rec-") == 1 && Count(s, "wd-seg-") == 2;
+      },
+      std::chrono::seconds(5)));
+  Verify("b", tiny);
 }
 
 TEST_F(RestartE2E, ARestartWithFewerModelRootsDropsTheModelsOutsideThem) {
@@ -270,9 +304,9 @@ TEST_F(RestartE2E, ARestartWithFewerModelRootsDropsTheModelsOutsideThem) {
 }
 
 TEST_F(RestartE2E, UnloadAndReloadKeepTheStoreInStep) {
-  std::string tiny = Demo("tiny", "tiny");
+  std::string tiny = Demo("tiny", "tiny"), tiny_a = Demo("tiny-a", "tiny");  // a's segments are not b's
   Start();
-  ASSERT_EQ(Ctl({"load", "a", tiny}).code, 0);
+  ASSERT_EQ(Ctl({"load", "a", tiny_a}).code, 0);
   ASSERT_EQ(Ctl({"load", "b", tiny}).code, 0);
   WaitForRecords(2);
   ASSERT_EQ(Ctl({"unload", "a"}).code, 0);

@@ -547,7 +547,12 @@ def test_watch_ends_with_unavailable_when_the_daemon_stops(tmp_path):
 
 
 def test_load_with_an_unreachable_peer_falls_back_to_storage(daemon, demo_small):
-    result = daemon.client.load("demo-peerless", demo_small, peers=["127.0.0.1:1"])
+    # A copy of the files: over demo_small's own files the load would share
+    # demo-small's segments and ask no peer (docs/devices.md "One copy across
+    # names and plans").
+    copy = daemon.models / "demo-small-copy"
+    subprocess.run([daemon.weightctl, "make-demo", str(copy), "--preset", "small"], check=True, capture_output=True)
+    result = daemon.client.load("demo-peerless", copy, peers=["127.0.0.1:1"])
     try:
         assert result.model.state == "READY"
         assert result.model.source == "storage"
@@ -575,3 +580,33 @@ def test_a_relative_socket_path_is_a_path_not_a_host_name(daemon, monkeypatch):
     client = weightd.connect(sock.name)
     monkeypatch.chdir("/")  # resolved once, at connect
     assert client.list() == daemon.client.list()
+
+
+def test_a_subset_load_holds_exactly_the_chosen_tensors_and_shares_their_segments(daemon, demo_small):
+    full = {t.name: t for t in daemon.client.manifest("demo-small").tensors}
+    result = daemon.client.load("demo-draft", demo_small, include=["model.layers."], exclude=["mlp."])
+    try:
+        chosen = {n for n in full if "model.layers." in n and "mlp." not in n}
+        assert {t.name for t in daemon.client.manifest("demo-draft").tensors} == chosen
+        assert result.model.tensor_count == len(chosen)
+        assert chosen and len(chosen) < len(full)
+        # Another subset of the same host segments' tensors lays them out
+        # anew, so it is read, not shared (server/load/shared_segments.h).
+        assert result.bytes_read == sum(full[n].nbytes for n in chosen)
+    finally:
+        daemon.client.unload("demo-draft")
+    with pytest.raises(weightd.WeightdError) as e:
+        daemon.client.load("demo-none", demo_small, include=["no-such-tensor"])
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "the subset selects none of the" in e.value.message
+    assert "(include 'no-such-tensor'; exclude none)" in e.value.message
+    with pytest.raises(weightd.WeightdError) as e:
+        daemon.client.load("demo-none", demo_small, exclude=[""])
+    assert (e.value.code, e.value.message) == (grpc.StatusCode.INVALID_ARGUMENT, "--exclude pattern 1 is empty")
+    # The same plan under another name shares every segment: nothing read.
+    twin = daemon.client.load("demo-twin", demo_small)
+    try:
+        assert twin.bytes_read == 0
+        assert twin.model.fingerprint == daemon.client.manifest("demo-small").fingerprint
+    finally:
+        daemon.client.unload("demo-twin")

@@ -121,6 +121,12 @@ struct UpgradeInfo {
 
 struct LoadOptions {
   std::vector<std::string> host_resident_patterns;
+  // A subset load: only tensors whose name contains one of
+  // `include_patterns` (empty: every tensor) and none of `exclude_patterns`
+  // (substrings, never empty; at most 1024 of at most 1024 bytes each, like
+  // every pattern list). The manifest and fingerprint cover just those.
+  std::vector<std::string> include_patterns;
+  std::vector<std::string> exclude_patterns;
   uint32_t tp_size = 1;
   std::vector<std::pair<std::string, uint32_t>> tp_rules;  // {pattern, dim}
   std::vector<std::string> devices;                        // GPU UUIDs or ordinals, one per rank

@@ -73,10 +73,14 @@ class Client:
 
     def load(self, name: str, checkpoint_path: Union[str, os.PathLike[str]], *, host_resident: Iterable[str] = (),
              tp_size: int = 1, tp_rules: Iterable[Tuple[str, int]] = (), devices: Iterable[str] = (),
-             peers: Iterable[str] = (), progress: Optional[Callable[[LoadProgress], object]] = None) -> LoadResult:
+             peers: Iterable[str] = (), include: Iterable[str] = (), exclude: Iterable[str] = (),
+             progress: Optional[Callable[[LoadProgress], object]] = None) -> LoadResult:
         """Loads (or reuses) `checkpoint_path` under `name`; returns a LoadResult.
 
-        tp_rules: (pattern, dim) pairs. peers: "HOST:PORT" of other nodes'
+        include / exclude: a subset load (a draft model that reads part of a
+        checkpoint): only tensors whose name contains one of `include` (empty:
+        every tensor) and none of `exclude` are loaded; the manifest and
+        fingerprint cover just those. tp_rules: (pattern, dim) pairs. peers: "HOST:PORT" of other nodes'
         weightd --peer-address, asked in order to seed the model from their
         memory before storage is read (ModelInfo.source says which served).
         progress: called with a LoadProgress for each progress message.
@@ -84,7 +88,7 @@ class Client:
         request = pb.LoadModelRequest(
             name=name, checkpoint_path=os.fspath(checkpoint_path), host_resident_patterns=list(host_resident),
             tp_size=tp_size, tp_rules=[pb.TpRule(pattern=p, dim=d) for p, d in tp_rules], devices=list(devices),
-            peers=list(peers))
+            peers=list(peers), include_patterns=list(include), exclude_patterns=list(exclude))
         return self._load_stream(self._stub.LoadModel, request, progress)
 
     def reload(self, name: str, checkpoint_path: Union[str, os.PathLike[str], None] = None, *,

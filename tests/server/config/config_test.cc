@@ -95,6 +95,36 @@ TEST(DaemonConfig, VersionIsAFlagWithoutValue) {
   EXPECT_NE(DaemonUsage().find("[--version]"), std::string::npos);
 }
 
+TEST(DaemonConfig, PreloadPlansGiveAPreloadItsPlacementAndSubset) {
+  TempDir dir;
+  WriteFile(dir.Join("weightd.json"), R"({"preload": {"ds": "/m/ds", "draft": "/m/ds"},
+      "preload_plans": {"draft": {"exclude": [".engram."], "include": ["model."], "host_resident": ["embed"],
+                                  "tp_size": 2, "tp_rules": ["q_proj:0"], "devices": ["0", "1"]}}})");
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(ParsedArgs parsed, ParseDaemonArgs({"--config", dir.Join("weightd.json")}));
+  ASSERT_EQ(parsed.config.preload_plans.size(), 1u);
+  const PreloadPlan& p = parsed.config.preload_plans.at("draft");
+  EXPECT_THAT(p.exclude, ElementsAre(".engram."));
+  EXPECT_THAT(p.include, ElementsAre("model."));
+  EXPECT_THAT(p.host_resident, ElementsAre("embed"));
+  EXPECT_EQ(p.tp_size, 2u);
+  EXPECT_THAT(p.tp_rules, ElementsAre("q_proj:0"));
+  EXPECT_THAT(p.devices, ElementsAre("0", "1"));
+  // --print-config writes it back the same.
+  EXPECT_EQ(ConfigToJson(parsed.config)["preload_plans"]["draft"]["exclude"], nlohmann::json::array({".engram."}));
+
+  WriteFile(dir.Join("unknown.json"), R"({"preload": {"a": "/m/a"}, "preload_plans": {"a": {"exlude": ["x"]}}})");
+  EXPECT_THAT(ParseDaemonArgs({"--config", dir.Join("unknown.json")}),
+              StatusIs(Code::kInvalidArgument, "unknown preload plan key 'exlude'"));
+  WriteFile(dir.Join("orphan.json"), R"({"preload": {"a": "/m/a"}, "preload_plans": {"b": {}}})");
+  EXPECT_THAT(ParseDaemonArgs({"--config", dir.Join("orphan.json")}),
+              StatusIs(Code::kInvalidArgument, "preload_plans 'b' names no preload entry"));
+  WriteFile(dir.Join("rule.json"), R"({"preload": {"a": "/m/a"}, "preload_plans": {"a": {"tp_rules": ["q_proj"]}}})");
+  EXPECT_THAT(ParseDaemonArgs({"--config", dir.Join("rule.json")}),
+              StatusIs(Code::kInvalidArgument, "preload_plans 'a': a tp_rule must be PATTERN:DIM, got 'q_proj'"));
+  EXPECT_THAT(ParseDaemonArgs({"--preload-plans", "x"}),
+              StatusIs(Code::kInvalidArgument, "--preload-plans is set in the config file only (--config FILE.json)"));
+}
+
 TEST(DaemonConfig, ConfigFileSetsTheSameKeys) {
   TempDir dir;
   WriteFile(dir.Join("weightd.json"), R"({"socket": "/srv/w.sock", "model_root": ["/m1", "/m2"],
@@ -310,7 +340,7 @@ TEST(DaemonConfig, ConfigToJsonRoundTripsThroughConfigFile) {
   EXPECT_TRUE(reread.config.grpc_tcp_admin);
   EXPECT_EQ(reread.config.grpc_tls_client_ca, "/t/ca.pem");
   EXPECT_FALSE(reread.config.huge_pages);
-  EXPECT_EQ(json.size(), 38u);  // every DaemonConfig field, so a new one cannot be forgotten silently
+  EXPECT_EQ(json.size(), 39u);  // every DaemonConfig field, so a new one cannot be forgotten silently
 }
 
 }  // namespace

@@ -71,7 +71,10 @@ class PartialReloadTest : public ::testing::Test {
                                         const LoadRequest& request = HostRequest(), const LoaderOptions& options = Options()) {
     absl::StatusOr<Catalog> catalog = BuildCatalog(path);
     EXPECT_TRUE(catalog.ok()) << catalog.status();
-    absl::StatusOr<std::unique_ptr<ModelGeneration>> gen = LoadGeneration(*catalog, request, options, nullptr, previous);
+    SharedSegments shared;  // what a reload may share: the generation before's segments
+    if (previous != nullptr) shared.Add(*previous);
+    absl::StatusOr<std::unique_ptr<ModelGeneration>> gen =
+        LoadGeneration(*catalog, request, options, nullptr, previous != nullptr ? &shared : nullptr);
     EXPECT_TRUE(gen.ok()) << gen.status();
     return gen.ok() ? std::move(*gen) : nullptr;
   }
