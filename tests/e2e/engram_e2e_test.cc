@@ -114,6 +114,14 @@ TEST_F(EngramE2E, OnlyTheTablesStayOnTheHostAndEveryByteEqualsTheFiles) {
     EXPECT_EQ(host_bytes, kTableBytes) << "rank " << rank;
     EXPECT_TRUE(names.count("model.layers.1.engram.gate_proj.weight"));  // in an Engram file, not a table
   }
+  // `weightctl ls` shows the split: the tables on the host, the rest on each GPU.
+  CommandResult ls = d_.Ctl({"ls", "--json"});
+  ASSERT_EQ(ls.code, 0) << ls.err;
+  json listed = json::parse(ls.out)["models"];
+  ASSERT_EQ(listed.size(), 1u);
+  EXPECT_EQ(listed[0]["host_bytes"], kTableBytes);  // four tables, 64-byte aligned already: no padding
+  EXPECT_EQ(listed[0]["device_bytes"], loaded["device_bytes"]["GPU-emulated-0"].get<uint64_t>() +
+                                           loaded["device_bytes"]["GPU-emulated-1"].get<uint64_t>());
   // Two client processes, one per rank, compare every byte with the files.
   Process r0(d_.CtlArgv({"attach", "ds", "--rank", "0", "--verify", path_}), d_.dir().path());
   Process r1(d_.CtlArgv({"attach", "ds", "--rank", "1", "--verify", path_}), d_.dir().path());
