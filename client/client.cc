@@ -2,6 +2,7 @@
 
 #include <grpcpp/grpcpp.h>
 #include <limits.h>
+#include <sched.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -25,6 +26,21 @@
 
 namespace weightd {
 namespace {
+
+// The CPUs this process may run on (sched_getaffinity(2)), which the daemon
+// maps to a NUMA node to choose a copy (AttachOptions::numa_node). Empty
+// when the call fails.
+std::vector<int> AllowedCpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  std::vector<int> cpus;
+  if (sched_getaffinity(0, sizeof(set), &set) != 0) return cpus;
+  for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
+    if (CPU_ISSET(cpu, &set)) cpus.push_back(cpu);
+  }
+  return cpus;
+}
+
 
 absl::Status FromGrpc(const grpc::Status& s) {
   if (s.ok()) return absl::OkStatus();
@@ -81,6 +97,7 @@ ModelSummary FromProto(const v1::ModelInfo& m) {
   s.bytes_shared = m.bytes_shared();
   s.version_label = m.version_label();
   s.source = m.source();
+  s.numa_nodes.assign(m.numa_nodes().begin(), m.numa_nodes().end());
   return s;
 }
 
@@ -530,6 +547,7 @@ absl::StatusOr<LoadResult> Client::Load(const std::string& name, const std::stri
   for (const std::string& p : options.host_resident_patterns) request.add_host_resident_patterns(p);
   for (const std::string& p : options.include_patterns) request.add_include_patterns(p);
   for (const std::string& p : options.exclude_patterns) request.add_exclude_patterns(p);
+  request.set_numa_copies(options.numa_copies);
   request.set_tp_size(options.tp_size);
   for (const auto& [pattern, dim] : options.tp_rules) {
     v1::TpRule* rule = request.add_tp_rules();
@@ -587,6 +605,8 @@ absl::StatusOr<MappedModel> Client::Attach(const std::string& name, uint32_t ran
   request.set_name(name);
   request.set_rank(rank);
   if (options.packed_manifest) request.set_manifest_encoding(v1::AttachRequest::PACKED_TABLE_V1);
+  if (options.numa_node.has_value()) request.set_numa_node(*options.numa_node);
+  for (int cpu : AllowedCpus()) request.add_cpus(static_cast<uint32_t>(cpu));
   v1::AttachResponse response;
   grpc::ClientContext context;
   WEIGHTD_RETURN_IF_ERROR(FromGrpc(impl_->stub->Attach(&context, request, &response)));
@@ -605,6 +625,7 @@ absl::StatusOr<MappedModel> Client::Attach(const std::string& name, uint32_t ran
     return manifest.status();
   }
   state->manifest = std::move(*manifest);
+  state->manifest.numa_node = response.numa_node();
   WEIGHTD_RETURN_IF_ERROR(ClaimLease(FdSocketPath(response), response.lease_id(), ClaimTimeoutMs(response),
                                      &state->lease, &state->segment_fds));
   WEIGHTD_ASSIGN_OR_RETURN(state->segment_fds, MatchFdsToSegments(std::move(state->segment_fds), state->manifest));

@@ -453,6 +453,7 @@ class DaemonImpl final : public Daemon {
         request.exclude_patterns = p.exclude;
         request.tp_size = p.tp_size;
         request.devices = p.devices;
+        request.numa_copies = p.numa_copies;
         for (const std::string& rule : p.tp_rules) {  // PATTERN:DIM, checked by the config's validation
           size_t colon = rule.rfind(':');
           uint32_t dim = 0;

@@ -4,11 +4,13 @@
 #include <ostream>
 #include <thread>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "client/cli/commands.h"
 #include "client/cli/output.h"
 #include "client/cli/verify.h"
+#include "common/io/env.h"
 #include "nlohmann/json.hpp"
 #include "weightd/client.h"
 
@@ -19,6 +21,15 @@ int RunAttach(const Args& args, Context& ctx) {
   if (!client.ok()) return ReportError(client.status(), ctx.err);
   AttachOptions options;
   options.prefault = args.Flag("--prefault");
+  if (std::optional<std::string> node = args.Text("--numa-node")) {
+    int n = -1;
+    if (!absl::SimpleAtoi(*node, &n) || n < 0 || n >= kMaxNumaNodes) {
+      return ReportError(absl::InvalidArgumentError(absl::StrCat("--numa-node must be a node id in [0, ", kMaxNumaNodes,
+                                                                 "), got '", *node, "'")),
+                         ctx.err);
+    }
+    options.numa_node = n;
+  }
   absl::StatusOr<MappedModel> model =
       (*client)->Attach(args.positional[0], static_cast<uint32_t>(args.Int("--rank")), options);
   if (!model.ok()) return ReportError(model.status(), ctx.err);
@@ -27,9 +38,10 @@ int RunAttach(const Args& args, Context& ctx) {
   const Manifest& m = model->manifest();
   bool as_json = args.Flag("--json");
   if (!as_json) {
-    ctx.out << absl::StrFormat("attached '%s' rank %d generation %d: %d tensors, %s in %.3f ms%s (fingerprint %s)\n",
+    ctx.out << absl::StrFormat("attached '%s' rank %d generation %d: %d tensors, %s in %.3f ms%s%s (fingerprint %s)\n",
                                m.model, m.rank, m.generation, model->tensors().size(), HumanBytes(bytes),
                                model->attach_seconds() * 1e3, options.prefault ? ", prefaulted" : "",
+                               m.numa_node >= 0 ? absl::StrCat(", NUMA node ", m.numa_node, "'s copy") : "",
                                m.fingerprint);
   }
   bool verified = false;
@@ -47,6 +59,7 @@ int RunAttach(const Args& args, Context& ctx) {
                               {"bytes", bytes},
                               {"attach_seconds", model->attach_seconds()},
                               {"prefaulted", options.prefault},
+                              {"numa_node", m.numa_node},
                               {"fingerprint", m.fingerprint},
                               {"version_label", m.version_label},
                               {"verified", verified}}

@@ -36,6 +36,7 @@ json SummaryJson(const ModelSummary& m) {
           {"fingerprint", m.fingerprint},
           {"version_label", m.version_label},
           {"source", m.source},
+          {"numa_nodes", m.numa_nodes},
           {"tensor_count", m.tensor_count},
           {"tp_size", m.tp_size},
           {"checkpoint_path", m.checkpoint_path},
@@ -47,6 +48,7 @@ absl::StatusOr<LoadOptions> ParseLoadOptions(const Args& args) {
   options.host_resident_patterns = args.List("--host-resident");
   options.include_patterns = args.List("--include");
   options.exclude_patterns = args.List("--exclude");
+  options.numa_copies = args.Flag("--numa-copies");
   options.tp_size = static_cast<uint32_t>(args.Int("--tp-size"));
   for (const std::string& rule : args.List("--tp-rule")) {
     size_t colon = rule.rfind(':');

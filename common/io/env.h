@@ -11,6 +11,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace weightd {
 
@@ -89,6 +90,28 @@ class RandomAccessFile {
 
 enum class FileKind { kMissing, kRegular, kDirectory, kOther };
 
+// A NUMA node and the CPUs it holds (sysfs, Documentation/ABI/stable/
+// sysfs-devices-node: /sys/devices/system/node/online and nodeN/cpulist).
+struct NumaNode {
+  int id = 0;
+  std::vector<int> cpus;
+  bool operator==(const NumaNode&) const = default;
+};
+
+// Where the kernel describes NUMA nodes.
+inline constexpr char kNumaSysfsRoot[] = "/sys/devices/system/node";
+// Bounds on what a topology may name (a hostile or broken sysfs stand-in
+// cannot make a caller allocate without bound): node ids and CPU numbers
+// below these (MAX_NUMNODES is at most 1024 in Linux; CPU_SETSIZE is 1024,
+// machines go beyond it, 8192 is the kernel's NR_CPUS ceiling on x86-64).
+inline constexpr int kMaxNumaNodes = 1024;
+inline constexpr int kMaxCpus = 8192;
+
+// "0-3,8,10-11" (the kernel's cpulist and node list format, cpuset(7)
+// "List format") as sorted numbers, each below `limit`. INVALID_ARGUMENT
+// naming the text otherwise.
+absl::StatusOr<std::vector<int>> ParseCpuList(absl::string_view text, int limit);
+
 class Env {
  public:
   virtual ~Env() = default;
@@ -111,6 +134,25 @@ class Env {
   virtual absl::StatusOr<std::vector<std::string>> ListDir(const std::string& path) = 0;
   // realpath(3): resolves symlinks, "." and "..".
   virtual absl::StatusOr<std::string> RealPath(const std::string& path) = 0;
+
+  // The machine's NUMA nodes, by id, each with its CPUs
+  // (ReadNumaTopology(*this, kNumaSysfsRoot)). Empty when the kernel has no
+  // NUMA support (no such folder): callers treat that as one node.
+  virtual absl::StatusOr<std::vector<NumaNode>> NumaNodes() { return ReadNumaTopology(*this, kNumaSysfsRoot); }
+  // Binds the pages of `bytes` bytes at `addr`, a shared writable mapping
+  // of memfd `fd`, to NUMA node `node` (mbind(2) MPOL_BIND with
+  // MPOL_MF_STRICT | MPOL_MF_MOVE). On a shmem mapping this sets the file's
+  // shared policy: every page of that range allocated later, through any
+  // mapping or write(2), comes from `node`. Call before filling. `fd` is
+  // for fakes that record which segment was bound. Errors keep errno
+  // (EINVAL for a node the machine does not have).
+  virtual absl::Status BindMemory(int fd, char* addr, uint64_t bytes, int node);
+
+  // The topology under `root` (a sysfs node folder, or a stand-in in
+  // tests): `root`/online lists the node ids, `root`/nodeN/cpulist each
+  // node's CPUs. Bounded by kMaxNumaNodes and kMaxCpus; errors name the
+  // file.
+  static absl::StatusOr<std::vector<NumaNode>> ReadNumaTopology(Env& env, const std::string& root);
 };
 
 // Reads a whole small file (an index or config), refusing files larger than

@@ -21,6 +21,7 @@ LoadRequest FromProto(const v1::LoadModelRequest& r) {
   out.host_resident_patterns.assign(r.host_resident_patterns().begin(), r.host_resident_patterns().end());
   out.include_patterns.assign(r.include_patterns().begin(), r.include_patterns().end());
   out.exclude_patterns.assign(r.exclude_patterns().begin(), r.exclude_patterns().end());
+  out.numa_copies = r.numa_copies();
   out.tp_size = r.tp_size() == 0 ? 1 : r.tp_size();
   for (const v1::TpRule& rule : r.tp_rules()) out.tp_rules.push_back({rule.pattern(), rule.dim()});
   out.devices.assign(r.devices().begin(), r.devices().end());
@@ -49,6 +50,7 @@ void ToProto(const ModelGeneration& m, v1::ModelInfo* out) {
   out->set_checkpoint_bytes(m.checkpoint_bytes);
   out->set_bytes_read(m.bytes_read);
   out->set_bytes_shared(m.bytes_reused);
+  for (const NumaCopy& copy : m.numa_copies) out->add_numa_nodes(copy.node);
   for (const std::string& w : m.warnings) out->add_warnings(w);
   for (const SegmentRecord& s : m.segments) {
     if (s.placement != Placement::kDevice) continue;

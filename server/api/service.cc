@@ -137,7 +137,25 @@ grpc::Status WeightdService::AttachEncoded(const grpc::ByteBuffer& raw, grpc::By
   grpc::ByteBuffer copy(raw);  // Deserialize consumes its buffer; copies share the slices
   grpc::Status parsed = grpc::SerializationTraits<v1::AttachRequest>::Deserialize(&copy, &request);
   if (!parsed.ok()) return parsed;
-  absl::StatusOr<ModelRegistry::Grant> grant = registry_->Attach(request.name(), request.rank());
+  ModelRegistry::AttachPlacement placement;
+  if (request.has_numa_node()) {
+    if (request.numa_node() < 0 || request.numa_node() >= kMaxNumaNodes) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          absl::StrCat("numa_node must be in [0, ", kMaxNumaNodes, "), got ", request.numa_node()));
+    }
+    placement.numa_node = request.numa_node();
+  }
+  if (request.cpus_size() > kMaxCpus) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        absl::StrCat("cpus lists ", request.cpus_size(), " CPUs; at most ", kMaxCpus));
+  }
+  for (uint32_t cpu : request.cpus()) {
+    if (cpu >= static_cast<uint32_t>(kMaxCpus)) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, absl::StrCat("cpu ", cpu, " is not below ", kMaxCpus));
+    }
+    placement.cpus.push_back(static_cast<int>(cpu));
+  }
+  absl::StatusOr<ModelRegistry::Grant> grant = registry_->Attach(request.name(), request.rank(), placement);
   if (!grant.ok()) return ToGrpcStatus(grant.status());
   const ModelGeneration& m = *grant->model;
   std::shared_ptr<const std::string> packed;
@@ -153,6 +171,7 @@ grpc::Status WeightdService::AttachEncoded(const grpc::ByteBuffer& raw, grpc::By
   head.set_rank(grant->rank);
   head.set_fingerprint(m.fingerprint);
   head.set_version_label(m.version_label);
+  head.set_numa_node(grant->numa_node());
   // Protobuf messages concatenate: header fields, then the cached segments
   // and tensors, parse as one AttachResponse.
   std::string bytes = head.SerializeAsString();

@@ -277,7 +277,7 @@ absl::Status Validate(DaemonConfig& c) {
 
 void to_json(json& j, const PreloadPlan& p) {
   j = json{{"host_resident", p.host_resident}, {"include", p.include}, {"exclude", p.exclude},
-           {"tp_size", p.tp_size}, {"tp_rules", p.tp_rules}, {"devices", p.devices}};
+           {"tp_size", p.tp_size}, {"tp_rules", p.tp_rules}, {"devices", p.devices}, {"numa_copies", p.numa_copies}};
 }
 
 void from_json(const json& j, PreloadPlan& p) {
@@ -289,6 +289,7 @@ void from_json(const json& j, PreloadPlan& p) {
     else if (key == "tp_size") value.get_to(p.tp_size);
     else if (key == "tp_rules") value.get_to(p.tp_rules);
     else if (key == "devices") value.get_to(p.devices);
+    else if (key == "numa_copies") value.get_to(p.numa_copies);
     else throw json::other_error::create(501, "unknown preload plan key '" + key + "'", &j);
   }
 }

@@ -26,6 +26,7 @@ struct PreloadPlan {
   uint32_t tp_size = 1;
   std::vector<std::string> tp_rules;       // "PATTERN:DIM", as --tp-rule
   std::vector<std::string> devices;        // one GPU (UUID or ordinal) per rank
+  bool numa_copies = false;                // --numa-copies
   bool operator==(const PreloadPlan&) const = default;
 };
 void to_json(nlohmann::json& j, const PreloadPlan& plan);

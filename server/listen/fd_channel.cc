@@ -35,7 +35,7 @@ bool SendFds(int sock, const std::vector<int>& fds) {
 
 bool SendSegmentFds(int sock, const ModelRegistry::Grant& grant) {
   std::vector<int> fds;
-  for (uint32_t id : grant.model->ranks[grant.rank].segments) {
+  for (uint32_t id : grant.model->SegmentsOf(grant.rank, grant.numa_copy)) {
     const SegmentRecord& segment = grant.model->segments[id];
     if (segment.exports_fd()) fds.push_back(segment.fd);
   }

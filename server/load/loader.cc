@@ -16,6 +16,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/base/log.h"
+#include "common/base/parallel.h"
 #include "common/io/proc_files.h"
 #include "server/load/host_fill.h"
 #include "server/load/reader.h"
@@ -451,7 +452,7 @@ class ReadJob {
 
 // The page choice of a load: what the kernel offers now (or the test's
 // probe) for the fresh host segments of `plan`.
-PageChoice ChooseLoadPages(const LoadPlan& plan, const Reuse& reuse, const LoaderOptions& options) {
+PageChoice ChooseLoadPages(const LoadPlan& plan, const Reuse& reuse, const LoaderOptions& options, bool allow_hugetlb) {
   uint64_t hugetlb_bytes = 0;
   for (size_t i = 0; i < plan.host_segments.size(); ++i) {
     const HostChunk& c = plan.host_segments[i];
@@ -460,6 +461,7 @@ PageChoice ChooseLoadPages(const LoadPlan& plan, const Reuse& reuse, const Loade
     }
   }
   HugePageSystem system = options.huge_page_probe ? options.huge_page_probe() : ReadHugePageSystem();
+  if (!allow_hugetlb) system.hugetlb_free_bytes = 0;  // the pool is per node: not for NUMA copies
   return ChoosePages(system, hugetlb_bytes, options.huge_pages);
 }
 
@@ -496,10 +498,58 @@ std::string DescribePages(const std::string& name, const PageChoice& pages, cons
   return line;
 }
 
+// The nodes a load with numa_copies places copies on: every node of the
+// topology (one copy each, by node id), or none when the kernel has no NUMA
+// support (then one copy, unbound).
+absl::StatusOr<std::vector<NumaNode>> CopyNodes(const LoadRequest& request, const LoaderOptions& options) {
+  if (!request.numa_copies) return std::vector<NumaNode>{};
+  Env& env = options.env != nullptr ? *options.env : *Env::Default();
+  absl::StatusOr<std::vector<NumaNode>> nodes = env.NumaNodes();
+  if (!nodes.ok()) return Annotate(nodes.status(), "numa_copies: reading the NUMA topology");
+  return nodes;
+}
+
+// The extra NUMA copies of a load's host segments: for each node after the
+// first, a segment per host slot of the same size, bound to that node
+// before a byte is written, filled from the slot's segment (the fresh one's
+// writable mapping, or a shared one's sealed mapping) and sealed. In
+// parallel across segments; everything made is freed on an error.
+absl::StatusOr<std::vector<std::vector<std::shared_ptr<const HostSegment>>>> MakeNumaCopies(
+    const std::string& name, const std::vector<NumaNode>& nodes, const Allocation& alloc, const PageChoice& pages,
+    Env& env, int threads) {
+  std::vector<std::vector<std::shared_ptr<const HostSegment>>> copies(nodes.size() > 1 ? nodes.size() - 1 : 0);
+  const size_t per_copy = alloc.host.size();
+  std::vector<std::shared_ptr<HostSegment>> made(copies.size() * per_copy);
+  constexpr uint64_t kPiece = 64ull << 20;
+  absl::Status status = ParallelFor(
+      made.size(),
+      [&](size_t j) -> absl::Status {
+        const size_t k = j / per_copy + 1, i = j % per_copy;
+        const HostSlot& slot = alloc.host[i];
+        const HostSegment& source = slot.fresh ? *slot.fresh : *slot.reused;
+        const char* from = slot.fresh ? slot.fresh->writable() : slot.reused->data();
+        WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<HostSegment> copy,
+                                 HostSegment::Create(absl::StrCat(name, ":host", i, ":node", nodes[k].id),
+                                                     source.size(), pages));
+        WEIGHTD_RETURN_IF_ERROR(env.BindMemory(copy->fd(), copy->writable(), copy->size(), nodes[k].id));
+        for (uint64_t at = 0; at < copy->size(); at += kPiece) {
+          WEIGHTD_RETURN_IF_ERROR(copy->Write(at, from + at, std::min(kPiece, copy->size() - at)));
+        }
+        WEIGHTD_RETURN_IF_ERROR(copy->Seal(/*lock=*/false));
+        made[j] = std::move(copy);
+        return absl::OkStatus();
+      },
+      static_cast<size_t>(std::max(threads, 1)));
+  if (!status.ok()) return Annotate(status, absl::StrCat("making the NUMA copies of '", name, "'"));
+  for (size_t j = 0; j < made.size(); ++j) copies[j / per_copy].push_back(std::move(made[j]));
+  return copies;
+}
+
 // Seals every fresh segment and moves all of them, with the manifests, into
 // `gen`: host segments first (plan order), then each rank's arenas.
 absl::Status Publish(const Catalog& catalog, const LoadPlan& plan, Allocation& alloc,
-                     const std::vector<uint64_t>& hashes, DeviceBackend* backend, ModelGeneration& gen) {
+                     const std::vector<uint64_t>& hashes, DeviceBackend* backend, const std::vector<NumaNode>& nodes,
+                     std::vector<std::vector<std::shared_ptr<const HostSegment>>> copies, ModelGeneration& gen) {
   gen.files.resize(catalog.files.size());
   for (size_t f = 0; f < catalog.files.size(); ++f) {
     gen.files[f].stamp = StampOf(catalog.files[f]);
@@ -524,6 +574,19 @@ absl::Status Publish(const Catalog& catalog, const LoadPlan& plan, Allocation& a
     gen.segments.push_back({Placement::kHost, segment.size(), SegmentBackend::kMemfd, "", segment.fd(), "",
                             static_cast<uint32_t>(gen.host_segments.size())});
     gen.host_segments.push_back(std::move(slot.reused));
+  }
+  if (!nodes.empty()) gen.numa_copies.push_back({nodes[0].id, host_ids});
+  for (size_t k = 0; k < copies.size(); ++k) {
+    NumaCopy copy{nodes[k + 1].id, {}};
+    for (std::shared_ptr<const HostSegment>& segment : copies[k]) {
+      gen.host_bytes += segment->size();
+      gen.huge_page_bytes += segment->huge_bytes();
+      copy.host_segments.push_back(static_cast<uint32_t>(gen.segments.size()));
+      gen.segments.push_back({Placement::kHost, segment->size(), SegmentBackend::kMemfd, "", segment->fd(), "",
+                              static_cast<uint32_t>(gen.host_segments.size())});
+      gen.host_segments.push_back(std::move(segment));
+    }
+    gen.numa_copies.push_back(std::move(copy));
   }
   for (size_t r = 0; r < plan.ranks.size(); ++r) {
     RankManifest rank;
@@ -624,15 +687,26 @@ absl::StatusOr<std::unique_ptr<ModelGeneration>> LoadGeneration(const Catalog& c
   }
 
   report(LoadProgress::Phase::kAllocate);
-  PageChoice pages = ChooseLoadPages(plan, reuse, options);
+  WEIGHTD_ASSIGN_OR_RETURN(std::vector<NumaNode> nodes, CopyNodes(request, options));
+  Env& env = options.env != nullptr ? *options.env : *Env::Default();
+  PageChoice pages = ChooseLoadPages(plan, reuse, options, /*allow_hugetlb=*/nodes.size() <= 1);
   uint64_t new_host_bytes = 0;
   for (size_t i = 0; i < plan.host_segments.size(); ++i) {
     new_host_bytes += reuse.host[i] == nullptr ? plan.host_segments[i].bytes : 0;
+    // Every copy after the first is new, shared primary or not.
+    if (nodes.size() > 1) new_host_bytes += (nodes.size() - 1) * plan.host_segments[i].bytes;
   }
   WEIGHTD_ASSIGN_OR_RETURN(HostMemoryAdmission::Reservation admitted,
                            AdmitHostMemory(request.name, new_host_bytes, options));
   WEIGHTD_ASSIGN_OR_RETURN(Allocation alloc,
                            Allocate(request.name, plan, reuse, devices, options.device_backend, pages));
+  if (!nodes.empty()) {  // the first copy: the fresh segments' pages from the first node
+    for (HostSlot& slot : alloc.host) {
+      if (!slot.fresh) continue;
+      absl::Status bound = env.BindMemory(slot.fresh->fd(), slot.fresh->writable(), slot.fresh->size(), nodes[0].id);
+      if (!bound.ok()) return Annotate(bound, absl::StrCat("numa_copies: binding '", request.name, "' to node ", nodes[0].id));
+    }
+  }
   WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader,
                            CheckpointReader::Open(catalog, {options.direct_io}));
 
@@ -661,8 +735,19 @@ absl::StatusOr<std::unique_ptr<ModelGeneration>> LoadGeneration(const Catalog& c
   for (size_t i = 0; i < hashes.size(); ++i) {
     hashes[i] = reuse.read[i] ? CombineBlockHashes(block_hashes[i]) : reuse.hashes[i];
   }
+  std::vector<std::vector<std::shared_ptr<const HostSegment>>> copies;
+  if (nodes.size() > 1) {
+    auto copy_start = std::chrono::steady_clock::now();
+    WEIGHTD_ASSIGN_OR_RETURN(copies, MakeNumaCopies(request.name, nodes, alloc, pages, env, threads));
+    std::vector<std::string> ids;
+    for (const NumaNode& n : nodes) ids.push_back(std::to_string(n.id));
+    LogInfo(absl::StrFormat("load of '%s': %d NUMA copies of %d host bytes (nodes %s), each bound to its node, in %.3f s",
+                            request.name, nodes.size(), plan.host_bytes, absl::StrJoin(ids, ","),
+                            SecondsSince(copy_start)));
+  }
   auto gen = std::make_unique<ModelGeneration>();
-  WEIGHTD_RETURN_IF_ERROR(Publish(catalog, plan, alloc, hashes, options.device_backend, *gen));
+  WEIGHTD_RETURN_IF_ERROR(
+      Publish(catalog, plan, alloc, hashes, options.device_backend, nodes, std::move(copies), *gen));
   gen->request = request;
   gen->host_pages = std::move(host_pages);
   gen->fingerprint = FingerprintOf(gen->ranks[0].tensors);

@@ -116,8 +116,11 @@ struct LoaderOptions {
   // (daemon shutdown). Not owned.
   const std::atomic<bool>* cancel = nullptr;
   // When set, host tensors are filled from it, device tensors still from
-  // storage; `previous` must then be null. Not owned.
+  // storage; `shared` must then be null. Not owned.
   HostSource* host_source = nullptr;
+  // The NUMA topology and page binding (LoadRequest::numa_copies) come
+  // from it; null: Env::Default(). Not owned.
+  Env* env = nullptr;
 };
 
 // What a load does first: the devices `request` names, resolved through

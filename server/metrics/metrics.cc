@@ -2,6 +2,7 @@
 
 #include <optional>
 
+#include "absl/container/flat_hash_set.h"
 #include "common/format/format_error.h"
 
 namespace weightd {
@@ -33,13 +34,23 @@ ModelsSample SampleModels(const std::vector<std::shared_ptr<ModelGeneration>>& m
   for (ModelState state : {ModelState::kLoading, ModelState::kReady, ModelState::kFailed, ModelState::kDraining}) {
     s.by_state[ModelStateName(state)] = 0;
   }
+  absl::flat_hash_set<const void*> seen;  // segments shared by generations count once
   for (const auto& m : models) {
     ++s.by_state[ModelStateName(m->state.load())];
     if (m->state.load() == ModelState::kReady) s.versions[m->request.name] = {m->generation, m->version_label};
     if (m->state.load() == ModelState::kReady) s.huge_page_bytes[m->request.name] = m->huge_page_bytes;
     s.leases[m->request.name] += m->leases.load();
     for (const SegmentRecord& seg : m->segments) {
-      if (seg.placement == Placement::kDevice) s.device_bytes[seg.gpu_uuid] += seg.size;
+      if (seg.placement != Placement::kDevice) continue;
+      const void* arena = seg.owner < m->arenas.size() ? m->arenas[seg.owner].get() : nullptr;
+      if (arena == nullptr || seen.insert(arena).second) s.device_bytes[seg.gpu_uuid] += seg.size;
+    }
+    for (const NumaCopy& copy : m->numa_copies) {
+      for (uint32_t id : copy.host_segments) {
+        const SegmentRecord& seg = m->segments[id];
+        const void* host = seg.owner < m->host_segments.size() ? m->host_segments[seg.owner].get() : nullptr;
+        if (host == nullptr || seen.insert(host).second) s.numa_bytes[std::to_string(copy.node)] += seg.size;
+      }
     }
   }
   return s;

@@ -74,8 +74,12 @@ struct ModelsSample {
   // READY generations: model name -> host bytes on 2 MiB pages, for
   // weightd_host_huge_page_bytes{model}.
   std::map<std::string, uint64_t> huge_page_bytes;
+  // NUMA node id -> bytes of host segments bound to it (numa_copies loads),
+  // each segment once, for weightd_host_numa_bytes{node}.
+  std::map<std::string, uint64_t> numa_bytes;
 };
-// Builds the sample from ModelRegistry::ListAll().
+// Builds the sample from ModelRegistry::ListAll(). A segment several
+// generations share (server/load/shared_segments.h) counts once.
 ModelsSample SampleModels(const std::vector<std::shared_ptr<ModelGeneration>>& models);
 using ModelsSampler = std::function<ModelsSample()>;
 

@@ -5,6 +5,7 @@
 
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 
 namespace weightd {
 
@@ -27,7 +28,16 @@ bool LoadRequest::SamePlan(const LoadRequest& o) const {
     return true;
   };
   return host_resident_patterns == o.host_resident_patterns && tp_size == o.tp_size && devices == o.devices &&
-         include_patterns == o.include_patterns && exclude_patterns == o.exclude_patterns && same_rules();
+         include_patterns == o.include_patterns && exclude_patterns == o.exclude_patterns &&
+         numa_copies == o.numa_copies && same_rules();
+}
+
+std::vector<uint32_t> ModelGeneration::SegmentsOf(uint32_t rank, int copy) const {
+  std::vector<uint32_t> ids = ranks.at(rank).segments;
+  if (copy < 0 || static_cast<size_t>(copy) >= numa_copies.size()) return ids;
+  const std::vector<uint32_t>& host = numa_copies[copy].host_segments;
+  for (size_t i = 0; i < ids.size() && i < host.size(); ++i) ids[i] = host[i];
+  return ids;
 }
 
 bool LoadRequest::Selects(const std::string& tensor) const {
@@ -69,6 +79,33 @@ absl::Status CheckLoadPatterns(const LoadRequest& request) {
     }
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<int> ChooseNumaCopy(const std::vector<NumaCopy>& copies, std::optional<int> node,
+                                   const std::vector<int>& cpus, const std::vector<NumaNode>& topology) {
+  if (copies.empty()) return -1;
+  if (node.has_value()) {
+    std::vector<std::string> nodes;
+    for (size_t i = 0; i < copies.size(); ++i) {
+      if (copies[i].node == *node) return static_cast<int>(i);
+      nodes.push_back(std::to_string(copies[i].node));
+    }
+    return absl::FailedPreconditionError(absl::StrCat("no NUMA copy on node ", *node, "; the model has copies on nodes ",
+                                                      absl::StrJoin(nodes, ", ")));
+  }
+  int best = 0;
+  size_t best_cpus = 0;
+  for (size_t i = 0; i < copies.size(); ++i) {
+    auto it = std::find_if(topology.begin(), topology.end(), [&](const NumaNode& n) { return n.id == copies[i].node; });
+    if (it == topology.end()) continue;
+    size_t mine = std::count_if(cpus.begin(), cpus.end(),
+                                [&](int cpu) { return std::binary_search(it->cpus.begin(), it->cpus.end(), cpu); });
+    if (mine > best_cpus) {
+      best = static_cast<int>(i);
+      best_cpus = mine;
+    }
+  }
+  return best;
 }
 
 absl::Status ValidateModelName(const std::string& name) {

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -74,6 +75,11 @@ struct LoadRequest {
   // Part of the plan. Substrings, as host-resident patterns; never empty.
   std::vector<std::string> include_patterns = {};
   std::vector<std::string> exclude_patterns = {};
+  // One copy of every host segment per NUMA node, each copy's pages bound
+  // to its node while it is filled (ModelGeneration::numa_copies); a client
+  // attaches the copy of the node it runs on. Part of the plan. On a
+  // one-node machine: one copy, bound to that node.
+  bool numa_copies = false;
   uint32_t tp_size = 1;
   std::vector<TpRule> tp_rules = {};
   std::vector<std::string> devices = {};
@@ -162,6 +168,15 @@ class FreedHook {
   std::function<void()> fn_;
 };
 
+// One NUMA node's copy of a generation's host segments (LoadRequest::numa_copies).
+struct NumaCopy {
+  int32_t node = 0;
+  // Ids into ModelGeneration::segments, parallel to the host prefix of every
+  // rank's RankManifest::segments (copy 0 is that prefix itself): the same
+  // sizes and bytes, on this node's pages.
+  std::vector<uint32_t> host_segments;
+};
+
 class ModelGeneration {
  public:
   // Runs when the generation is destroyed, after its segments were released:
@@ -182,6 +197,14 @@ class ModelGeneration {
   // Every segment clients see: host segments first, then each rank's arenas.
   std::vector<SegmentRecord> segments;
   std::vector<RankManifest> ranks;  // tp_size entries
+  // Empty: one copy of the host segments, wherever the kernel put its pages.
+  // Else one entry per NUMA node, by node id; the extra copies' segments are
+  // in `segments` and `host_segments` but in no rank's manifest.
+  std::vector<NumaCopy> numa_copies;
+  // The segment ids a client of `rank` maps, in fd order: the rank's own,
+  // with the host ones of NUMA copy `copy` (an index into numa_copies; -1:
+  // the rank's own).
+  std::vector<uint32_t> SegmentsOf(uint32_t rank, int copy) const;
   std::string fingerprint;          // 32 hex digits
   std::string version_label;        // set by a writer's commit (e.g. "step-1200"); empty for loads from disk
   // Where its bytes came from: "storage", "writer" (a commit),
@@ -212,6 +235,14 @@ class ModelGeneration {
   // A FAILED record's reason, "CODE: message"; set before it is shared.
   std::string error;
 };
+
+// Which NUMA copy an attach maps (an index into `copies`, -1 when there are
+// none): the one on `node` when a node is named (FAILED_PRECONDITION naming
+// the nodes that have copies when none is there); else the copy whose node
+// holds most of `cpus` (the client's CPU affinity, by `topology`), ties to
+// the lower node id; else copy 0 (a client whose CPUs are on no copy's node).
+absl::StatusOr<int> ChooseNumaCopy(const std::vector<NumaCopy>& copies, std::optional<int> node,
+                                   const std::vector<int>& cpus, const std::vector<NumaNode>& topology);
 
 }  // namespace weightd
 

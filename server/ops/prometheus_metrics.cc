@@ -69,7 +69,11 @@ class SampledGauges final : public prometheus::Collectable {
             GaugeFamily("weightd_host_huge_page_bytes",
                         "Bytes of a model's host segments on 2 MiB pages (hugetlb pool or shmem THP), READY "
                         "generation.",
-                        "model", s.huge_page_bytes)};
+                        "model", s.huge_page_bytes),
+            GaugeFamily("weightd_host_numa_bytes",
+                        "Bytes of host segments bound to a NUMA node (models loaded with numa_copies), each "
+                        "segment once, by node.",
+                        "node", s.numa_bytes)};
   }
 
   // Always 1 per READY generation; its labels say which version is served.

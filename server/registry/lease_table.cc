@@ -15,8 +15,8 @@ std::string NewRandomId(absl::string_view prefix) {
 }
 
 LeaseTable::Lease LeaseTable::Add(std::shared_ptr<ModelGeneration> model, uint32_t rank, Clock::time_point now,
-                                  Clock::time_point deadline) {
-  Lease lease{NewRandomId(""), std::move(model), rank, false, now, deadline};
+                                  Clock::time_point deadline, int numa_copy) {
+  Lease lease{NewRandomId(""), std::move(model), rank, false, now, deadline, numa_copy};
   ++lease.model->leases;
   absl::MutexLock lock(&mu_);
   leases_[lease.id] = lease;

@@ -49,6 +49,7 @@ class LeaseTable {
     bool claimed = false;
     Clock::time_point attached;
     Clock::time_point deadline;  // to be claimed by
+    int numa_copy = -1;          // index into model->numa_copies whose host segments it maps; -1: the rank's own
   };
   // A lease taken out of the table: its generation (whose lease count was
   // decremented) and that count after.
@@ -60,7 +61,7 @@ class LeaseTable {
   // A new PENDING lease on `rank` of `model`, attached at `now`, to be
   // claimed by `deadline`. Increments model->leases.
   Lease Add(std::shared_ptr<ModelGeneration> model, uint32_t rank, Clock::time_point now,
-            Clock::time_point deadline) ABSL_LOCKS_EXCLUDED(mu_);
+            Clock::time_point deadline, int numa_copy = -1) ABSL_LOCKS_EXCLUDED(mu_);
   // PENDING -> ACTIVE; the lease. NOT_FOUND for an unknown or expired id,
   // FAILED_PRECONDITION for one claimed already (on another connection).
   absl::StatusOr<Lease> Claim(const std::string& id) ABSL_LOCKS_EXCLUDED(mu_);

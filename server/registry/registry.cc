@@ -63,6 +63,7 @@ ModelRegistry::ModelRegistry(RegistryOptions options, RegistryListener* listener
       events_(std::make_shared<ModelEventHub>(options_.watch)) {
   options_.loader.cancel = &cancel_loads_;
   if (options_.loader.admission == nullptr) options_.loader.admission = &admission_;
+  if (options_.loader.env == nullptr) options_.loader.env = options_.env;  // one Env for catalogs, topology and binding
   release_thread_ = std::thread([this] { ReleaseLoop(); });
   pinner_ = std::make_unique<SegmentPinner>(
       [this](ModelGeneration& model, const PinResult& pinned) { ReportPinned(model, pinned); },
@@ -579,13 +580,20 @@ absl::StatusOr<std::shared_ptr<ModelGeneration>> ModelRegistry::GetLocked(const 
   return it->second;
 }
 
-absl::StatusOr<ModelRegistry::Grant> ModelRegistry::Attach(const std::string& name, uint32_t rank) {
+absl::StatusOr<ModelRegistry::Grant> ModelRegistry::Attach(const std::string& name, uint32_t rank,
+                                                           const AttachPlacement& placement) {
   absl::MutexLock lock(&mu_);  // one critical section: an Unload cannot slip in before the lease
   WEIGHTD_ASSIGN_OR_RETURN(std::shared_ptr<ModelGeneration> model, GetRankLocked(name, rank));
+  std::vector<NumaNode> topology;  // read only when the CPUs decide
+  if (!model->numa_copies.empty() && !placement.numa_node.has_value() && !placement.cpus.empty()) {
+    absl::StatusOr<std::vector<NumaNode>> nodes = env().NumaNodes();
+    if (nodes.ok()) topology = std::move(*nodes);  // unreadable: copy 0, as for a client on no copy's node
+  }
+  WEIGHTD_ASSIGN_OR_RETURN(int copy, ChooseNumaCopy(model->numa_copies, placement.numa_node, placement.cpus, topology));
   auto now = Now();
-  LeaseTable::Lease lease = leases_.Add(model, rank, now, now + options_.claim_timeout);
+  LeaseTable::Lease lease = leases_.Add(model, rank, now, now + options_.claim_timeout, copy);
   if (listener_) listener_->OnLeasesChanged(name, model->leases.load());
-  return Grant{lease.id, model, rank};
+  return Grant{lease.id, model, rank, copy};
 }
 
 absl::StatusOr<ModelRegistry::Grant> ModelRegistry::Claim(const std::string& lease_id) {
@@ -595,7 +603,7 @@ absl::StatusOr<ModelRegistry::Grant> ModelRegistry::Claim(const std::string& lea
     double seconds = std::chrono::duration<double>(Now() - lease.attached).count();
     listener_->OnLeaseClaimed(lease.model->request.name, seconds);
   }
-  return Grant{lease.id, lease.model, lease.rank};
+  return Grant{lease.id, lease.model, lease.rank, lease.numa_copy};
 }
 
 void ModelRegistry::LeaseRemovedLocked(const LeaseTable::Removed& removed) {

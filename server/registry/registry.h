@@ -174,8 +174,17 @@ class ModelRegistry {
     std::string lease_id;  // 32 hex digits
     std::shared_ptr<ModelGeneration> model;
     uint32_t rank = 0;
+    int numa_copy = -1;  // index into model->numa_copies (ModelGeneration::SegmentsOf); -1: none
+    // The node of that copy; -1 when the model has no NUMA copies.
+    int numa_node() const { return numa_copy < 0 ? -1 : model->numa_copies[numa_copy].node; }
   };
-  absl::StatusOr<Grant> Attach(const std::string& name, uint32_t rank);
+  // Which NUMA copy a client wants (ChooseNumaCopy, server/model/model.h):
+  // a named node, or its CPU affinity. Ignored for models without copies.
+  struct AttachPlacement {
+    std::optional<int> numa_node;
+    std::vector<int> cpus;
+  };
+  absl::StatusOr<Grant> Attach(const std::string& name, uint32_t rank, const AttachPlacement& placement = {});
   // PENDING -> ACTIVE. NOT_FOUND for an unknown or expired id,
   // FAILED_PRECONDITION for one already claimed.
   absl::StatusOr<Grant> Claim(const std::string& lease_id);

@@ -196,14 +196,20 @@ class Restorer {
     std::vector<const TensorRecord*> tensors;
     std::vector<const char*> data;
     std::set<std::pair<const char*, uint64_t>> seen;
-    for (const RankManifest& rank : m.ranks) {
-      for (const TensorRecord& t : rank.tensors) {
-        if (t.placement != Placement::kHost || t.segment >= rank.segments.size()) continue;
-        const SegmentRecord& seg = m.segments[rank.segments[t.segment]];
-        const char* at = m.host_segments[seg.owner]->data() + t.offset;
-        if (!seen.insert({at, t.nbytes}).second) continue;
-        tensors.push_back(&t);
-        data.push_back(at);
+    // Every copy of the host segments (NUMA copies too: an attach maps them).
+    const int copies = std::max<int>(1, static_cast<int>(m.numa_copies.size()));
+    for (uint32_t r = 0; r < m.ranks.size(); ++r) {
+      const RankManifest& rank = m.ranks[r];
+      for (int copy = 0; copy < copies; ++copy) {
+        std::vector<uint32_t> ids = m.SegmentsOf(r, m.numa_copies.empty() ? -1 : copy);
+        for (const TensorRecord& t : rank.tensors) {
+          if (t.placement != Placement::kHost || t.segment >= ids.size()) continue;
+          const SegmentRecord& seg = m.segments[ids[t.segment]];
+          const char* at = m.host_segments[seg.owner]->data() + t.offset;
+          if (!seen.insert({at, t.nbytes}).second) continue;
+          tensors.push_back(&t);
+          data.push_back(at);
+        }
       }
     }
     absl::Status hashed = ParallelFor(

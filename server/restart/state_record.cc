@@ -56,7 +56,8 @@ json RequestJson(const LoadRequest& r) {
   for (const TpRule& rule : r.tp_rules) rules.push_back({{"pattern", rule.pattern}, {"dim", rule.dim}});
   return {{"name", r.name},       {"checkpoint_path", r.checkpoint_path}, {"host_resident_patterns", r.host_resident_patterns},
           {"tp_size", r.tp_size}, {"tp_rules", rules},                    {"devices", r.devices},
-          {"include_patterns", r.include_patterns}, {"exclude_patterns", r.exclude_patterns}};
+          {"include_patterns", r.include_patterns}, {"exclude_patterns", r.exclude_patterns},
+          {"numa_copies", r.numa_copies}};
 }
 
 json FileJson(const GenerationFile& f) {
@@ -83,7 +84,10 @@ json ModelJson(const ModelGeneration& m) {
   }
   json files = json::array();
   for (const GenerationFile& f : m.files) files.push_back(FileJson(f));
+  json numa = json::array();
+  for (const NumaCopy& c : m.numa_copies) numa.push_back({{"node", c.node}, {"host_segments", c.host_segments}});
   return {{"request", RequestJson(m.request)},
+          {"numa_copies", std::move(numa)},
           {"generation", m.generation},
           {"version_label", m.version_label},
           {"fingerprint", m.fingerprint},
@@ -176,6 +180,9 @@ absl::StatusOr<LoadRequest> DecodeRequest(const json& j) {
     WEIGHTD_ASSIGN_OR_RETURN(*list, Field<std::vector<std::string>>(j, key, where));
   }
   WEIGHTD_RETURN_IF_ERROR(CheckLoadPatterns(r));
+  if (j.contains("numa_copies")) {
+    WEIGHTD_ASSIGN_OR_RETURN(r.numa_copies, Field<bool>(j, "numa_copies", where));
+  }
   WEIGHTD_ASSIGN_OR_RETURN(const json* rules, ArrayField(j, "tp_rules", where, 1024));
   for (const json& rule : *rules) {
     TpRule t;
@@ -272,6 +279,31 @@ absl::Status DecodeSegmentRecords(const json& j, size_t host_count, size_t arena
   return absl::OkStatus();
 }
 
+// Records before NUMA copies have none. Each copy must list host segments
+// of the sizes of the ranks' host prefix (what an attach substitutes).
+absl::Status DecodeNumaCopies(const json& j, ModelGeneration& m) {
+  if (!j.contains("numa_copies")) return absl::OkStatus();
+  WEIGHTD_ASSIGN_OR_RETURN(const json* copies, ArrayField(j, "numa_copies", "record", kMaxNumaNodes));
+  for (const json& c : *copies) {
+    const std::string where = absl::StrCat("numa_copies[", m.numa_copies.size(), "]");
+    NumaCopy copy;
+    WEIGHTD_ASSIGN_OR_RETURN(copy.node, Field<int32_t>(c, "node", where));
+    WEIGHTD_ASSIGN_OR_RETURN(copy.host_segments, Field<std::vector<uint32_t>>(c, "host_segments", where));
+    if (copy.node < 0 || copy.node >= kMaxNumaNodes) return absl::InvalidArgumentError(absl::StrCat(where, ".node out of range"));
+    const std::vector<uint32_t>& prefix = m.ranks[0].segments;
+    if (copy.host_segments.size() > prefix.size()) return absl::InvalidArgumentError(absl::StrCat(where, " lists too many segments"));
+    for (size_t i = 0; i < copy.host_segments.size(); ++i) {
+      uint32_t id = copy.host_segments[i];
+      if (id >= m.segments.size() || m.segments[id].placement != Placement::kHost ||
+          m.segments[prefix[i]].placement != Placement::kHost || m.segments[id].size != m.segments[prefix[i]].size) {
+        return absl::InvalidArgumentError(absl::StrCat(where, ": segment ", id, " is not a host segment the size of ", prefix[i]));
+      }
+    }
+    m.numa_copies.push_back(std::move(copy));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status DecodeRanks(const json& j, ModelGeneration& m) {
   WEIGHTD_ASSIGN_OR_RETURN(const json* ranks, ArrayField(j, "ranks", "record", 1024));
   if (ranks->size() != m.request.tp_size) {
@@ -343,6 +375,7 @@ absl::Status DecodeModel(const json& j, StateRecord& out) {
   }
   WEIGHTD_RETURN_IF_ERROR(DecodeFiles(j, m));
   WEIGHTD_RETURN_IF_ERROR(DecodeRanks(j, m));
+  WEIGHTD_RETURN_IF_ERROR(DecodeNumaCopies(j, m));
   std::string fingerprint = FingerprintOf(m.ranks[0].tensors);
   if (fingerprint != m.fingerprint) {
     return absl::InvalidArgumentError(absl::StrCat("record fingerprint ", m.fingerprint,

@@ -136,12 +136,13 @@ TEST(Weightctl, UsageLinesFollowTheDesignContract) {
   // The contract's options in its order; --include/--exclude (a subset
   // load, issue "Engram host tables") and --peer are additions after it.
   EXPECT_EQ(usage["load"], "load NAME PATH [--host-resident PATTERN ...] [--tp-size N] [--tp-rule PATTERN:DIM ...] "
-                           "[--devices LIST] [--include PATTERN ...] [--exclude PATTERN ...] [--peer HOST:PORT ...] "
-                           "[--json]");
+                           "[--devices LIST] [--include PATTERN ...] [--exclude PATTERN ...] [--numa-copies] "
+                           "[--peer HOST:PORT ...] [--json]");
   EXPECT_EQ(usage["update"], "update NAME --from DIR [--version-label LABEL] [--json]");
   EXPECT_EQ(usage["ls"], "ls [--json]");
   EXPECT_EQ(usage["manifest"], "manifest NAME [--rank R] [--json]");
-  EXPECT_EQ(usage["attach"], "attach NAME [--rank R] [--verify CHECKPOINT_DIR] [--hold SECONDS] [--prefault] [--json]");
+  EXPECT_EQ(usage["attach"],
+            "attach NAME [--rank R] [--verify CHECKPOINT_DIR] [--hold SECONDS] [--prefault] [--numa-node N] [--json]");
   EXPECT_EQ(usage["unload"], "unload NAME [--force]");
   EXPECT_EQ(usage["health"], "health [MODEL] [--json]");
   EXPECT_EQ(usage["inspect"], "inspect PATH [--json]");

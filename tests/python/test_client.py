@@ -610,3 +610,32 @@ def test_a_subset_load_holds_exactly_the_chosen_tensors_and_shares_their_segment
         assert twin.model.fingerprint == daemon.client.manifest("demo-small").fingerprint
     finally:
         daemon.client.unload("demo-twin")
+
+
+def test_numa_copies_give_each_node_its_copy_and_a_named_node_must_have_one(daemon, demo_small):
+    # This machine has one NUMA node: one copy, bound to it (the two-node
+    # cases run on a stand-in topology in tests/server/load/numa_copies_test.cc).
+    nodes = sorted(int(p.name[4:]) for p in pathlib.Path("/sys/devices/system/node").glob("node[0-9]*"))
+    if not nodes:
+        pytest.skip("this kernel has no NUMA support (/sys/devices/system/node)")
+    result = daemon.client.load("demo-numa", demo_small, numa_copies=True)
+    try:
+        listed = {m.name: m for m in daemon.client.list()}
+        assert listed["demo-numa"].numa_nodes == tuple(nodes)
+        assert listed["demo-small"].numa_nodes == ()
+        with daemon.client.attach("demo-numa") as m:
+            assert m.numa_node == nodes[0]
+            assert m.fingerprint == result.model.fingerprint
+        with daemon.client.attach("demo-small") as m:
+            assert m.numa_node == -1
+        with pytest.raises(weightd.WeightdError) as e:
+            daemon.client.attach("demo-numa", numa_node=nodes[-1] + 1)
+        assert (e.value.code, e.value.message) == (
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"no NUMA copy on node {nodes[-1] + 1}; the model has copies on nodes "
+            + ", ".join(str(n) for n in nodes))
+        out = subprocess.run([daemon.weightctl, "--socket", daemon.socket, "attach", "demo-numa"],
+                             capture_output=True, text=True, check=True).stdout
+        assert f", NUMA node {nodes[0]}'s copy (fingerprint" in out
+    finally:
+        daemon.client.unload("demo-numa")

@@ -86,4 +86,4 @@ def test_enum_members_act_as_their_strings():
 
 def test_attach_takes_no_private_keyword():
     assert list(inspect.signature(weightd.Client.attach).parameters) == ["self", "model", "rank", "private",
-                                                                          "prefault"]
+                                                                          "prefault", "numa_node"]

@@ -22,6 +22,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -69,6 +70,9 @@ struct Manifest {
   uint32_t rank = 0;
   std::string fingerprint;
   std::string version_label;  // a writer's tag of the generation (e.g. "step-1200"); "" for loads from disk
+  // Attach only: the NUMA node whose copy of the host segments is mapped, for
+  // a model loaded with LoadOptions::numa_copies; -1 otherwise.
+  int numa_node = -1;
   std::vector<SegmentInfo> segments;
   std::vector<TensorInfo> tensors;
 };
@@ -110,6 +114,7 @@ struct ModelSummary {
   uint64_t bytes_shared = 0;
   std::string version_label;  // a writer's tag of the generation (e.g. "step-1200"); "" for loads from disk
   std::string source;         // where its bytes came from: "storage", "writer", or "peer HOST:PORT"
+  std::vector<int> numa_nodes;  // nodes holding a copy of the host segments (numa_copies); empty: one copy
 };
 
 // What UpgradeDaemon started.
@@ -134,6 +139,9 @@ struct LoadOptions {
   // the model from their memory before storage is read (docs/operations.md
   // "Peer seeding"); at most 64.
   std::vector<std::string> peers;
+  // One copy of the host segments per NUMA node, each bound to its node
+  // (docs/devices.md "NUMA copies"); attaches map their node's copy.
+  bool numa_copies = false;
 };
 
 struct AttachOptions {
@@ -162,6 +170,12 @@ struct AttachOptions {
   // A daemon that predates the table answers with TensorEntry messages
   // either way.
   bool packed_manifest = true;
+  // For a model loaded with LoadOptions::numa_copies: map the copy on this
+  // NUMA node (FAILED_PRECONDITION when it has none there). Unset: the copy
+  // on the node of this process's CPUs (Attach sends its
+  // sched_getaffinity(2) set; the daemon maps CPUs to nodes). Pin the
+  // process (taskset, numactl, a cpuset) before attaching.
+  std::optional<int> numa_node = std::nullopt;
 };
 
 struct LoadProgressInfo {

@@ -74,13 +74,15 @@ class Client:
     def load(self, name: str, checkpoint_path: Union[str, os.PathLike[str]], *, host_resident: Iterable[str] = (),
              tp_size: int = 1, tp_rules: Iterable[Tuple[str, int]] = (), devices: Iterable[str] = (),
              peers: Iterable[str] = (), include: Iterable[str] = (), exclude: Iterable[str] = (),
-             progress: Optional[Callable[[LoadProgress], object]] = None) -> LoadResult:
+             numa_copies: bool = False, progress: Optional[Callable[[LoadProgress], object]] = None) -> LoadResult:
         """Loads (or reuses) `checkpoint_path` under `name`; returns a LoadResult.
 
         include / exclude: a subset load (a draft model that reads part of a
         checkpoint): only tensors whose name contains one of `include` (empty:
         every tensor) and none of `exclude` are loaded; the manifest and
-        fingerprint cover just those. tp_rules: (pattern, dim) pairs. peers: "HOST:PORT" of other nodes'
+        fingerprint cover just those. numa_copies: one copy of the host
+        tensors per NUMA node, each on its node's memory (attach maps the
+        copy of the caller's node). tp_rules: (pattern, dim) pairs. peers: "HOST:PORT" of other nodes'
         weightd --peer-address, asked in order to seed the model from their
         memory before storage is read (ModelInfo.source says which served).
         progress: called with a LoadProgress for each progress message.
@@ -88,7 +90,8 @@ class Client:
         request = pb.LoadModelRequest(
             name=name, checkpoint_path=os.fspath(checkpoint_path), host_resident_patterns=list(host_resident),
             tp_size=tp_size, tp_rules=[pb.TpRule(pattern=p, dim=d) for p, d in tp_rules], devices=list(devices),
-            peers=list(peers), include_patterns=list(include), exclude_patterns=list(exclude))
+            peers=list(peers), include_patterns=list(include), exclude_patterns=list(exclude),
+            numa_copies=numa_copies)
         return self._load_stream(self._stub.LoadModel, request, progress)
 
     def reload(self, name: str, checkpoint_path: Union[str, os.PathLike[str], None] = None, *,
@@ -191,8 +194,15 @@ class Client:
                                f"fd socket: {len(fds)} fds for {len(response.segments)} staged segments")
         return Update(self._stub, response, connection, fds, version_label)
 
-    def attach(self, model: str, rank: int = 0, *, private: bool = False, prefault: bool = False) -> Model:
+    def attach(self, model: str, rank: int = 0, *, private: bool = False, prefault: bool = False,
+               numa_node: Optional[int] = None) -> Model:
         """Takes a lease on `model` and maps rank `rank`; returns a Model.
+
+        numa_node: for a model loaded with numa_copies=True, map the copy on
+        that NUMA node (FAILED_PRECONDITION when it has none there); None
+        (default): the copy on the node of this process's CPUs (its
+        os.sched_getaffinity set, which the daemon maps to a node).
+        Model.numa_node says which copy was mapped (-1: the model has one).
 
         prefault=False (default): pages are mapped lazily, each faulting in on
         first use. prefault=True: every page of the host segments is mapped
@@ -216,16 +226,20 @@ class Client:
         device arena cannot be imported here (e.g. no CUDA driver in this
         process's view).
         """
-        return self._attach(model, rank, private=private, prefault=prefault)
+        return self._attach(model, rank, private=private, prefault=prefault, numa_node=numa_node)
 
     def _attach(self, model: str, rank: int = 0, *, private: bool = False, prefault: bool = False,
-                packed: bool = True) -> Model:
+                packed: bool = True, numa_node: Optional[int] = None) -> Model:
         """attach(); packed=False asks for one TensorEntry per tensor, as clients before the
         packed table did (tests/bench/py_attach.py --entries, and tests comparing the
         two encodings); a daemon that predates the packed table answers so anyway."""
         start = time.monotonic()
         encoding = pb.AttachRequest.PACKED_TABLE_V1 if packed else pb.AttachRequest.TENSOR_ENTRIES
-        response = self._call(self._stub.Attach, pb.AttachRequest(name=model, rank=rank, manifest_encoding=encoding))
+        request = pb.AttachRequest(name=model, rank=rank, manifest_encoding=encoding,
+                                   cpus=sorted(os.sched_getaffinity(0)))
+        if numa_node is not None:
+            request.numa_node = numa_node
+        response = self._call(self._stub.Attach, request)
         fd_socket = os.environ.get("WEIGHTD_FD_SOCKET") or response.fd_socket
         try:
             table = _tensor_table(response)

@@ -204,6 +204,9 @@ class Model(collections.abc.Mapping[str, Tensor]):
         self.rank: int = response.rank
         self.fingerprint: str = response.fingerprint
         self.version_label: str = response.version_label  # a writer's tag of the generation; "" for loads from disk
+        # The NUMA node whose copy of the host segments is mapped; -1 when the
+        # model was not loaded with numa_copies.
+        self.numa_node: int = response.numa_node
         self.attach_seconds = attach_seconds  # Attach RPC to all segments mapped
         self._segments = tuple(SegmentInfo.from_proto(s) for s in response.segments)
         # The tensors, decoded on demand: the native packed table, or the protobuf entries.

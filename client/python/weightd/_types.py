@@ -58,6 +58,7 @@ class ModelInfo:
     bytes_shared: int = 0  # segment bytes shared with the generation before
     version_label: str = ""  # a writer's tag of the generation (e.g. "step-1200"); "" for loads from disk
     source: str = ""  # where its bytes came from: "storage", "writer" or "peer HOST:PORT"
+    numa_nodes: Tuple[int, ...] = ()  # nodes holding a copy of the host segments (numa_copies); (): one copy
 
     @classmethod
     def from_proto(cls, m: Any) -> ModelInfo:
@@ -67,7 +68,7 @@ class ModelInfo:
             device_bytes={d.gpu_uuid: d.bytes for d in m.device_bytes}, leases=m.leases,
             fingerprint=m.fingerprint, tensor_count=m.tensor_count, tp_size=m.tp_size,
             load_seconds=m.load_seconds, error=m.error, bytes_read=m.bytes_read, bytes_shared=m.bytes_shared,
-            version_label=m.version_label, source=m.source)
+            version_label=m.version_label, source=m.source, numa_nodes=tuple(m.numa_nodes))
 
 
 @dataclass(frozen=True)
