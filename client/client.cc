@@ -621,7 +621,7 @@ int PinOrdinal(const PinOptions& pin, const MappedModel::State& state) {
 
 // Starts pinning the `selected` tensors of a mapped model (see client/pin.h).
 absl::Status PinMappedTensors(const std::vector<size_t>& selected, const std::vector<const char*>& bases,
-                          const PinOptions& pin, MappedModel::State& state) {
+                              const PinOptions& pin, MappedModel::State& state) {
   if (pin.patterns.empty()) return absl::OkStatus();
   state.pinned_index.assign(state.manifest.tensors.size(), -1);
   for (size_t j = 0; j < selected.size(); ++j) state.pinned_index[selected[j]] = static_cast<int64_t>(j);
@@ -647,8 +647,8 @@ absl::StatusOr<MappedModel> Client::Attach(const std::string& name, uint32_t ran
   state->prefault = options.prefault;
   absl::StatusOr<Manifest> manifest = ManifestOf(response);
   absl::StatusOr<std::vector<size_t>> pinned =
-      manifest.ok() ? SelectPinnedTensors(*manifest, options.pin) : absl::StatusOr<std::vector<size_t>>();
-  if (!manifest.ok() || !pinned.ok()) {
+      manifest.ok() ? SelectPinnedTensors(*manifest, options.pin) : manifest.status();
+  if (!pinned.ok()) {
     // Ends the lease now rather than at its claim timeout; a failure changes nothing.
     v1::DetachRequest detach;
     detach.set_lease_id(response.lease_id());
@@ -656,7 +656,7 @@ absl::StatusOr<MappedModel> Client::Attach(const std::string& name, uint32_t ran
     grpc::ClientContext detach_context;
     detach_context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
     impl_->stub->Detach(&detach_context, detach, &ignored);
-    return manifest.ok() ? pinned.status() : manifest.status();
+    return pinned.status();
   }
   state->manifest = std::move(*manifest);
   WEIGHTD_RETURN_IF_ERROR(ClaimLease(FdSocketPath(response), response.lease_id(), ClaimTimeoutMs(response),

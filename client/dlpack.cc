@@ -66,8 +66,9 @@ absl::StatusOr<DLManagedTensor*> MappedModel::ToPinnedDLPack(const TensorView& v
     PinStatus pin = pin_status();
     return absl::FailedPreconditionError(absl::StrCat(
         "tensor '", view.info->name, "' has no device pointer: ",
-        pin.state == "READY" || pin.state == "NOT_PINNED" ? "it is not pinned (AttachOptions::pin)"
-                                                          : absl::StrCat("pinning is ", pin.state)));
+        pin.state != "READY" && pin.state != "NOT_PINNED" ? absl::StrCat("pinning is ", pin.state)
+        : view.nbytes == 0                                 ? std::string("it has no bytes")
+                                                           : std::string("it is not pinned (AttachOptions::pin)")));
   }
   return MakeDLPack(view, reinterpret_cast<void*>(static_cast<uintptr_t>(device_ptr)),
                     DLDevice{kDLCUDA, pin_status().device_ordinal}, std::static_pointer_cast<const void>(state_));
