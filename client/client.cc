@@ -13,6 +13,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
+#include "client/pin.h"
 #include "common/format/content_hash.h"
 #include "common/format/packed_manifest.h"
 #include "common/memory/device.h"
@@ -221,14 +222,20 @@ struct MappedModel::State {
   double attach_seconds = 0;
   bool copy_on_write = false;  // AttachOptions::copy_on_write
   bool prefault = false;       // AttachOptions::prefault
+  // AttachOptions::pin: the pinner, and per manifest tensor its index among
+  // the pinner's tensors (-1: not pinned). Null and empty without pin.
+  std::unique_ptr<HostPinner> pinner;
+  std::vector<int64_t> pinned_index;
 
-  // Unmaps everything before `lease` closes: the daemon may free a
+  // Unpins, then unmaps everything before `lease` closes: pinned pages must
+  // stay mapped until cuMemHostUnregister; the daemon may free a
   // generation's memory as soon as its last lease ends, and for
   // cuda-legacy-ipc arenas a cuMemFree before the importer's
   // cuIpcCloseMemHandle is undefined behaviour (CUDA Driver API,
   // cuIpcOpenMemHandle). Device imports wait for this process's queued GPU
   // work first (see ImportedArena).
   ~State() {
+    pinner.reset();
     imports.clear();
     for (auto& [addr, size] : mappings) munmap(addr, size);
   }
@@ -395,6 +402,25 @@ absl::Status MappedModel::CopyToHost(const TensorView& view, uint64_t offset, vo
 }
 
 bool MappedModel::copy_on_write() const { return state_->copy_on_write; }
+
+PinStatus MappedModel::pin_status() const {
+  return state_->pinner ? ToPinStatus(state_->pinner->progress()) : PinStatus{};
+}
+
+absl::Status MappedModel::WaitPinned(absl::Duration timeout) const {
+  if (!state_->pinner) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("model ", QuoteName(manifest().model), " was attached without pin (AttachOptions::pin)"));
+  }
+  return state_->pinner->Wait(timeout);
+}
+
+uint64_t MappedModel::device_ptr(const TensorView& view) const {
+  if (!state_->pinner || view.info == nullptr) return 0;
+  size_t i = view.info - state_->manifest.tensors.data();
+  if (i >= state_->pinned_index.size() || state_->pinned_index[i] < 0) return 0;
+  return state_->pinner->DevicePointer(state_->pinned_index[i]);
+}
 
 bool MappedModel::device_read_only() const {
   for (const auto& imported : state_->imports) {
@@ -599,8 +625,36 @@ absl::StatusOr<Manifest> Client::GetManifest(const std::string& name, uint32_t r
   return manifest;
 }
 
+namespace {
+
+// The CUDA ordinal that registers pinned pages: the option's, else the
+// model's first CUDA arena's, else 0.
+int PinOrdinal(const PinOptions& pin, const MappedModel::State& state) {
+  if (pin.device_ordinal >= 0) return pin.device_ordinal;
+  for (size_t i = 0; i < state.imports.size(); ++i) {
+    absl::StatusOr<SegmentBackend> kind = ParseSegmentBackend(state.manifest.segments[i].backend);
+    bool cuda = kind.ok() && (*kind == SegmentBackend::kCudaVmm || *kind == SegmentBackend::kCudaLegacyIpc);
+    if (cuda && state.imports[i]) return state.imports[i]->device_ordinal();
+  }
+  return 0;
+}
+
+// Starts pinning the `selected` tensors of a mapped model (see client/pin.h).
+absl::Status PinMappedTensors(const std::vector<size_t>& selected, const std::vector<const char*>& bases,
+                              const PinOptions& pin, MappedModel::State& state) {
+  if (pin.patterns.empty()) return absl::OkStatus();
+  state.pinned_index.assign(state.manifest.tensors.size(), -1);
+  for (size_t j = 0; j < selected.size(); ++j) state.pinned_index[selected[j]] = static_cast<int64_t>(j);
+  WEIGHTD_ASSIGN_OR_RETURN(state.pinner,
+                           StartPinning(state.manifest, selected, bases, pin.chunk_bytes, PinOrdinal(pin, state)));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<MappedModel> Client::Attach(const std::string& name, uint32_t rank, const AttachOptions& options) {
   auto start = std::chrono::steady_clock::now();
+  WEIGHTD_RETURN_IF_ERROR(CheckPinOptions(options));
   v1::AttachRequest request;
   request.set_name(name);
   request.set_rank(rank);
@@ -614,7 +668,9 @@ absl::StatusOr<MappedModel> Client::Attach(const std::string& name, uint32_t ran
   state->copy_on_write = options.copy_on_write;
   state->prefault = options.prefault;
   absl::StatusOr<Manifest> manifest = ManifestOf(response);
-  if (!manifest.ok()) {
+  absl::StatusOr<std::vector<size_t>> pinned =
+      manifest.ok() ? SelectPinnedTensors(*manifest, options.pin) : manifest.status();
+  if (!pinned.ok()) {
     // Ends the lease now rather than at its claim timeout; a failure changes nothing.
     v1::DetachRequest detach;
     detach.set_lease_id(response.lease_id());
@@ -622,7 +678,7 @@ absl::StatusOr<MappedModel> Client::Attach(const std::string& name, uint32_t ran
     grpc::ClientContext detach_context;
     detach_context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
     impl_->stub->Detach(&detach_context, detach, &ignored);
-    return manifest.status();
+    return pinned.status();
   }
   state->manifest = std::move(*manifest);
   state->manifest.numa_node = response.numa_node();
@@ -631,6 +687,7 @@ absl::StatusOr<MappedModel> Client::Attach(const std::string& name, uint32_t ran
   WEIGHTD_ASSIGN_OR_RETURN(state->segment_fds, MatchFdsToSegments(std::move(state->segment_fds), state->manifest));
   WEIGHTD_ASSIGN_OR_RETURN(std::vector<const char*> bases, MapSegments(*state));
   WEIGHTD_RETURN_IF_ERROR(BuildViews(bases, *state));
+  WEIGHTD_RETURN_IF_ERROR(PinMappedTensors(*pinned, bases, options.pin, *state));
   state->attach_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return MappedModel(std::shared_ptr<MappedModel::State>(std::move(state)));
 }

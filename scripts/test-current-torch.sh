@@ -26,4 +26,5 @@ cd "$root"
 WEIGHTD_BINARY=$build/server/weightd WEIGHTCTL_BINARY=$build/client/weightctl PYTHONDONTWRITEBYTECODE=1 \
   "$dir/bin/python" -m pytest -q -rs -p no:cacheprovider tests/python/frameworks tests/python/test_torch_load.py \
   tests/python/test_client.py::test_hand_made_dtypes_export_or_name_the_dtype \
+  tests/python/test_client.py::test_weights_iterator_yields_e8m0_scales_and_f4_where_torch_has_them \
   tests/python/test_client.py::test_real_checkpoint_tensors_equal_the_files

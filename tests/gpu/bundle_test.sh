@@ -80,5 +80,9 @@ grep -Eq '^\| weightd load, page cache -> GPU \(--device-backend cuda\) \| PASS 
   || fail "no passing weightd load row"
 grep -Eq '^\| weightctl attach --verify [^|]*\| PASS \| attach [0-9.]+ ms \| 21 tensors, 7 MiB; every tensor compared with the checkpoint: equal \|' \
   "$tmp/table.md" || fail "no passing verified attach of the 21 tiny tensors"
+grep -Eq '^\| attach --pin: register the host table [^|]*\| PASS \| [0-9.]+ s/GB \| [0-9.]+ GiB of 21 tensors in [0-9]+ cuMemHostRegister calls \(DEVICEMAP\|PORTABLE\|READ_ONLY\)' \
+  "$tmp/table.md" || fail "no passing pinned-table registration of the 21 tiny tensors"
+grep -Eq '^\| GPU read from the pinned table [^|]*\| PASS \| [0-9.]+ GB/s \| 21 tensors,.* equals the host mapping \|' \
+  "$tmp/table.md" || fail "no passing GPU read through the pinned tensors' device pointers"
 if grep -q '| FAIL |' "$tmp/table.md"; then fail "a check failed"; fi
 echo "PASS: the bundle ran the GPU checks (fake driver) without the build's libraries"

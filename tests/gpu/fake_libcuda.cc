@@ -18,10 +18,25 @@
 // PROT_READ mapping is reported as the real driver would: the call succeeds
 // and the context's next synchronisation returns CUDA_ERROR_ILLEGAL_ADDRESS.
 //
+// Registered host memory (cuMemHostRegister) is device-visible at the same
+// address, with the checks cuda.h documents: page-aligned ranges, no overlap
+// with a registered range (CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED),
+// CU_MEMHOSTREGISTER_READ_ONLY only where the device reports
+// CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED (else
+// CUDA_ERROR_NOT_SUPPORTED), and, as on platforms without pageable memory
+// access, a read-only mapping registered without that flag is refused
+// (CUDA_ERROR_INVALID_VALUE: the driver cannot pin its pages for writing).
+// Tests read the registrations back through the extern "C" hook
+// weightd_fake_cuda_host_registrations at the end of this file.
+//
 // Knobs (environment): FAKE_CUDA_DEVICES (default 1), FAKE_CUDA_REFUSE_READ_ONLY=1
 // (cuMemSetAccess refuses PROT_READ), FAKE_CUDA_SILENT_READ_WRITE=1 (it
 // accepts PROT_READ but maps read-write, as cuMemGetAccess then reports),
-// FAKE_CUDA_FREE_BYTES (default 64 GiB).
+// FAKE_CUDA_FREE_BYTES (default 64 GiB), FAKE_CUDA_NO_READ_ONLY_HOST_REGISTER=1
+// (READ_ONLY_HOST_REGISTER_SUPPORTED is 0), FAKE_CUDA_HOST_REGISTER_LIMIT
+// (bytes of host memory that may be registered at once; beyond it
+// cuMemHostRegister fails with CUDA_ERROR_OUT_OF_MEMORY, as when the
+// locked-memory limit is reached).
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <fcntl.h>
@@ -33,6 +48,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <map>
 #include <mutex>
 #include <string>
@@ -49,6 +65,7 @@ struct Mapping {
   int fd = -1;       // the memfd behind device memory (owned), or -1
   int prot = PROT_NONE;
   Kind kind = Kind::kVmm;
+  unsigned host_flags = 0;  // kHost: the cuMemHostRegister flags
 };
 
 struct State {
@@ -121,6 +138,8 @@ CUresult GetErrorName(CUresult r, const char** out) {
     case CUDA_ERROR_INVALID_HANDLE: *out = "CUDA_ERROR_INVALID_HANDLE"; return CUDA_SUCCESS;
     case CUDA_ERROR_ILLEGAL_ADDRESS: *out = "CUDA_ERROR_ILLEGAL_ADDRESS"; return CUDA_SUCCESS;
     case CUDA_ERROR_NOT_SUPPORTED: *out = "CUDA_ERROR_NOT_SUPPORTED"; return CUDA_SUCCESS;
+    case CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED: *out = "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED"; return CUDA_SUCCESS;
+    case CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED: *out = "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED"; return CUDA_SUCCESS;
     default: *out = nullptr; return CUDA_ERROR_INVALID_VALUE;
   }
 }
@@ -170,8 +189,10 @@ CUresult DeviceGetAttribute(int* v, CUdevice_attribute a, CUdevice) {
   switch (a) {
     case CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED:
     case CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED:
-    case CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED:
       *v = 1;
+      return CUDA_SUCCESS;
+    case CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED:
+      *v = EnvU64("FAKE_CUDA_NO_READ_ONLY_HOST_REGISTER", 0) != 0 ? 0 : 1;
       return CUDA_SUCCESS;
     case CU_DEVICE_ATTRIBUTE_MAX_PITCH:
       *v = 2147483647;
@@ -597,13 +618,47 @@ CUresult MemFreeHost(void* p) {
   S().host_allocs.erase(it);
   return CUDA_SUCCESS;
 }
-// Registered host memory is device-visible at the same address.
+// Whether every page of [p, p + n) is mapped writable in this process
+// (/proc/self/maps).
+bool HostWritable(uintptr_t p, uint64_t n) {
+  FILE* maps = fopen("/proc/self/maps", "r");
+  if (maps == nullptr) return false;
+  uintptr_t covered = p;
+  char line[512];
+  while (covered < p + n && fgets(line, sizeof(line), maps) != nullptr) {
+    unsigned long begin = 0, end = 0;
+    char perms[5] = {};
+    if (sscanf(line, "%lx-%lx %4s", &begin, &end, perms) != 3 || end <= covered || begin > covered) continue;
+    if (perms[1] != 'w') break;
+    covered = end;
+  }
+  fclose(maps);
+  return covered >= p + n;
+}
+uint64_t HostRegisteredBytes() {
+  uint64_t total = 0;
+  for (const auto& [base, m] : S().mappings) total += m.kind == Kind::kHost ? m.size : 0;
+  return total;
+}
+// Registered host memory is device-visible at the same address (as where
+// every GPU has CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM).
 CUresult MemHostRegister(void* p, size_t size, unsigned int flags) {
   FAKE_NEEDS_CONTEXT();
-  int prot = PROT_READ | ((flags & CU_MEMHOSTREGISTER_READ_ONLY) ? 0 : PROT_WRITE);
+  constexpr unsigned kKnown = CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP | CU_MEMHOSTREGISTER_IOMEMORY |
+                              CU_MEMHOSTREGISTER_READ_ONLY;
+  uintptr_t at = reinterpret_cast<uintptr_t>(p);
+  if ((flags & ~kKnown) != 0 || size == 0 || at % 4096 != 0 || size % 4096 != 0) return CUDA_ERROR_INVALID_VALUE;
+  bool read_only = (flags & CU_MEMHOSTREGISTER_READ_ONLY) != 0;
+  if (read_only && EnvU64("FAKE_CUDA_NO_READ_ONLY_HOST_REGISTER", 0) != 0) return CUDA_ERROR_NOT_SUPPORTED;
+  if (!read_only && !HostWritable(at, size)) return CUDA_ERROR_INVALID_VALUE;
   std::lock_guard<std::mutex> lock(S().mu);
-  if (Find(reinterpret_cast<uintptr_t>(p), 1) != nullptr) return CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED;
-  S().mappings[reinterpret_cast<uintptr_t>(p)] = Mapping{size, -1, prot, Kind::kHost};
+  auto next = S().mappings.lower_bound(at);
+  if ((next != S().mappings.end() && next->first < at + size) ||
+      (next != S().mappings.begin() && std::prev(next)->first + std::prev(next)->second.size > at)) {
+    return CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED;
+  }
+  if (HostRegisteredBytes() + size > EnvU64("FAKE_CUDA_HOST_REGISTER_LIMIT", UINT64_MAX)) return CUDA_ERROR_OUT_OF_MEMORY;
+  S().mappings[at] = Mapping{size, -1, PROT_READ | (read_only ? 0 : PROT_WRITE), Kind::kHost, flags};
   return CUDA_SUCCESS;
 }
 CUresult MemHostUnregister(void* p) {
@@ -611,6 +666,7 @@ CUresult MemHostUnregister(void* p) {
   std::lock_guard<std::mutex> lock(S().mu);
   auto it = S().mappings.find(reinterpret_cast<uintptr_t>(p));
   if (it == S().mappings.end() || it->second.kind != Kind::kHost) return CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED;
+  FaultInFlightReads(it->first, it->second.size);  // a queued copy still reading it faults, as on a GPU
   S().mappings.erase(it);
   return CUDA_SUCCESS;
 }
@@ -656,6 +712,24 @@ const Entry kEntries[] = {
 }  // namespace
 
 extern "C" {
+
+// For tests: copies up to `capacity` registered host ranges (base, bytes,
+// cuMemHostRegister flags) in address order; returns how many there are.
+__attribute__((visibility("default"))) int weightd_fake_cuda_host_registrations(uintptr_t* bases, uint64_t* sizes,
+                                                                               unsigned* flags, int capacity) {
+  std::lock_guard<std::mutex> lock(S().mu);
+  int n = 0;
+  for (const auto& [base, m] : S().mappings) {
+    if (m.kind != Kind::kHost) continue;
+    if (n < capacity) {
+      bases[n] = base;
+      sizes[n] = m.size;
+      flags[n] = m.host_flags;
+    }
+    ++n;
+  }
+  return n;
+}
 
 __attribute__((visibility("default"))) CUresult cuDriverGetVersion(int* version) {
   *version = 12080;

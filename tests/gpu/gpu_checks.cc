@@ -12,11 +12,16 @@
 //     cuMemcpyHtoD of the same checkpoint bytes, measured in the same run,
 //     and a client's verified attach of that load (from --attach-json)
 //   - cuMemHostRegister of a 4 GiB host mapping, read-only where supported
+//   - a pinned host table through the client library (--socket, --pin-model:
+//     AttachOptions::pin on a daemon's host-resident model): register seconds
+//     per GB, GPU read bandwidth through the device pointers, unregister time
+//     (tests/gpu/gpu_check_pin.h)
 // Without a driver or GPU it prints "SKIPPED: ..." and exits 77. Exit status
 // 1 when a check failed.
 //
 // Usage: gpu_checks [--quick] [--checkpoint DIR --load-json FILE [--load-error FILE]
 //                              [--attach-json FILE [--attach-error FILE]]]
+//                              [--socket SOCKET --pin-model NAME]
 //        (--quick registers 256 MiB instead of 4 GiB of host memory)
 //        gpu_checks --probe        (0 and one line when a driver and GPU are here, else 77)
 //        gpu_checks --child FD     (internal: the importing process)
@@ -47,6 +52,7 @@
 #include "common/base/status.h"
 #include "common/transport/unix_socket.h"
 #include "nlohmann/json.hpp"
+#include "tests/gpu/gpu_check_pin.h"
 #include "tests/gpu/gpu_check_protocol.h"
 
 namespace weightd::gpu_checks {
@@ -58,6 +64,7 @@ constexpr int kSkipped = 77;
 
 struct Options {
   std::string checkpoint, load_json, load_error, attach_json, attach_error;
+  std::string socket, pin_model;  // a running daemon and a host-resident model of it
   uint64_t register_bytes = 4 * kGiB;  // --quick: 256 MiB
 };
 
@@ -602,6 +609,14 @@ int ParentMain(const Options& options) {
     table.Add("load throughput", "skipped", "", "needs --checkpoint and --load-json (tests/gpu/run_gpu_checks.sh)");
   }
   CheckHostRegister(gpu, options.register_bytes, table);
+  if (!options.socket.empty() && !options.pin_model.empty()) {
+    for (Row& row : CheckPinnedTable(options.socket, options.pin_model, *gpu.context)) {
+      table.Add(std::move(row[0]), std::move(row[1]), std::move(row[2]), std::move(row[3]));
+    }
+  } else {
+    table.Add("pinned host table (attach --pin)", "skipped", "",
+              "needs --socket and --pin-model (tests/gpu/run_gpu_checks.sh)");
+  }
   if (gpu.vmm.ok()) CheckReadOnlyWrite(**gpu.vmm, gpu, **child, table);
   table.Print();
   return table.failed() ? 1 : 0;
@@ -629,9 +644,11 @@ int main(int argc, char** argv) {
     else if (arg == "--load-error") options.load_error = value;
     else if (arg == "--attach-json") options.attach_json = value;
     else if (arg == "--attach-error") options.attach_error = value;
+    else if (arg == "--socket") options.socket = value;
+    else if (arg == "--pin-model") options.pin_model = value;
     else {
       std::cerr << "usage: gpu_checks [--quick] [--checkpoint DIR --load-json FILE [--load-error FILE]\n"
-                   "                  [--attach-json FILE [--attach-error FILE]]]\n";
+                   "                  [--attach-json FILE [--attach-error FILE]]] [--socket SOCKET --pin-model NAME]\n";
       return 2;
     }
     ++i;

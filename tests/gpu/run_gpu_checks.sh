@@ -20,10 +20,13 @@
 # `weightctl make-demo --preset llama-1b` checkpoint (~2.4 GiB) and read it
 # once into the page cache; start weightd --device-backend cuda, load it onto
 # GPU 0 (`weightctl load --devices 0 --json`) and attach rank 0 with
-# --verify; stop the daemon; then gpu_checks runs the cross-process VMM and
-# legacy IPC checks, the read-only write check, open+map times, the pinned
-# cuMemcpyHtoD baseline of the same checkpoint bytes and cuMemHostRegister,
-# and prints the table with weightd's own numbers in it.
+# --verify; load it again as demo-host with every tensor on the host (no
+# --devices); then gpu_checks runs the cross-process VMM and legacy IPC
+# checks, the read-only write check, open+map times, the pinned
+# cuMemcpyHtoD baseline of the same checkpoint bytes, cuMemHostRegister, and
+# pins demo-host through the client library (AttachOptions::pin: register
+# s/GB, GPU reads through the device pointers) while the daemon still runs;
+# the daemon stops last. It prints the table with weightd's own numbers in it.
 #
 # Exit status: 0 all checks passed, 1 a check failed, 77 no NVIDIA driver or
 # GPU here (the reason is printed), 2 the build failed or a program is
@@ -186,6 +189,9 @@ if "${ctl[@]}" ls --json >/dev/null 2>&1; then
   "${ctl[@]}" load demo "$checkpoint" --devices 0 --json >"$work/load.json" 2>"$work/load.err" || true
   say "attaching rank 0 with --verify"
   "${ctl[@]}" attach demo --rank 0 --verify "$checkpoint" --json >"$work/attach.json" 2>"$work/attach.err" || true
+  say "loading it again as demo-host, every tensor on the host (the table gpu_checks pins)"
+  "${ctl[@]}" load demo-host "$checkpoint" --json >"$work/load-host.json" 2>"$work/load-host.err" ||
+    say "the host load failed: $(head -1 "$work/load-host.err")"
 else
   say "weightd did not start; its log:"
   tail -20 "$work/weightd.log" >&2
@@ -193,17 +199,18 @@ else
     | tee "$work/load.err" >"$work/attach.err"
 fi
 grep -m1 "device backend" "$work/weightd.log" >&2 || true
-kill -TERM "$daemon_pid" 2>/dev/null || true
-wait "$daemon_pid" 2>/dev/null || true
-daemon_pid=""
 
-# --- the checks ----------------------------------------------------------------
+# --- the checks (the daemon still serves demo-host for the pinned-table rows) ---
 say "running gpu_checks"
 set +e
 with_libs "$gpu_checks" --checkpoint "$checkpoint" --load-json "$work/load.json" --load-error "$work/load.err" \
-  --attach-json "$work/attach.json" --attach-error "$work/attach.err" >"$work/gpu_checks.md"
+  --attach-json "$work/attach.json" --attach-error "$work/attach.err" \
+  --socket "$socket" --pin-model demo-host >"$work/gpu_checks.md"
 code=$?
 set -e
+kill -TERM "$daemon_pid" 2>/dev/null || true
+wait "$daemon_pid" 2>/dev/null || true
+daemon_pid=""
 cat "$work/gpu_checks.md"
 # A copy beside the programs, where that folder is writable (a bundle may not be).
 if cp "$work/gpu_checks.md" "$table_copy" 2>/dev/null; then

@@ -163,6 +163,36 @@ def test_hand_made_dtypes_export_or_name_the_dtype(daemon):
                 model["f4odd"].to_torch()
 
 
+def test_weights_iterator_yields_e8m0_scales_and_f4_where_torch_has_them(daemon):
+    """Issue 27's done-when: an Engram-style F8_E8M0 scale table and an F4 tensor come out of
+    weights_iterator() with their torch dtype and the file's bytes; an older torch's error names
+    the tensor, the dtype and the release that adds it (scripts/test-current-torch.sh runs this on
+    PyPI's current torch)."""
+    path = daemon.models / "e8m0-f4.safetensors"
+    tensors = {"engram.embed.scale": ("F8_E8M0", (4, 2), bytes(range(120, 128))),
+               "experts.w1": ("F4", (2, 4), b"\x12\x34\x56\x78")}
+    write_safetensors(path, tensors)
+    daemon.client.load("e8m0-f4", path)
+    try:
+        with daemon.client.attach("e8m0-f4") as model:
+            if hasattr(torch, "float8_e8m0fnu") and hasattr(torch, "float4_e2m1fn_x2"):
+                got = dict(model.weights_iterator())
+                scale, w1 = got["engram.embed.scale"], got["experts.w1"]
+                assert (scale.dtype, tuple(scale.shape)) == (torch.float8_e8m0fnu, (4, 2))
+                assert (w1.dtype, tuple(w1.shape)) == (torch.float4_e2m1fn_x2, (2, 2))  # two F4 values a byte
+                assert scale.view(torch.uint8).numpy().tobytes() == tensors["engram.embed.scale"][2]
+                assert w1.view(torch.uint8).numpy().tobytes() == tensors["experts.w1"][2]
+            else:
+                with pytest.raises(weightd.UnsupportedDtypeError) as e:
+                    list(model.weights_iterator())
+                assert str(e.value) == ("tensor 'engram.embed.scale': safetensors dtype F8_E8M0 has no torch dtype in "
+                                        f"torch {torch.__version__} (torch.float8_e8m0fnu is added in torch 2.7); "
+                                        "Tensor.raw() exports its bytes")
+            assert np.from_dlpack(model["engram.embed.scale"].raw()).tobytes() == tensors["engram.embed.scale"][2]
+    finally:
+        daemon.client.unload("e8m0-f4")
+
+
 def test_model_is_a_mapping_of_dlpack_tensors(daemon, demo_small):
     info = {m.name: m for m in daemon.client.list()}["demo-small"]
     with daemon.client.attach("demo-small", rank=0) as model:

@@ -13,7 +13,8 @@ from weightd.v1 import weightd_pb2 as pb
 _STUB = Path(weightd.__file__).with_name("_native.pyi")
 # pybind11's spelling of a type in its docstrings -> the stub's
 _PYBIND_TYPES = {"tuple": "Tuple", "dict": "Dict", "List[int]": "Sequence[int]", "capsule": "object",
-                 "weightd._native.Segment": "Segment"}
+                 "weightd._native.Segment": "Segment", "List[str]": "Sequence[str]",
+                 "List[Tuple[str, int, int, int]]": "Sequence[Tuple[str, int, int, int]]"}
 
 
 def _split(params):
@@ -43,7 +44,8 @@ def _stub_signature(node, method=True):
     args = node.args.args[1 if method and not static else 0:]
     defaults = [None] * (len(args) - len(node.args.defaults)) + [ast.unparse(d) for d in node.args.defaults]
     params = [(a.arg, ast.unparse(a.annotation), d) for a, d in zip(args, defaults)]
-    return params, re.sub(r"^(Tuple|Dict)\[.*\]$", r"\1", ast.unparse(node.returns)).replace("_TensorFields", "Tuple")
+    returns = re.sub(r"^(Tuple|Dict)\[.*\]$", r"\1", ast.unparse(node.returns))
+    return params, returns.replace("_TensorFields", "Tuple").replace("_PinFields", "Tuple")
 
 
 def test_native_stub_states_every_export_with_pybind11s_names_types_and_defaults():
@@ -66,7 +68,7 @@ def test_native_stub_states_every_export_with_pybind11s_names_types_and_defaults
     for name, node in functions.items():
         assert _stub_signature(node, method=False) == _runtime_signature(getattr(_native, name)), name
         checked += 1
-    assert checked == 16
+    assert checked == 23
 
 
 def test_state_and_event_kind_enums_hold_the_protos_names():
@@ -86,4 +88,5 @@ def test_enum_members_act_as_their_strings():
 
 def test_attach_takes_no_private_keyword():
     assert list(inspect.signature(weightd.Client.attach).parameters) == ["self", "model", "rank", "private",
-                                                                          "prefault", "numa_node"]
+                                                                          "prefault", "numa_node", "pin",
+                                                                          "pin_chunk_bytes"]

@@ -29,6 +29,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 
 struct DLManagedTensor;  // <dlpack/dlpack.h>
 
@@ -144,6 +145,46 @@ struct LoadOptions {
   bool numa_copies = false;
 };
 
+// Pinned host tables (docs/api.md, "Pinned host tables"): host tensors a GPU
+// client's kernels read in place. Attach registers their pages with CUDA
+// (cuMemHostRegister: device-mapped, portable to every context, and
+// read-only where the GPU supports it) on a background thread, in chunks;
+// the attach itself does not wait. MappedModel::pin_status() reports
+// progress, WaitPinned() readiness, device_ptr() each tensor's device address.
+struct PinOptions {
+  // Host tensors whose name contains one of these substrings are pinned;
+  // "" matches every name, so {""} (AllHostTensors()) pins every host
+  // tensor. Empty: nothing is pinned (the default). Device-placed tensors
+  // are never pinned. A pattern that matches no host tensor makes Attach
+  // fail with INVALID_ARGUMENT naming it.
+  std::vector<std::string> patterns;
+  // The most bytes one cuMemHostRegister call covers (rounded down to 4 KiB
+  // pages; 4 KiB to 64 GiB, else INVALID_ARGUMENT): a detach waits for at
+  // most one call in flight. A tensor larger than this is one registration.
+  uint64_t chunk_bytes = uint64_t{1} << 30;
+  // This process's CUDA ordinal whose primary context registers (it decides
+  // whether READ_ONLY is supported; the device pointers work on every GPU);
+  // -1: the GPU of the model's first CUDA arena, else 0.
+  int device_ordinal = -1;
+
+  static PinOptions AllHostTensors() { return PinOptions{{""}}; }
+};
+
+// Where pinning stands (MappedModel::pin_status()).
+struct PinStatus {
+  // "NOT_PINNED" (attached without PinOptions::patterns), "REGISTERING",
+  // "READY", "FAILED" (see error; nothing stays registered) or "STOPPED".
+  std::string state = "NOT_PINNED";
+  uint64_t bytes_done = 0, bytes_total = 0;   // page bytes registered / to register
+  uint32_t chunks_done = 0, chunks_total = 0;  // cuMemHostRegister calls
+  uint32_t tensors = 0;                        // tensors pinned, once READY
+  bool read_only = false;  // registered with CU_MEMHOSTREGISTER_READ_ONLY
+  int device_ordinal = -1;  // of the registering context, once the driver is loaded
+  double register_seconds = 0;  // inside cuMemHostRegister
+  double seconds = 0;           // since Attach started it, until READY/FAILED/STOPPED
+  absl::Status error;           // FAILED: the driver's error, naming segment, bytes and tensor
+};
+
 struct AttachOptions {
   // Map segments privately (MAP_PRIVATE of the sealed memfd, PROT_READ |
   // PROT_WRITE): reads share the daemon's pages; a write copies only the page
@@ -176,6 +217,13 @@ struct AttachOptions {
   // sched_getaffinity(2) set; the daemon maps CPUs to nodes). Pin the
   // process (taskset, numactl, a cpuset) before attaching.
   std::optional<int> numa_node = std::nullopt;
+  // Pin host tensors for GPU reads (see PinOptions). Cannot be combined with
+  // copy_on_write (INVALID_ARGUMENT): a page written after registration
+  // would be copied for this process while the GPU kept reading the shared
+  // one. Without a CUDA driver or GPU the attach still succeeds and
+  // pin_status() turns FAILED with UNAVAILABLE ("libcuda.so.1 not found",
+  // "no CUDA device").
+  PinOptions pin = {};
 };
 
 struct LoadProgressInfo {
@@ -217,6 +265,20 @@ class MappedModel {
   // Whether this model was attached with AttachOptions::copy_on_write.
   bool copy_on_write() const;
 
+  // Pinning (AttachOptions::pin), from any thread.
+  PinStatus pin_status() const;
+  // Blocks until every pinned tensor is registered (OK), pinning failed (its
+  // error: UNAVAILABLE without a driver or GPU, RESOURCE_EXHAUSTED when the
+  // pages cannot be locked, ...), or `timeout` passed (DEADLINE_EXCEEDED
+  // with the bytes done). FAILED_PRECONDITION when attached without pin.
+  absl::Status WaitPinned(absl::Duration timeout) const;
+  // The device address of a pinned host tensor, valid on every GPU of this
+  // process for as long as this model or a DLPack tensor of it lives (they
+  // unregister the pages when the last of them goes: destroying a
+  // MappedModel mid-registration stops after the call in flight and
+  // unregisters). 0 until pin_status() is READY, and for tensors not pinned.
+  uint64_t device_ptr(const TensorView& view) const;
+
   // The tensor as a DLPack tensor (DLPack 0.6, <dlpack/dlpack.h>): kDLCUDA
   // with this process's device ordinal, or kDLCPU for host and emulated
   // tensors; byte_offset 0, compact row-major strides. The caller owns the
@@ -225,6 +287,12 @@ class MappedModel {
   // destroyed. UNIMPLEMENTED for dtypes DLPack 0.6 cannot describe
   // (F8_*, F4, F6_*), naming the dtype.
   absl::StatusOr<DLManagedTensor*> ToDLPack(const TensorView& view) const;
+  // A pinned host tensor as a kDLCUDA DLPack tensor on the registering
+  // device (PinStatus::device_ordinal) at device_ptr(view): a GPU view of
+  // the host pages, read over the bus. Ownership as ToDLPack.
+  // FAILED_PRECONDITION naming the tensor when it is not pinned or pinning
+  // is not READY.
+  absl::StatusOr<DLManagedTensor*> ToPinnedDLPack(const TensorView& view) const;
 
   struct State;  // implementation detail
 

@@ -24,12 +24,15 @@
 #include <string>
 #include <memory>
 #include <optional>
+#include <tuple>
 #include <vector>
 
 #include "client/dlpack_dtype.h"
 #include "common/format/content_hash.h"
 #include "common/format/packed_manifest.h"
 #include "common/memory/device.h"
+#include "common/memory/host_pinner.h"
+#include "common/memory/host_registrar.h"
 #include "common/memory/host_segment.h"
 
 namespace py = pybind11;
@@ -91,6 +94,44 @@ void DestroyCapsule(PyObject* capsule) {
   if (!PyCapsule_IsValid(capsule, "dltensor")) return;
   auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule, "dltensor"));
   if (managed != nullptr && managed->deleter != nullptr) managed->deleter(managed);
+}
+
+// A "dltensor" capsule viewing `nbytes` at `data` on `device` as `dtype`
+// with `shape` (C-contiguous); `owner` stays referenced until the consumer
+// drops the tensor.
+py::capsule MakeCapsule(void* data, DLDevice device, uint64_t nbytes, const std::string& dtype,
+                        const std::vector<int64_t>& shape, py::object owner) {
+  const DlpackDtype& info = LookupDtype(dtype);
+  uint64_t elements = 1;
+  for (int64_t d : shape) {
+    if (d < 0) throw py::value_error("negative dimension in shape");
+    if (d != 0 && elements > UINT64_MAX / static_cast<uint64_t>(d)) throw py::value_error("shape overflows");
+    elements *= static_cast<uint64_t>(d);
+  }
+  if (elements > UINT64_MAX / (info.bits / 8) || elements * (info.bits / 8) != nbytes) {
+    throw py::value_error("tensor of " + std::to_string(nbytes) + " bytes does not hold its shape as " + dtype);
+  }
+  auto* e = new ExportedTensor;
+  e->shape = shape;
+  e->strides.assign(shape.size(), 1);
+  for (size_t i = shape.size(); i-- > 1;) e->strides[i - 1] = e->strides[i] * shape[i];
+  e->owner = owner.release().ptr();
+  DLTensor& t = e->managed.dl_tensor;
+  t.data = data;
+  t.device = device;
+  t.ndim = static_cast<int>(shape.size());
+  t.dtype = {info.code, info.bits, 1};
+  t.shape = e->shape.empty() ? nullptr : e->shape.data();
+  t.strides = e->strides.empty() ? nullptr : e->strides.data();
+  t.byte_offset = 0;
+  e->managed.manager_ctx = e;
+  e->managed.deleter = DeleteExport;
+  PyObject* capsule = PyCapsule_New(&e->managed, "dltensor", DestroyCapsule);
+  if (capsule == nullptr) {
+    DeleteExport(&e->managed);
+    throw py::error_already_set();
+  }
+  return py::reinterpret_steal<py::capsule>(capsule);
 }
 
 class Segment {
@@ -176,43 +217,15 @@ class Segment {
   py::capsule Export(uint64_t offset, uint64_t nbytes, const std::string& dtype, const std::vector<int64_t>& shape,
                      py::object owner) const {
     CheckOpen();
-    const DlpackDtype& info = LookupDtype(dtype);
-    uint64_t elements = 1;
-    for (int64_t d : shape) {
-      if (d < 0) throw py::value_error("negative dimension in shape");
-      if (d != 0 && elements > UINT64_MAX / static_cast<uint64_t>(d)) throw py::value_error("shape overflows");
-      elements *= static_cast<uint64_t>(d);
-    }
-    if (elements > UINT64_MAX / (info.bits / 8) || elements * (info.bits / 8) != nbytes) {
-      throw py::value_error("tensor of " + std::to_string(nbytes) + " bytes does not hold its shape as " + dtype);
-    }
+    LookupDtype(dtype);  // a dtype error before a range error
     if (offset > size_ || nbytes > size_ - offset) {
       throw py::value_error("byte range [" + std::to_string(offset) + ", +" + std::to_string(nbytes) +
                             ") lies outside the segment of " + std::to_string(size_) + " bytes");
     }
-    auto* e = new ExportedTensor;
-    e->shape = shape;
-    e->strides.assign(shape.size(), 1);
-    for (size_t i = shape.size(); i-- > 1;) e->strides[i - 1] = e->strides[i] * shape[i];
-    e->owner = owner.release().ptr();
-    DLTensor& t = e->managed.dl_tensor;
     // A zero-byte tensor of an empty segment still needs a non-null pointer.
     static char empty_target = 0;
-    t.data = base_ != nullptr ? base_ + offset : &empty_target;
-    t.device = device_;
-    t.ndim = static_cast<int>(shape.size());
-    t.dtype = {info.code, info.bits, 1};
-    t.shape = e->shape.empty() ? nullptr : e->shape.data();
-    t.strides = e->strides.empty() ? nullptr : e->strides.data();
-    t.byte_offset = 0;
-    e->managed.manager_ctx = e;
-    e->managed.deleter = DeleteExport;
-    PyObject* capsule = PyCapsule_New(&e->managed, "dltensor", DestroyCapsule);
-    if (capsule == nullptr) {
-      DeleteExport(&e->managed);
-      throw py::error_already_set();
-    }
-    return py::reinterpret_steal<py::capsule>(capsule);
+    return MakeCapsule(base_ != nullptr ? base_ + offset : &empty_target, device_, nbytes, dtype, shape,
+                       std::move(owner));
   }
 
  private:
@@ -277,6 +290,25 @@ class PackedTable {
                           t.nbytes, full, t.split_dim, t.split_start, weightd::ContentHashHex(t.content_hash));
   }
 
+  // (indices, counts): the host tensors whose name contains any of
+  // `patterns`, in table order, and per pattern (host tensors, device
+  // tensors) it matches. Patterns are UTF-8 substrings, like names.
+  py::tuple Select(const std::vector<std::string>& patterns) const {
+    std::vector<uint32_t> selected;
+    std::vector<std::pair<uint64_t, uint64_t>> counts(patterns.size());
+    for (uint32_t i = 0; i < table_->size(); ++i) {
+      weightd::PackedTensor t = table_->Tensor(i);
+      bool host = t.placement != weightd::kPackedPlacementDevice, any = false;
+      for (size_t p = 0; p < patterns.size(); ++p) {
+        if (t.name.find(patterns[p]) == absl::string_view::npos) continue;
+        any = true;
+        ++(host ? counts[p].first : counts[p].second);
+      }
+      if (any && host) selected.push_back(i);
+    }
+    return py::make_tuple(selected, counts);
+  }
+
   // The index of the first tensor that does not lie inside its segment
   // (`segment_sizes` in bytes, by segment index), or -1.
   int64_t FirstOutside(const std::vector<uint64_t>& segment_sizes) const {
@@ -303,6 +335,63 @@ class PackedTable {
 
   py::bytes data_;
   std::optional<weightd::PackedManifest> table_;
+};
+
+// Pins host tensors for GPU reads: a HostPinner (common/memory/host_pinner.h)
+// with the CUDA registrar, which loads libcuda.so.1 on its own thread. The
+// Python lease holds it and closes it before unmapping the segments.
+class Pinner {
+ public:
+  // `bases`: each segment's host mapping address (0 for device segments);
+  // `tensors`: (name, segment, offset, nbytes). Raises RuntimeError with
+  // `.code` 3 (INVALID_ARGUMENT) for a bad chunk size or tensor.
+  Pinner(const std::vector<uintptr_t>& bases, const std::vector<uint64_t>& sizes,
+         const std::vector<std::tuple<std::string, uint32_t, uint64_t, uint64_t>>& tensors, uint64_t chunk_bytes,
+         int device_ordinal) {
+    weightd::PinInput input;
+    for (uintptr_t b : bases) input.segment_bases.push_back(reinterpret_cast<const char*>(b));
+    input.segment_sizes = sizes;
+    for (const auto& [name, segment, offset, nbytes] : tensors) input.tensors.push_back({name, segment, offset, nbytes});
+    input.chunk_bytes = chunk_bytes;
+    absl::StatusOr<std::unique_ptr<weightd::HostPinner>> started = weightd::HostPinner::Start(
+        std::move(input), [device_ordinal] { return weightd::MakeCudaHostRegistrar(device_ordinal); });
+    if (!started.ok()) ThrowStatus("", started.status());
+    pinner_ = std::move(*started);
+  }
+
+  // (state, bytes_done, bytes_total, chunks_done, chunks_total, tensors,
+  //  read_only, device_ordinal, register_seconds, seconds, error_code, error_message)
+  py::tuple Progress() const {
+    if (!pinner_) throw py::value_error("the pinner is closed: its lease has ended");
+    weightd::PinProgress p = pinner_->progress();
+    return py::make_tuple(weightd::PinStateName(p.state), p.bytes_done, p.bytes_total, p.chunks_done, p.chunks_total,
+                          p.tensors, p.read_only, p.device_ordinal, p.register_seconds, p.seconds,
+                          static_cast<int>(p.error.code()), std::string(p.error.message()));
+  }
+
+  // Waits up to `timeout` seconds (without the GIL): returns when ready,
+  // raises RuntimeError with `.code` otherwise (4: DEADLINE_EXCEEDED).
+  void Wait(double timeout) const {
+    if (!pinner_) throw py::value_error("the pinner is closed: its lease has ended");
+    absl::Status s;
+    {
+      py::gil_scoped_release released;
+      s = pinner_->Wait(absl::Seconds(timeout));
+    }
+    if (!s.ok()) ThrowStatus("", s);
+  }
+
+  uint64_t DevicePtr(size_t i) const { return pinner_ ? pinner_->DevicePointer(i) : 0; }
+
+  // Stops and unregisters (without the GIL: waits for one registration in
+  // flight). Idempotent.
+  void Close() {
+    py::gil_scoped_release released;
+    pinner_.reset();
+  }
+
+ private:
+  std::unique_ptr<weightd::HostPinner> pinner_;
 };
 
 }  // namespace
@@ -336,7 +425,30 @@ PYBIND11_MODULE(_native, m) {
       .def("index", &PackedTable::Index, "{tensor name: index}, built in one native loop")
       .def("info", &PackedTable::Info, py::arg("i"), "TensorInfo's fields of tensor i, as a tuple")
       .def("first_outside", &PackedTable::FirstOutside, py::arg("segment_sizes"),
-           "Index of the first tensor outside its segment, or -1");
+           "Index of the first tensor outside its segment, or -1")
+      .def("select", &PackedTable::Select, py::arg("patterns"),
+           "([indices of host tensors whose name contains a pattern], [(host, device) matches per pattern])");
+  py::class_<Pinner>(m, "Pinner")
+      .def(py::init<const std::vector<uintptr_t>&, const std::vector<uint64_t>&,
+                    const std::vector<std::tuple<std::string, uint32_t, uint64_t, uint64_t>>&, uint64_t, int>(),
+           py::arg("bases"), py::arg("sizes"), py::arg("tensors"), py::arg("chunk_bytes"), py::arg("device_ordinal"),
+           "Starts registering the pages of `tensors` ((name, segment, offset, nbytes)) of the host mappings at "
+           "`bases` with CUDA on a background thread; returns at once.")
+      .def("progress", &Pinner::Progress, "the progress as a tuple (weightd._model.PinProgress's fields)")
+      .def("wait", &Pinner::Wait, py::arg("timeout"), "Waits until ready; RuntimeError with .code otherwise.")
+      .def("device_ptr", &Pinner::DevicePtr, py::arg("i"), "device address of tensor i once ready, else 0")
+      .def("close", &Pinner::Close, "Stops and unregisters everything registered; idempotent.");
+  m.def(
+      "export_pointer",
+      [](uintptr_t address, uint64_t nbytes, const std::string& dtype, const std::vector<int64_t>& shape, int device_id,
+         py::object owner) {
+        if (address == 0) throw py::value_error("no device pointer to export");
+        return MakeCapsule(reinterpret_cast<void*>(address), DLDevice{kDLCUDA, device_id}, nbytes, dtype, shape,
+                           std::move(owner));
+      },
+      py::arg("address"), py::arg("nbytes"), py::arg("dtype"), py::arg("shape"), py::arg("device_id"), py::arg("owner"),
+      "A kDLCUDA DLPack capsule at device `address` (a pinned host tensor's device pointer); `owner` stays alive "
+      "until the tensor is dropped.");
   m.def(
       "dlpack_dtype",
       [](const std::string& dtype) {

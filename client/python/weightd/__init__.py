@@ -26,17 +26,18 @@ import types
 from typing import TYPE_CHECKING
 from ._client import DEFAULT_SOCKET, Client, connect
 from ._errors import WeightdError
-from ._model import Model, Tensor
+from ._model import Model, PinnedView, Tensor
 from ._torch import UnsupportedDtypeError, torch_dtype
-from ._types import (CommitResult, LoadProgress, LoadResult, Manifest, ModelInfo, ModelState, SegmentInfo,
-                     TensorInfo, UnloadResult, WatchEvent, WatchEventKind)
+from ._types import (CommitResult, LoadProgress, LoadResult, Manifest, ModelInfo, ModelState, PinProgress, PinState,
+                     SegmentInfo, TensorInfo, UnloadResult, WatchEvent, WatchEventKind)
 from ._update import Update
 from ._watch import Watch
 
 __all__ = [
     "DEFAULT_SOCKET", "Client", "connect", "WeightdError", "Model", "Tensor", "UnsupportedDtypeError",
     "torch_dtype", "LoadProgress", "LoadResult", "Manifest", "ModelInfo", "ModelState", "SegmentInfo", "TensorInfo",
-    "UnloadResult", "Watch", "WatchEvent", "WatchEventKind", "Update", "CommitResult",
+    "UnloadResult", "Watch", "WatchEvent", "WatchEventKind", "Update", "CommitResult", "PinnedView", "PinProgress",
+    "PinState",
 ]
 
 

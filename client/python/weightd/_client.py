@@ -7,7 +7,7 @@ from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple, Uni
 
 import grpc
 
-from . import _fdsock
+from . import _fdsock, _pin
 from ._errors import WeightdError
 from ._model import EntryTable, Model, TensorTable, _Lease
 from ._native import PackedTable, Segment
@@ -195,7 +195,8 @@ class Client:
         return Update(self._stub, response, connection, fds, version_label)
 
     def attach(self, model: str, rank: int = 0, *, private: bool = False, prefault: bool = False,
-               numa_node: Optional[int] = None) -> Model:
+               numa_node: Optional[int] = None, pin: _pin.PinSpec = False,
+               pin_chunk_bytes: int = _pin.DEFAULT_CHUNK_BYTES) -> Model:
         """Takes a lease on `model` and maps rank `rank`; returns a Model.
 
         numa_node: for a model loaded with numa_copies=True, map the copy on
@@ -221,19 +222,36 @@ class Client:
         post-process weights in place (docs/integration.md). Host segments and
         emulated device arenas only.
 
+        pin=True, or a sequence of substrings: pin host tensors (every one, or
+        those whose name contains one of them) for GPU kernels to read in place
+        (docs/api.md, "Pinned host tables"). A background thread registers
+        their pages with CUDA (cuMemHostRegister: device-mapped, portable,
+        read-only where the GPU supports it; at most `pin_chunk_bytes` per
+        call, about 0.1 s per GB) while attach returns at once;
+        Model.wait_pinned() waits for it, Model.pin_progress() reports it,
+        then Tensor.device_ptr and Tensor.cuda_view() / to_torch_cuda() give
+        the GPU's view. libcuda.so.1 is loaded only then, on that thread:
+        without a driver or GPU, attach still works and wait_pinned() raises
+        WeightdError(UNAVAILABLE). Refused (INVALID_ARGUMENT) with
+        private=True, or for a pattern that matches no host tensor.
+
         Raises WeightdError with the daemon's code: NOT_FOUND, FAILED_PRECONDITION
         (draining, or private=True with a CUDA arena), ...; UNAVAILABLE when a
         device arena cannot be imported here (e.g. no CUDA driver in this
         process's view).
         """
-        return self._attach(model, rank, private=private, prefault=prefault, numa_node=numa_node)
+        return self._attach(model, rank, private=private, prefault=prefault, numa_node=numa_node, pin=pin,
+                            pin_chunk_bytes=pin_chunk_bytes)
 
     def _attach(self, model: str, rank: int = 0, *, private: bool = False, prefault: bool = False,
-                packed: bool = True, numa_node: Optional[int] = None) -> Model:
+                packed: bool = True, numa_node: Optional[int] = None, pin: _pin.PinSpec = False,
+                pin_chunk_bytes: int = _pin.DEFAULT_CHUNK_BYTES) -> Model:
         """attach(); packed=False asks for one TensorEntry per tensor, as clients before the
         packed table did (tests/bench/py_attach.py --entries, and tests comparing the
         two encodings); a daemon that predates the packed table answers so anyway."""
         start = time.monotonic()
+        patterns = _pin.patterns_of(pin)
+        _pin.check(patterns, private, pin_chunk_bytes)
         encoding = pb.AttachRequest.PACKED_TABLE_V1 if packed else pb.AttachRequest.TENSOR_ENTRIES
         request = pb.AttachRequest(name=model, rank=rank, manifest_encoding=encoding,
                                    cpus=sorted(os.sched_getaffinity(0)))
@@ -243,6 +261,7 @@ class Client:
         fd_socket = os.environ.get("WEIGHTD_FD_SOCKET") or response.fd_socket
         try:
             table = _tensor_table(response)
+            pinned = _pin.select(table, patterns, response.model, response.rank) if patterns else []
             connection, fds = _fdsock.claim(fd_socket, response.lease_id, response.claim_timeout_seconds)
         except WeightdError:
             self._detach_quietly(response.lease_id)
@@ -255,6 +274,10 @@ class Client:
         finally:
             for fd in fds:
                 os.close(fd)
+        if patterns:
+            host = [d.placement != pb.DEVICE for d in response.segments]
+            lease.pinner = _pin.start(lease.segments, host, table, pinned, pin_chunk_bytes)
+            lease.pinned = {index: j for j, index in enumerate(pinned)}
         return Model(response, lease, time.monotonic() - start, private, table)
 
     def _call(self, method: Callable[[Any], Any], request: Any) -> Any:

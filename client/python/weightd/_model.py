@@ -4,9 +4,11 @@ from __future__ import annotations
 import collections.abc
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple, TypeVar
 
-from . import _torch
+import grpc
+
+from . import _native, _torch
 from ._errors import WeightdError
-from ._types import Manifest, SegmentInfo, TensorInfo
+from ._types import Manifest, PinProgress, PinState, SegmentInfo, TensorInfo
 from .v1 import weightd_pb2 as pb
 
 if TYPE_CHECKING:
@@ -14,7 +16,7 @@ if TYPE_CHECKING:
 
     import torch
 
-    from ._native import Segment, _TensorFields
+    from ._native import Pinner, Segment, _TensorFields
 
 _CPU = 1  # DLPack kDLCPU
 _T = TypeVar("_T")
@@ -27,6 +29,7 @@ class TensorTable(Protocol):
     def index(self) -> Dict[str, int]: ...
     def info(self, i: int) -> _TensorFields: ...
     def first_outside(self, segment_sizes: Sequence[int]) -> int: ...
+    def select(self, patterns: Sequence[str]) -> Tuple[List[int], List[Tuple[int, int]]]: ...
 
 
 class _Lease:
@@ -37,18 +40,39 @@ class _Lease:
     closes the connection (the daemon ends the lease) and unmaps the segments.
     """
 
-    __slots__ = ("lease_id", "connection", "segments")
+    __slots__ = ("lease_id", "connection", "segments", "pinner", "pinned")
 
     def __init__(self, lease_id: str, connection: socket.socket, segments: List[Segment]) -> None:
         self.lease_id = lease_id
         self.connection = connection
         self.segments = segments  # one weightd._native.Segment per manifest segment
+        # attach(pin=...): the registration thread, and {table index: its index there}.
+        self.pinner: Optional[Pinner] = None
+        self.pinned: Dict[int, int] = {}
+
+    def device_ptr(self, index: int) -> int:
+        """The device address of tensor `index` of the table when pinned and ready, else 0."""
+        j = self.pinned.get(index)
+        return self.pinner.device_ptr(j) if self.pinner is not None and j is not None else 0
+
+    def pin_progress(self) -> Optional[PinProgress]:
+        if self.pinner is None:
+            return None
+        (state, bytes_done, bytes_total, chunks_done, chunks_total, tensors, read_only, ordinal, register_seconds,
+         seconds, code, message) = self.pinner.progress()
+        error = f"{_error_name(code)}: {message}" if code else ""
+        return PinProgress(PinState(state), bytes_done, bytes_total, chunks_done, chunks_total, tensors, read_only,
+                           ordinal, register_seconds, seconds, error)
 
     def __del__(self) -> None:
-        # Segments first, explicitly (a Tensor being freed may still hold one):
-        # the daemon may free the memory once the lease ends, and a
-        # cuda-legacy-ipc arena must be closed before the exporter frees it
-        # (CUDA Driver API, cuIpcOpenMemHandle).
+        # The pinned pages are unregistered while still mapped (the pinner
+        # waits for a registration in flight). Then segments, explicitly (a
+        # Tensor being freed may still hold one): the daemon may free the
+        # memory once the lease ends, and a cuda-legacy-ipc arena must be
+        # closed before the exporter frees it (CUDA Driver API, cuIpcOpenMemHandle).
+        pinner = getattr(self, "pinner", None)
+        if pinner is not None:
+            pinner.close()
         for segment in getattr(self, "segments", None) or ():
             segment.close()
         connection = getattr(self, "connection", None)
@@ -100,6 +124,70 @@ class _Exporter:
         return self._segment.address + self._offset if self._segment.address else 0
 
 
+def _error_name(code: int) -> str:
+    return str(WeightdError.from_number(code, "").code.name)
+
+
+class PinnedView:
+    """A pinned host tensor as GPU memory: exportable with DLPack as kDLCUDA on
+    the registering device, at its device pointer (zero-copy; kernels read the
+    host pages over the bus). From Tensor.cuda_view(); keeps the lease, the
+    mapping and the registration alive until the importer drops it."""
+
+    __slots__ = ("_lease", "_pointer", "_ordinal", "_nbytes", "_export_dtype", "_export_shape", "name")
+
+    def __init__(self, lease: _Lease, pointer: int, ordinal: int, nbytes: int, dtype: str, shape: Tuple[int, ...],
+                 name: str) -> None:
+        self._lease = lease
+        self._pointer = pointer
+        self._ordinal = ordinal
+        self._nbytes = nbytes
+        self._export_dtype = dtype
+        self._export_shape = shape
+        self.name = name
+
+    @property
+    def dtype(self) -> str:
+        return self._export_dtype
+
+    @property
+    def shape(self) -> Tuple[int, ...]:
+        return self._export_shape
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
+
+    def data_ptr(self) -> int:
+        """The device address (Tensor.device_ptr)."""
+        return self._pointer
+
+    def __dlpack__(self, *, stream: Optional[int] = None, max_version: Optional[Tuple[int, int]] = None,
+                   dl_device: Optional[Tuple[int, int]] = None, copy: Optional[bool] = None) -> object:
+        # The pages were registered before the pointer was handed out, so no
+        # stream needs to wait: any `stream` is accepted.
+        if dl_device is not None and tuple(dl_device) != self.__dlpack_device__():
+            raise BufferError(f"this view lives on DLPack device {self.__dlpack_device__()}, not {tuple(dl_device)}")
+        if copy:
+            raise BufferError("weightd exports zero-copy views only; copy after importing")
+        return _native.export_pointer(self._pointer, self._nbytes, self._export_dtype, list(self._export_shape),
+                                      self._ordinal, self._lease)
+
+    def __dlpack_device__(self) -> Tuple[int, int]:
+        return (2, self._ordinal)  # kDLCUDA
+
+    def _carrier(self, dtype: str, shape: Optional[Tuple[int, ...]] = None) -> PinnedView:
+        return PinnedView(self._lease, self._pointer, self._ordinal, self._nbytes, dtype,
+                          self.shape if shape is None else shape, self.name)
+
+    def to_torch(self) -> torch.Tensor:
+        """A torch CUDA tensor over the pinned pages (see Tensor.to_torch_cuda())."""
+        return _torch.to_torch_cuda(self)
+
+    def __repr__(self) -> str:
+        return f"<weightd.PinnedView {self.name!r} {self.dtype}{list(self.shape)} cuda:{self._ordinal}>"
+
+
 class Tensor(_Exporter):
     """One tensor of an attached model, exportable with DLPack (zero-copy).
 
@@ -112,11 +200,12 @@ class Tensor(_Exporter):
     stay invisible to everyone else (see docs/integration.md).
     """
 
-    __slots__ = ("info",)
+    __slots__ = ("info", "_index")
 
-    def __init__(self, lease: _Lease, segment: Segment, info: TensorInfo) -> None:
+    def __init__(self, lease: _Lease, segment: Segment, info: TensorInfo, index: int = -1) -> None:
         super().__init__(lease, segment, info.offset, info.nbytes, info.dtype, info.shape)
         self.info = info
+        self._index = index  # in the rank's tensor table
 
     @property
     def name(self) -> str:
@@ -134,6 +223,37 @@ class Tensor(_Exporter):
     def to_torch(self) -> torch.Tensor:
         """A torch.Tensor with the matching torch dtype, sharing this memory."""
         return _torch.to_torch(self)
+
+    @property
+    def device_ptr(self) -> int:
+        """The device address of a pinned host tensor (attach(..., pin=...)): valid on
+        every GPU of this process while the model or a tensor exported from it lives.
+        0 until Model.wait_pinned() has returned (pin_progress().state READY), and for
+        tensors not pinned (device tensors included: data_ptr() is theirs)."""
+        return self._lease.device_ptr(self._index)
+
+    def cuda_view(self) -> PinnedView:
+        """This pinned host tensor as a kDLCUDA DLPack exporter at device_ptr, for
+        torch.from_dlpack, cupy.from_dlpack, ... (zero-copy: kernels read the host
+        pages). WeightdError FAILED_PRECONDITION when it is not pinned or pinning is
+        not READY."""
+        pointer = self.device_ptr
+        if not pointer:
+            progress = self._lease.pin_progress()
+            if progress is None or progress.state == PinState.READY:
+                why = "it is not pinned (attach(..., pin=...))" if self.nbytes else "it has no bytes"
+            else:
+                why = f"pinning is {progress.state} (Model.wait_pinned() waits for READY)"
+            raise WeightdError(grpc.StatusCode.FAILED_PRECONDITION, f"tensor {self.name!r} has no device pointer: {why}")
+        progress = self._lease.pin_progress()
+        ordinal = progress.device_ordinal if progress is not None else 0
+        return PinnedView(self._lease, pointer, ordinal, self.nbytes, self.dtype, self.shape, self.name)
+
+    def to_torch_cuda(self) -> torch.Tensor:
+        """A torch CUDA tensor over this pinned host tensor's pages, with the matching
+        torch dtype, zero-copy (cuda_view() imported into torch). Needs a CUDA build of
+        torch and a GPU: WeightdError FAILED_PRECONDITION saying which is missing."""
+        return self.cuda_view().to_torch()
 
     def raw(self) -> _Exporter:
         """The tensor's bytes as a 1-D uint8 DLPack exporter (any dtype, including F4/F6/F8_E8M0)."""
@@ -177,6 +297,18 @@ class EntryTable:
         t = self._entries[i]
         return (t.name, t.dtype, tuple(t.shape), "device" if t.placement == pb.DEVICE else "host", t.segment,
                 t.offset, t.nbytes, tuple(t.full_shape), t.split_dim, t.split_start, t.content_hash)
+
+    def select(self, patterns: Sequence[str]) -> Tuple[List[int], List[Tuple[int, int]]]:
+        selected: List[int] = []
+        counts = [[0, 0] for _ in patterns]
+        for i, t in enumerate(self._entries):
+            host = t.placement != pb.DEVICE
+            hits = [k for k, p in enumerate(patterns) if p in t.name]
+            for k in hits:
+                counts[k][0 if host else 1] += 1
+            if hits and host:
+                selected.append(i)
+        return selected, [(h, d) for h, d in counts]
 
     def first_outside(self, segment_sizes: Sequence[int]) -> int:
         for i, t in enumerate(self._entries):
@@ -227,8 +359,9 @@ class Model(collections.abc.Mapping[str, Tensor]):
     # Mapping
     def __getitem__(self, name: str) -> Tensor:
         lease = self._open_lease()
-        info = self.tensor_info(name)
-        return Tensor(lease, lease.segments[info.segment], info)
+        index = self._names()[name]
+        info = TensorInfo(*_decoded(self._table.info, index))
+        return Tensor(lease, lease.segments[info.segment], info, index)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._names())
@@ -264,6 +397,28 @@ class Model(collections.abc.Mapping[str, Tensor]):
         """Whether byte `address` of this process lies inside one of this model's mappings."""
         return any(base <= address < base + size for base, size in self.mappings if base)
 
+    # pinned host tables
+    def pin_progress(self) -> Optional[PinProgress]:
+        """Where the pinning asked by attach(..., pin=...) stands; None without pin."""
+        return self._open_lease().pin_progress()
+
+    def wait_pinned(self, timeout: Optional[float] = None) -> PinProgress:
+        """Blocks until every pinned tensor is registered with CUDA and returns the
+        progress (READY). Raises WeightdError: the failure's code (UNAVAILABLE without a
+        CUDA driver or GPU, RESOURCE_EXHAUSTED when the pages cannot be locked, ...),
+        DEADLINE_EXCEEDED after `timeout` seconds, FAILED_PRECONDITION when attached
+        without pin. The GIL is released while waiting."""
+        lease = self._open_lease()
+        if lease.pinner is None:
+            raise WeightdError(grpc.StatusCode.FAILED_PRECONDITION, f"model {self.name!r} was attached without pin")
+        try:
+            lease.pinner.wait(timeout if timeout is not None else 1e9)
+        except RuntimeError as e:
+            raise WeightdError.from_number(getattr(e, "code", 2), str(e)) from None
+        progress = lease.pin_progress()
+        assert progress is not None
+        return progress
+
     # torch
     def weights_iterator(self) -> Iterator[Tuple[str, torch.Tensor]]:
         """Yields (name, torch.Tensor) pairs in manifest order, zero-copy, for a load_weights() loop."""
@@ -280,7 +435,11 @@ class Model(collections.abc.Mapping[str, Tensor]):
         return self._lease is None
 
     def close(self) -> None:
-        """Drops this model's hold on the lease; exported tensors keep theirs. Idempotent."""
+        """Drops this model's hold on the lease; exported tensors keep theirs. Idempotent.
+
+        When the last hold goes, pinned pages are unregistered (after the
+        registration in flight, if any), then the segments are unmapped and the
+        lease ends."""
         self._lease = None
 
     def __enter__(self) -> Model:

@@ -1,12 +1,16 @@
 """safetensors dtype -> torch dtype, and the zero-copy import of one tensor."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Union
+
+import grpc
+
+from ._errors import WeightdError
 
 if TYPE_CHECKING:
     import torch
 
-    from ._model import Tensor
+    from ._model import PinnedView, Tensor
 
 # torch imports these straight through DLPack.
 _DIRECT = {
@@ -64,8 +68,24 @@ def torch_dtype(dtype: str) -> torch.dtype:
                                 f"({why}); Tensor.raw() exports its bytes")
 
 
-def to_torch(tensor: Tensor) -> torch.Tensor:
-    """A torch.Tensor sharing `tensor`'s memory (a weightd.Tensor), no copy.
+def to_torch_cuda(view: PinnedView) -> torch.Tensor:
+    """A torch CUDA tensor over a pinned host tensor's pages (a weightd.PinnedView), no copy.
+
+    WeightdError FAILED_PRECONDITION when this torch cannot use CUDA here: a
+    CPU-only build (torch.version.cuda is None) or no GPU visible.
+    """
+    import torch
+    if not torch.cuda.is_available():
+        why = "a CPU-only build" if torch.version.cuda is None else "no GPU is visible to it"
+        raise WeightdError(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"tensor {view.name!r}: torch {torch.__version__} cannot use CUDA here ({why}); a CUDA view "
+                           f"of a pinned host tensor needs a CUDA build of torch and a GPU (Tensor.device_ptr gives "
+                           f"the raw device address)")
+    return to_torch(view)
+
+
+def to_torch(tensor: Union[Tensor, PinnedView]) -> torch.Tensor:
+    """A torch.Tensor sharing `tensor`'s memory (a weightd.Tensor, or the CUDA view of a pinned one), no copy.
 
     Raises UnsupportedDtypeError naming the tensor and dtype when torch
     cannot represent it.

@@ -105,6 +105,30 @@ class LoadProgress:
     seconds: float
 
 
+class PinState(_StrEnum):
+    """PinProgress.state (docs/api.md "Pinned host tables")."""
+    REGISTERING = "REGISTERING"
+    READY = "READY"
+    FAILED = "FAILED"  # see PinProgress.error; nothing stays registered
+    STOPPED = "STOPPED"  # the model's lease ended first
+
+
+@dataclass(frozen=True)
+class PinProgress:
+    """Where the pinning of an attach(pin=...) stands (Model.pin_progress())."""
+    state: PinState
+    bytes_done: int  # page bytes registered with CUDA so far
+    bytes_total: int  # page bytes to register
+    chunks_done: int  # cuMemHostRegister calls done
+    chunks_total: int
+    tensors: int  # tensors pinned, once READY
+    read_only: bool  # registered with CU_MEMHOSTREGISTER_READ_ONLY
+    device_ordinal: int  # this process's CUDA ordinal that registered (-1 before the driver loaded)
+    register_seconds: float  # time inside cuMemHostRegister
+    seconds: float  # since attach started it, until READY/FAILED/STOPPED
+    error: str  # FAILED: "CODE: message", naming the segment, bytes and tensor; else ""
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     """One tensor of a rank's manifest. Shapes in elements, sizes in bytes."""
