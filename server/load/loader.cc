@@ -157,18 +157,20 @@ absl::StatusOr<HostMemoryAdmission::Reservation> AdmitHostMemory(const std::stri
 // made and filled); which tensors must be read (those with any fresh
 // destination); and the content hashes of the others.
 struct Reuse {
-  std::vector<const SharedSegments::Host*> host;                // parallel to plan.host_segments
-  std::vector<std::vector<const SharedSegments::Arena*>> arenas;  // [rank][arena]
+  std::vector<SharedSegments::HostHit> host;                // parallel to plan.host_segments; null: fresh
+  std::vector<std::vector<SharedSegments::ArenaHit>> arenas;  // [rank][arena]; null: fresh
   std::vector<bool> read;                                       // parallel to catalog.tensors
   std::vector<uint64_t> hashes;                                 // of tensors not read
 };
 
+// `host_node`: the NUMA node the load binds its (first copy of) host
+// segments to, -1 for none: part of a host segment's key.
 Reuse FindReusable(const Catalog& catalog, const LoadPlan& plan, const std::vector<DeviceInfo>& devices,
-                   const SharedSegments* shared) {
+                   const SharedSegments* shared, int host_node) {
   Reuse reuse;
-  reuse.host.assign(plan.host_segments.size(), nullptr);
+  reuse.host.assign(plan.host_segments.size(), {});
   reuse.arenas.resize(devices.empty() ? 0 : plan.ranks.size());
-  for (size_t r = 0; r < reuse.arenas.size(); ++r) reuse.arenas[r].assign(plan.ranks[r].arena_bytes.size(), nullptr);
+  for (size_t r = 0; r < reuse.arenas.size(); ++r) reuse.arenas[r].assign(plan.ranks[r].arena_bytes.size(), {});
   reuse.read.assign(catalog.tensors.size(), true);
   reuse.hashes.assign(catalog.tensors.size(), 0);
   if (shared == nullptr) return reuse;
@@ -189,27 +191,34 @@ Reuse FindReusable(const Catalog& catalog, const LoadPlan& plan, const std::vect
   }
   for (size_t i = 0; i < host_count; ++i) {
     const CatalogFile& file = catalog.files[plan.host_segments[i].file];
-    reuse.host[i] = shared->FindHost(SegmentKey(StampOf(file), "", std::move(host_contents[i])));
+    reuse.host[i] = shared->FindHost(SegmentKey(StampOf(file), "", host_node, std::move(host_contents[i])));
+    // An equal key holds the same tensors at the same offsets; the size
+    // check guards the mappings anyway.
+    if (reuse.host[i].segment && reuse.host[i].segment->size() < plan.host_segments[i].bytes) reuse.host[i] = {};
   }
   for (size_t r = 0; r < reuse.arenas.size(); ++r) {
     for (size_t i = 0; i < reuse.arenas[r].size(); ++i) {
       const CatalogFile& file = catalog.files[plan.ranks[r].arena_file[i]];
-      reuse.arenas[r][i] = shared->FindArena(SegmentKey(StampOf(file), devices[r].uuid, std::move(arena_contents[r][i])));
+      reuse.arenas[r][i] =
+          shared->FindArena(SegmentKey(StampOf(file), devices[r].uuid, -1, std::move(arena_contents[r][i])));
+      if (reuse.arenas[r][i].arena && reuse.arenas[r][i].arena->size() < plan.ranks[r].arena_bytes[i]) {
+        reuse.arenas[r][i] = {};
+      }
     }
   }
   for (size_t i = 0; i < catalog.tensors.size(); ++i) {
     const TensorPlan& tp = plan.tensors[i];
-    const absl::flat_hash_map<std::string, uint64_t>* hashes = nullptr;
+    const SharedSegments::Hashes* hashes = nullptr;
     bool fresh = false;
     if (tp.placement == Placement::kHost) {
-      const SharedSegments::Host* h = reuse.host[tp.host_segment];
-      fresh = h == nullptr;
-      if (h != nullptr) hashes = &h->hashes;
+      const SharedSegments::HostHit& h = reuse.host[tp.host_segment];
+      fresh = h.segment == nullptr;
+      if (!fresh) hashes = h.hashes;
     } else {
       for (size_t r = 0; r < tp.ranks.size() && r < reuse.arenas.size(); ++r) {
-        const SharedSegments::Arena* a = reuse.arenas[r][tp.ranks[r].arena];
-        fresh |= a == nullptr;
-        if (a != nullptr) hashes = &a->hashes;
+        const SharedSegments::ArenaHit& a = reuse.arenas[r][tp.ranks[r].arena];
+        fresh |= a.arena == nullptr;
+        if (a.arena != nullptr) hashes = a.hashes;
       }
       fresh |= reuse.arenas.empty();
     }
@@ -229,8 +238,8 @@ absl::StatusOr<Allocation> Allocate(const std::string& name, const LoadPlan& pla
   for (size_t i = 0; i < plan.host_segments.size(); ++i) {
     const HostChunk& c = plan.host_segments[i];
     HostSlot slot;
-    if (const SharedSegments::Host* shared = reuse.host[i]) {
-      slot.reused = shared->segment;
+    if (reuse.host[i].segment != nullptr) {
+      slot.reused = reuse.host[i].segment;
     } else {
       WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<HostSegment> segment,
                                HostSegment::Create(absl::StrCat(name, ":host", i), c.bytes, pages));
@@ -243,8 +252,8 @@ absl::StatusOr<Allocation> Allocate(const std::string& name, const LoadPlan& pla
     for (size_t i = 0; i < plan.ranks[r].arena_bytes.size(); ++i) {
       uint64_t bytes = plan.ranks[r].arena_bytes[i];
       auto slot = std::make_unique<ArenaSlot>();
-      if (const SharedSegments::Arena* shared = reuse.arenas[r][i]) {
-        slot->arena = shared->arena;
+      if (reuse.arenas[r][i].arena != nullptr) {
+        slot->arena = reuse.arenas[r][i].arena;
         slot->fresh = false;
         a.arenas[r].push_back(std::move(slot));
         continue;
@@ -456,7 +465,7 @@ PageChoice ChooseLoadPages(const LoadPlan& plan, const Reuse& reuse, const Loade
   uint64_t hugetlb_bytes = 0;
   for (size_t i = 0; i < plan.host_segments.size(); ++i) {
     const HostChunk& c = plan.host_segments[i];
-    if (reuse.host[i] == nullptr && c.bytes >= kHugeSegmentMinBytes) {
+    if (reuse.host[i].segment == nullptr && c.bytes >= kHugeSegmentMinBytes) {
       hugetlb_bytes += (c.bytes + kHugePageBytes - 1) / kHugePageBytes * kHugePageBytes;
     }
   }
@@ -575,9 +584,9 @@ absl::Status Publish(const Catalog& catalog, const LoadPlan& plan, Allocation& a
                             static_cast<uint32_t>(gen.host_segments.size())});
     gen.host_segments.push_back(std::move(slot.reused));
   }
-  if (!nodes.empty()) gen.numa_copies.push_back({nodes[0].id, host_ids});
+  if (!nodes.empty()) gen.numa_copies.push_back({nodes[0].id, nodes[0].cpus, host_ids});
   for (size_t k = 0; k < copies.size(); ++k) {
-    NumaCopy copy{nodes[k + 1].id, {}};
+    NumaCopy copy{nodes[k + 1].id, nodes[k + 1].cpus, {}};
     for (std::shared_ptr<const HostSegment>& segment : copies[k]) {
       gen.host_bytes += segment->size();
       gen.huge_page_bytes += segment->huge_bytes();
@@ -638,10 +647,13 @@ std::string FingerprintOf(const std::vector<TensorRecord>& tensors) {
 uint64_t SharedHostBytes(const Catalog& catalog, const LoadRequest& request, const LoaderOptions& options,
                          const SharedSegments& shared) {
   absl::StatusOr<PlannedLoad> planned = PlanLoad(catalog, request, options);
-  if (!planned.ok()) return 0;
-  Reuse reuse = FindReusable(catalog, planned->plan, planned->devices, &shared);
+  absl::StatusOr<std::vector<NumaNode>> nodes = CopyNodes(request, options);
+  if (!planned.ok() || !nodes.ok()) return 0;
+  Reuse reuse = FindReusable(catalog, planned->plan, planned->devices, &shared, nodes->empty() ? -1 : (*nodes)[0].id);
   uint64_t bytes = 0;
-  for (size_t i = 0; i < reuse.host.size(); ++i) bytes += reuse.host[i] != nullptr ? planned->plan.host_segments[i].bytes : 0;
+  for (size_t i = 0; i < reuse.host.size(); ++i) {
+    bytes += reuse.host[i].segment != nullptr ? planned->plan.host_segments[i].bytes : 0;
+  }
   return bytes;
 }
 
@@ -680,19 +692,19 @@ absl::StatusOr<std::unique_ptr<ModelGeneration>> LoadGeneration(const Catalog& c
   }
   const std::vector<DeviceInfo>& devices = planned->devices;
   const LoadPlan& plan = planned->plan;
-  Reuse reuse = FindReusable(catalog, plan, devices, shared);
+  WEIGHTD_ASSIGN_OR_RETURN(std::vector<NumaNode> nodes, CopyNodes(request, options));
+  Reuse reuse = FindReusable(catalog, plan, devices, shared, nodes.empty() ? -1 : nodes[0].id);
   p.bytes_total = 0;
   for (size_t i = 0; i < catalog.tensors.size(); ++i) {
     (reuse.read[i] ? p.bytes_total : p.bytes_reused) += catalog.tensors[i].nbytes;
   }
 
   report(LoadProgress::Phase::kAllocate);
-  WEIGHTD_ASSIGN_OR_RETURN(std::vector<NumaNode> nodes, CopyNodes(request, options));
   Env& env = options.env != nullptr ? *options.env : *Env::Default();
   PageChoice pages = ChooseLoadPages(plan, reuse, options, /*allow_hugetlb=*/nodes.size() <= 1);
   uint64_t new_host_bytes = 0;
   for (size_t i = 0; i < plan.host_segments.size(); ++i) {
-    new_host_bytes += reuse.host[i] == nullptr ? plan.host_segments[i].bytes : 0;
+    new_host_bytes += reuse.host[i].segment == nullptr ? plan.host_segments[i].bytes : 0;
     // Every copy after the first is new, shared primary or not.
     if (nodes.size() > 1) new_host_bytes += (nodes.size() - 1) * plan.host_segments[i].bytes;
   }
@@ -755,6 +767,7 @@ absl::StatusOr<std::unique_ptr<ModelGeneration>> LoadGeneration(const Catalog& c
   gen->checkpoint_bytes = catalog.total_bytes();
   gen->bytes_read = p.bytes_total;
   gen->source = "storage";
+  gen->from_files = options.host_source == nullptr;  // a peer's host bytes match the seed's hashes, not the files
   gen->load_seconds = SecondsSince(start);
   return gen;
 }

@@ -6,14 +6,15 @@
 
 namespace weightd {
 
-std::string SegmentKey(const FileStamp& stamp, const std::string& gpu_uuid, std::vector<SegmentContent> tensors) {
+std::string SegmentKey(const FileStamp& stamp, const std::string& gpu_uuid, int numa_node,
+                       std::vector<SegmentContent> tensors) {
   std::sort(tensors.begin(), tensors.end(),
             [](const SegmentContent& a, const SegmentContent& b) { return a.offset < b.offset; });
   const FileIdentity& id = stamp.identity;
   // Names may hold any byte but NUL-free JSON strings are not promised: each
   // field is length-prefixed, so no two different contents give one key.
   std::string key = absl::StrCat(id.dev, ":", id.ino, ":", id.size, ":", id.mtime_ns, ":", id.ctime_ns, ":",
-                                 stamp.header_hash, ":", gpu_uuid.size(), ":", gpu_uuid);
+                                 stamp.header_hash, ":", gpu_uuid.size(), ":", gpu_uuid, ":numa", numa_node);
   for (const SegmentContent& t : tensors) {
     absl::StrAppend(&key, "|", t.name.size(), ":", t.name, ":", t.offset, ":", t.nbytes, ":", t.split_dim, ":",
                     t.split_start);
@@ -22,6 +23,8 @@ std::string SegmentKey(const FileStamp& stamp, const std::string& gpu_uuid, std:
 }
 
 void SharedSegments::Add(const ModelGeneration& gen) {
+  if (!gen.from_files) return;
+  const int host_node = gen.numa_copies.empty() ? -1 : gen.numa_copies[0].node;
   // Segment id -> the tensors a rank's manifest places in it.
   std::vector<std::vector<const TensorRecord*>> held(gen.segments.size());
   for (const RankManifest& rank : gen.ranks) {
@@ -39,7 +42,8 @@ void SharedSegments::Add(const ModelGeneration& gen) {
       contents.push_back({t->name, t->offset, t->nbytes, t->split_dim, t->split_start});
       hashes.emplace(t->name, t->content_hash);
     }
-    return SegmentKey(file.stamp, gen.segments[id].placement == Placement::kDevice ? gen.segments[id].gpu_uuid : "",
+    bool device = gen.segments[id].placement == Placement::kDevice;
+    return SegmentKey(file.stamp, device ? gen.segments[id].gpu_uuid : "", device ? -1 : host_node,
                       std::move(contents));
   };
   for (const GenerationFile& file : gen.files) {
@@ -63,14 +67,16 @@ void SharedSegments::Add(const ModelGeneration& gen) {
   }
 }
 
-const SharedSegments::Host* SharedSegments::FindHost(const std::string& key) const {
+SharedSegments::HostHit SharedSegments::FindHost(const std::string& key) const {
   auto it = host_.find(key);
-  return it == host_.end() ? nullptr : &it->second;
+  if (it == host_.end()) return {};
+  return {it->second.segment.lock(), &it->second.hashes};
 }
 
-const SharedSegments::Arena* SharedSegments::FindArena(const std::string& key) const {
+SharedSegments::ArenaHit SharedSegments::FindArena(const std::string& key) const {
   auto it = arenas_.find(key);
-  return it == arenas_.end() ? nullptr : &it->second;
+  if (it == arenas_.end()) return {};
+  return {it->second.arena.lock(), &it->second.hashes};
 }
 
 }  // namespace weightd

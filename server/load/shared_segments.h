@@ -16,13 +16,18 @@
 // every arena whose slices are the same. The file's name in the checkpoint
 // is not part of the key: two folders linking one file share it.
 //
-// Not indexed: files whose stamp a writer's commit cleared (their segments
-// hold the writer's bytes, server/update/update.h) and generations without
-// files (a writer's layouts). A segment is shared with the page kind it was
-// made with (huge or 4 KiB pages), whatever the later load would have chosen.
+// Only generations whose bytes are the files' as this daemon read them are
+// indexed (ModelGeneration::from_files: not a peer's bytes, not an
+// unauthenticated restored record's), and of them only files with a stamp
+// (a writer's commit clears the stamp of a file whose segment it rewrote).
+// A host segment of a load with NUMA copies is keyed with its node too, so
+// a NUMA load shares only a first copy bound to its first node, and other
+// loads share only unbound segments. A segment is shared with the page kind
+// it was made with (huge or 4 KiB pages), whatever the later load would
+// have chosen.
 //
-// Thread-safety: built and read by one thread (a load); the segments it
-// holds stay alive while it does.
+// Thread-safety: built and read by one thread (a load). It holds no
+// segment alive (weak references): a find returns a strong one.
 #ifndef WEIGHTD_SERVER_LOAD_SHARED_SEGMENTS_H_
 #define WEIGHTD_SERVER_LOAD_SHARED_SEGMENTS_H_
 
@@ -48,34 +53,46 @@ struct SegmentContent {
 };
 
 // The key of a segment holding `tensors` (any order) of the file `stamp`,
-// on GPU `gpu_uuid` ("" for a host segment).
-std::string SegmentKey(const FileStamp& stamp, const std::string& gpu_uuid, std::vector<SegmentContent> tensors);
+// on GPU `gpu_uuid` ("" for a host segment), bound to NUMA node
+// `numa_node` (-1: not bound).
+std::string SegmentKey(const FileStamp& stamp, const std::string& gpu_uuid, int numa_node,
+                       std::vector<SegmentContent> tensors);
 
 class SharedSegments {
  public:
-  // A served segment and the content hashes of the tensors it holds (of
-  // each whole checkpoint tensor, TensorRecord::content_hash).
-  struct Host {
+  using Hashes = absl::flat_hash_map<std::string, uint64_t>;
+  // A served segment still alive, and the content hashes of the tensors it
+  // holds (of each whole checkpoint tensor, TensorRecord::content_hash;
+  // valid while this index lives). A null segment: not found.
+  struct HostHit {
     std::shared_ptr<const HostSegment> segment;
-    absl::flat_hash_map<std::string, uint64_t> hashes;
+    const Hashes* hashes = nullptr;
   };
-  struct Arena {
+  struct ArenaHit {
     std::shared_ptr<DeviceArena> arena;
-    absl::flat_hash_map<std::string, uint64_t> hashes;
+    const Hashes* hashes = nullptr;
   };
 
   // Indexes every segment of `gen` that holds one checkpoint file's bytes
-  // (GenerationFile with a stamp), holding a reference to each.
+  // (see above), by weak reference.
   void Add(const ModelGeneration& gen);
 
-  // The segment with `key` (SegmentKey), or null.
-  const Host* FindHost(const std::string& key) const;
-  const Arena* FindArena(const std::string& key) const;
+  // The live segment with `key` (SegmentKey), or a null one.
+  HostHit FindHost(const std::string& key) const;
+  ArenaHit FindArena(const std::string& key) const;
 
   size_t host_count() const { return host_.size(); }
   size_t arena_count() const { return arenas_.size(); }
 
  private:
+  struct Host {
+    std::weak_ptr<const HostSegment> segment;
+    Hashes hashes;
+  };
+  struct Arena {
+    std::weak_ptr<DeviceArena> arena;
+    Hashes hashes;
+  };
   absl::flat_hash_map<std::string, Host> host_;
   absl::flat_hash_map<std::string, Arena> arenas_;
 };

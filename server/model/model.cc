@@ -82,7 +82,7 @@ absl::Status CheckLoadPatterns(const LoadRequest& request) {
 }
 
 absl::StatusOr<int> ChooseNumaCopy(const std::vector<NumaCopy>& copies, std::optional<int> node,
-                                   const std::vector<int>& cpus, const std::vector<NumaNode>& topology) {
+                                   const std::vector<int>& cpus) {
   if (copies.empty()) return -1;
   if (node.has_value()) {
     std::vector<std::string> nodes;
@@ -96,10 +96,9 @@ absl::StatusOr<int> ChooseNumaCopy(const std::vector<NumaCopy>& copies, std::opt
   int best = 0;
   size_t best_cpus = 0;
   for (size_t i = 0; i < copies.size(); ++i) {
-    auto it = std::find_if(topology.begin(), topology.end(), [&](const NumaNode& n) { return n.id == copies[i].node; });
-    if (it == topology.end()) continue;
+    const std::vector<int>& node_cpus = copies[i].cpus;  // sorted (ParseCpuList)
     size_t mine = std::count_if(cpus.begin(), cpus.end(),
-                                [&](int cpu) { return std::binary_search(it->cpus.begin(), it->cpus.end(), cpu); });
+                                [&](int cpu) { return std::binary_search(node_cpus.begin(), node_cpus.end(), cpu); });
     if (mine > best_cpus) {
       best = static_cast<int>(i);
       best_cpus = mine;

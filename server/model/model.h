@@ -171,6 +171,7 @@ class FreedHook {
 // One NUMA node's copy of a generation's host segments (LoadRequest::numa_copies).
 struct NumaCopy {
   int32_t node = 0;
+  std::vector<int> cpus;  // the node's CPUs when the copy was made (ChooseNumaCopy)
   // Ids into ModelGeneration::segments, parallel to the host prefix of every
   // rank's RankManifest::segments (copy 0 is that prefix itself): the same
   // sizes and bytes, on this node's pages.
@@ -211,6 +212,13 @@ class ModelGeneration {
   // "peer HOST:PORT" (seeded from that peer; see server/peer/peer_join.h), or
   // "fd store" (restored by a restarted daemon, server/restart/restore.h).
   std::string source;
+  // Whether every segment of a file with a stamp (GenerationFile) holds that
+  // file's bytes as this daemon read them: a load from storage, a writer's
+  // update of one (rewritten files lose their stamp), or a restore of an
+  // authenticated record of one. Not a peer's bytes, nor an unauthenticated
+  // record's. Only such generations share their segments with other names
+  // (server/load/shared_segments.h).
+  bool from_files = false;
   double load_seconds = 0;
   uint64_t checkpoint_bytes = 0;  // tensor bytes of the checkpoint
   uint64_t host_bytes = 0;     // bytes of its host segments, shared ones included
@@ -239,10 +247,11 @@ class ModelGeneration {
 // Which NUMA copy an attach maps (an index into `copies`, -1 when there are
 // none): the one on `node` when a node is named (FAILED_PRECONDITION naming
 // the nodes that have copies when none is there); else the copy whose node
-// holds most of `cpus` (the client's CPU affinity, by `topology`), ties to
-// the lower node id; else copy 0 (a client whose CPUs are on no copy's node).
+// holds most of `cpus` (the client's CPU affinity; NumaCopy::cpus, recorded
+// at load, so an attach reads no sysfs), ties to the lower node id; else
+// copy 0 (a client whose CPUs are on no copy's node).
 absl::StatusOr<int> ChooseNumaCopy(const std::vector<NumaCopy>& copies, std::optional<int> node,
-                                   const std::vector<int>& cpus, const std::vector<NumaNode>& topology);
+                                   const std::vector<int>& cpus);
 
 }  // namespace weightd
 

@@ -48,8 +48,12 @@ absl::StatusOr<std::unique_ptr<PeerSeed::Session>> PeerSeed::Open(const std::str
   WEIGHTD_RETURN_IF_ERROR(registry_->Claim(grant.lease_id).status());  // a peer's lease never waits on the fd socket
   const ModelGeneration& m = *grant.model;
   std::vector<PeerExportRegion> regions;
-  for (size_t i = 0; i < m.host_segments.size(); ++i) {
-    const HostSegment& segment = *m.host_segments[i];
+  // The manifest's host segments, which come first in every rank's list;
+  // not the other NUMA copies (ModelGeneration::numa_copies) of them.
+  for (size_t i = 0; i < m.ranks[0].segments.size(); ++i) {
+    const SegmentRecord& record = m.segments[m.ranks[0].segments[i]];
+    if (record.placement != Placement::kHost) break;
+    const HostSegment& segment = *m.host_segments[record.owner];
     regions.push_back({segment.fd(), segment.size()});
     if (i == 0 && options_.test_fault == "corrupt" && segment.size() > 0) {
       WEIGHTD_ASSIGN_OR_RETURN(session->corrupt_copy_, CorruptCopy(segment));

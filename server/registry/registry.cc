@@ -205,13 +205,21 @@ absl::StatusOr<ModelRegistry::LoadResult> ModelRegistry::Load(LoadRequest reques
   if (absl::Status none = SelectTensors(request, *catalog); !none.ok()) return fail(none);
   record->bytes_total = catalog->total_bytes();
   std::shared_ptr<ModelGeneration> previous;  // the name's READY generation, when its plan is the same
-  // Every segment served now, by what it holds: what this load may share
-  // (server/load/shared_segments.h). Freed off the reply's path.
-  auto shared = std::make_shared<SharedSegments>();
+  // Every generation served now: their segments, indexed by what they hold
+  // outside the lock, are what this load may share (server/load/
+  // shared_segments.h; the index holds them weakly). The generations are
+  // let go off the reply's path: one may be the last reference.
+  auto served = std::make_shared<std::vector<std::shared_ptr<const ModelGeneration>>>();
+  SharedSegments shared;
   {
     absl::MutexLock lock(&mu_);
-    for (const auto& [name, model] : current_) shared->Add(*model);
-    for (const auto& model : draining_) shared->Add(*model);
+    for (const auto& [name, model] : current_) served->push_back(model);
+    for (const auto& model : draining_) served->push_back(model);
+  }
+  for (const auto& model : *served) shared.Add(*model);
+  ReleaseLater(std::move(served));
+  {
+    absl::MutexLock lock(&mu_);
     if (std::shared_ptr<ModelGeneration> same = Reusable(request, *catalog)) {
       loading_.erase(request.name);
       failed_.erase(request.name);
@@ -231,14 +239,13 @@ absl::StatusOr<ModelRegistry::LoadResult> ModelRegistry::Load(LoadRequest reques
   // A READY generation with the same plan (a reload), or host segments this
   // node serves already (another name or plan over the same files), are
   // shared instead: peers seed only what this node holds none of.
-  if (options_.seed_source != nullptr && previous == nullptr && SharedHostBytes(*catalog, request, options_.loader, *shared) == 0) {
+  if (options_.seed_source != nullptr && previous == nullptr && SharedHostBytes(*catalog, request, options_.loader, shared) == 0) {
     loaded = options_.seed_source->Load(*catalog, request, options_.loader, track);  // each failure logged there
   }
-  if (!loaded.ok()) loaded = LoadGeneration(*catalog, request, options_.loader, track, shared.get());
+  if (!loaded.ok()) loaded = LoadGeneration(*catalog, request, options_.loader, track, &shared);
   if (!loaded.ok()) return fail(loaded.status());
   LoadResult result = Publish(std::move(*loaded), *catalog);
   if (options_.loader.mlock) pinner_->Pin(result.model);
-  ReleaseLater(std::move(shared));
   if (previous != nullptr) ReleaseLater(std::move(previous));  // freed off the reply's path when unleased
   return result;
 }
@@ -308,6 +315,13 @@ absl::StatusOr<ModelRegistry::UpdateGrant> ModelRegistry::BeginUpdate(const std:
   {
     absl::MutexLock lock(&mu_);
     WEIGHTD_ASSIGN_OR_RETURN(base, GetLocked(name));
+    if (base->numa_copies.size() > 1) {
+      // A commit replaces the manifest's host segments; the other nodes'
+      // copies would keep serving the old bytes. Not supported yet.
+      return absl::FailedPreconditionError(absl::StrCat(
+          "model '", name, "' has ", base->numa_copies.size(),
+          " NUMA copies; a writer's update of a model loaded with numa_copies is not supported (load it without)"));
+    }
     WEIGHTD_ASSIGN_OR_RETURN(id, updates_.Open(name, Now() + options_.claim_timeout));
   }
   absl::StatusOr<std::unique_ptr<StagedUpdate>> staged =
@@ -584,12 +598,7 @@ absl::StatusOr<ModelRegistry::Grant> ModelRegistry::Attach(const std::string& na
                                                            const AttachPlacement& placement) {
   absl::MutexLock lock(&mu_);  // one critical section: an Unload cannot slip in before the lease
   WEIGHTD_ASSIGN_OR_RETURN(std::shared_ptr<ModelGeneration> model, GetRankLocked(name, rank));
-  std::vector<NumaNode> topology;  // read only when the CPUs decide
-  if (!model->numa_copies.empty() && !placement.numa_node.has_value() && !placement.cpus.empty()) {
-    absl::StatusOr<std::vector<NumaNode>> nodes = env().NumaNodes();
-    if (nodes.ok()) topology = std::move(*nodes);  // unreadable: copy 0, as for a client on no copy's node
-  }
-  WEIGHTD_ASSIGN_OR_RETURN(int copy, ChooseNumaCopy(model->numa_copies, placement.numa_node, placement.cpus, topology));
+  WEIGHTD_ASSIGN_OR_RETURN(int copy, ChooseNumaCopy(model->numa_copies, placement.numa_node, placement.cpus));
   auto now = Now();
   LeaseTable::Lease lease = leases_.Add(model, rank, now, now + options_.claim_timeout, copy);
   if (listener_) listener_->OnLeasesChanged(name, model->leases.load());

@@ -182,6 +182,9 @@ class Restorer {
     // load. Any other record may name memfds of whoever passed the fds.
     out.authenticated = record.authenticated;
     if (record.authenticated) return std::nullopt;
+    // Whoever wrote it, its bytes are checked against its own hashes only:
+    // never shared as a file's with other names (server/load/shared_segments.h).
+    m.from_files = false;
     return VerifyHostTensors(m);
   }
 

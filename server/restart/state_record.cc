@@ -2,6 +2,7 @@
 
 #include <xxhash.h>
 
+#include <algorithm>
 #include <cstring>
 #include <limits>
 
@@ -85,9 +86,12 @@ json ModelJson(const ModelGeneration& m) {
   json files = json::array();
   for (const GenerationFile& f : m.files) files.push_back(FileJson(f));
   json numa = json::array();
-  for (const NumaCopy& c : m.numa_copies) numa.push_back({{"node", c.node}, {"host_segments", c.host_segments}});
+  for (const NumaCopy& c : m.numa_copies) {
+    numa.push_back({{"node", c.node}, {"cpus", c.cpus}, {"host_segments", c.host_segments}});
+  }
   return {{"request", RequestJson(m.request)},
           {"numa_copies", std::move(numa)},
+          {"from_files", m.from_files},
           {"generation", m.generation},
           {"version_label", m.version_label},
           {"fingerprint", m.fingerprint},
@@ -290,8 +294,27 @@ absl::Status DecodeNumaCopies(const json& j, ModelGeneration& m) {
     WEIGHTD_ASSIGN_OR_RETURN(copy.node, Field<int32_t>(c, "node", where));
     WEIGHTD_ASSIGN_OR_RETURN(copy.host_segments, Field<std::vector<uint32_t>>(c, "host_segments", where));
     if (copy.node < 0 || copy.node >= kMaxNumaNodes) return absl::InvalidArgumentError(absl::StrCat(where, ".node out of range"));
+    if (c.contains("cpus")) {
+      WEIGHTD_ASSIGN_OR_RETURN(const json* cpus, ArrayField(c, "cpus", where, kMaxCpus));
+      for (const json& cpu : *cpus) {
+        if (!cpu.is_number_integer() || cpu.get<int64_t>() < 0 || cpu.get<int64_t>() >= kMaxCpus) {
+          return absl::InvalidArgumentError(absl::StrCat(where, ".cpus holds a value that is no CPU number below ", kMaxCpus));
+        }
+        copy.cpus.push_back(cpu.get<int>());
+      }
+      std::sort(copy.cpus.begin(), copy.cpus.end());
+    }
+    if (!m.request.numa_copies) return absl::InvalidArgumentError(absl::StrCat(where, ": the request has no numa_copies"));
     const std::vector<uint32_t>& prefix = m.ranks[0].segments;
     if (copy.host_segments.size() > prefix.size()) return absl::InvalidArgumentError(absl::StrCat(where, " lists too many segments"));
+    // An attach of any rank substitutes the copy for that rank's host
+    // prefix: every rank must share rank 0's.
+    for (const RankManifest& rank : m.ranks) {
+      if (rank.segments.size() < copy.host_segments.size() ||
+          !std::equal(prefix.begin(), prefix.begin() + copy.host_segments.size(), rank.segments.begin())) {
+        return absl::InvalidArgumentError(absl::StrCat(where, ": the ranks do not share their host segments"));
+      }
+    }
     for (size_t i = 0; i < copy.host_segments.size(); ++i) {
       uint32_t id = copy.host_segments[i];
       if (id >= m.segments.size() || m.segments[id].placement != Placement::kHost ||
@@ -376,6 +399,9 @@ absl::Status DecodeModel(const json& j, StateRecord& out) {
   WEIGHTD_RETURN_IF_ERROR(DecodeFiles(j, m));
   WEIGHTD_RETURN_IF_ERROR(DecodeRanks(j, m));
   WEIGHTD_RETURN_IF_ERROR(DecodeNumaCopies(j, m));
+  if (j.contains("from_files")) {
+    WEIGHTD_ASSIGN_OR_RETURN(m.from_files, Field<bool>(j, "from_files", "record"));
+  }
   std::string fingerprint = FingerprintOf(m.ranks[0].tensors);
   if (fingerprint != m.fingerprint) {
     return absl::InvalidArgumentError(absl::StrCat("record fingerprint ", m.fingerprint,

@@ -406,6 +406,10 @@ std::unique_ptr<ModelGeneration> CopyOfBase(const ModelGeneration& base, const s
   gen->checkpoint_bytes = base.checkpoint_bytes;
   gen->version_label = version_label;
   gen->source = "writer";
+  gen->from_files = base.from_files;  // files whose segments a commit rewrites lose their stamp (StampGeneration)
+  // One copy: its host segments are the manifest's, replaced in place. More
+  // copies are refused at BeginUpdate (ModelRegistry).
+  if (base.numa_copies.size() == 1) gen->numa_copies = base.numa_copies;
   return gen;
 }
 

@@ -205,18 +205,17 @@ TEST_F(NumaCopiesTest, OnThisMachineTheRealPathBindsTheOneCopy) {
 }
 
 TEST(ChooseNumaCopy, ANamedNodeThenTheCpusThenTheFirstCopy) {
-  std::vector<NumaCopy> copies = {{0, {0}}, {1, {2}}};
-  std::vector<NumaNode> topology = {{0, {0, 1}}, {1, {2, 3}}};
-  EXPECT_EQ(ChooseNumaCopy(copies, 1, {0}, topology).value(), 1);  // named wins over CPUs
-  EXPECT_EQ(ChooseNumaCopy(copies, std::nullopt, {3}, topology).value(), 1);
-  EXPECT_EQ(ChooseNumaCopy(copies, std::nullopt, {1, 2, 3}, topology).value(), 1);  // most CPUs
-  EXPECT_EQ(ChooseNumaCopy(copies, std::nullopt, {1, 2}, topology).value(), 0);     // a tie: the lower node
-  EXPECT_EQ(ChooseNumaCopy(copies, std::nullopt, {}, topology).value(), 0);
-  EXPECT_EQ(ChooseNumaCopy(copies, std::nullopt, {7}, topology).value(), 0);  // on no copy's node
-  EXPECT_THAT(ChooseNumaCopy(copies, 5, {}, topology),
+  std::vector<NumaCopy> copies = {{0, {0, 1}, {0}}, {1, {2, 3}, {2}}};
+  EXPECT_EQ(ChooseNumaCopy(copies, 1, {0}).value(), 1);  // named wins over CPUs
+  EXPECT_EQ(ChooseNumaCopy(copies, std::nullopt, {3}).value(), 1);
+  EXPECT_EQ(ChooseNumaCopy(copies, std::nullopt, {1, 2, 3}).value(), 1);  // most CPUs
+  EXPECT_EQ(ChooseNumaCopy(copies, std::nullopt, {1, 2}).value(), 0);     // a tie: the lower node
+  EXPECT_EQ(ChooseNumaCopy(copies, std::nullopt, {}).value(), 0);
+  EXPECT_EQ(ChooseNumaCopy(copies, std::nullopt, {7}).value(), 0);  // on no copy's node
+  EXPECT_THAT(ChooseNumaCopy(copies, 5, {}),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        "no NUMA copy on node 5; the model has copies on nodes 0, 1"));
-  EXPECT_EQ(ChooseNumaCopy({}, 5, {1}, topology).value(), -1);  // no copies: nothing to choose
+  EXPECT_EQ(ChooseNumaCopy({}, 5, {1}).value(), -1);  // no copies: nothing to choose
 }
 
 // Through the registry: a client whose CPUs are node 1's maps node 1's copy.
@@ -240,6 +239,11 @@ TEST_F(NumaCopiesTest, AnAttachFromNodeOnesCpusGetsNodeOnesCopy) {
   // The claim on the fd socket hands out what the attach chose.
   WEIGHTD_ASSERT_OK_AND_ASSIGN(ModelRegistry::Grant claimed, registry.Claim(on1.lease_id));
   EXPECT_EQ(claimed.numa_copy, on1.numa_copy);
+  // A writer's commit would leave node 1's copy with the old bytes: refused.
+  EXPECT_THAT(registry.BeginUpdate("ds", {"engram.table"}),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       "model 'ds' has 2 NUMA copies; a writer's update of a model loaded with numa_copies is not "
+                       "supported (load it without)"));
 }
 
 TEST_F(NumaCopiesTest, TheStateRecordKeepsTheCopiesAndRefusesAForgedOne) {
@@ -257,14 +261,26 @@ TEST_F(NumaCopiesTest, TheStateRecordKeepsTheCopiesAndRefusesAForgedOne) {
   WEIGHTD_ASSERT_OK_AND_ASSIGN(StateRecord decoded, DecodeStateRecord(record));
   ASSERT_EQ(decoded.model->numa_copies.size(), 2u);
   EXPECT_EQ(decoded.model->numa_copies[1].node, 1);
+  EXPECT_EQ(decoded.model->numa_copies[1].cpus, std::vector<int>{1});
+  EXPECT_TRUE(decoded.model->from_files);
   EXPECT_EQ(decoded.model->numa_copies[1].host_segments, gen->numa_copies[1].host_segments);
   EXPECT_TRUE(decoded.model->request.numa_copies);
   // A copy naming a segment of another size (here: an index past the end)
   // would hand a client a mapping its tensors do not fit: refused.
+  const std::vector<uint32_t> good = gen->numa_copies[1].host_segments;
   gen->numa_copies[1].host_segments = {static_cast<uint32_t>(gen->segments.size())};
   WEIGHTD_ASSERT_OK_AND_ASSIGN(std::string forged, EncodeStateRecord(*gen, host, {}));
   EXPECT_THAT(DecodeStateRecord(forged), StatusIs(absl::StatusCode::kInvalidArgument,
                                                   "numa_copies[1]: segment 2 is not a host segment the size of 0"));
+  // A second rank whose host segment is not rank 0's: the copy would stand
+  // in for a segment of another layout (a read past its end). Refused.
+  gen->numa_copies[1].host_segments = good;
+  gen->request.tp_size = 2;
+  gen->ranks.push_back(gen->ranks[0]);
+  gen->ranks[1].segments[0] = good[0];
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(std::string two_ranks, EncodeStateRecord(*gen, host, {}));
+  EXPECT_THAT(DecodeStateRecord(two_ranks), StatusIs(absl::StatusCode::kInvalidArgument,
+                                                     "numa_copies[0]: the ranks do not share their host segments"));
 }
 
 }  // namespace

@@ -167,32 +167,62 @@ TEST_F(SharedSegmentsTest, AWritersBytesAreNeverSharedAsTheFiles) {
   EXPECT_EQ(shared.arena_count(), 2u);  // b.safetensors's, on two ranks
 }
 
+TEST_F(SharedSegmentsTest, BytesNotReadFromTheFilesHereAreNeverShared) {
+  auto first = Load(Request("a"), nullptr);
+  ASSERT_NE(first, nullptr);
+  EXPECT_TRUE(first->from_files);
+  // A peer's bytes (checked against the seed's hashes) or an unauthenticated
+  // restored record's (checked against its own) are not the files'.
+  first->from_files = false;
+  SharedSegments shared;
+  shared.Add(*first);
+  EXPECT_EQ(shared.host_count(), 0u);
+  EXPECT_EQ(shared.arena_count(), 0u);
+  auto second = Load(Request("b"), &shared);
+  ASSERT_NE(second, nullptr);
+  EXPECT_EQ(second->bytes_read, second->checkpoint_bytes);
+}
+
+TEST_F(SharedSegmentsTest, TheIndexHoldsNoSegmentAlive) {
+  auto first = Load(Request("a"), nullptr);
+  ASSERT_NE(first, nullptr);
+  SharedSegments shared;
+  shared.Add(*first);
+  const int arenas = backend_.live();
+  first.reset();  // unloaded while a load runs: its memory goes now
+  EXPECT_EQ(backend_.live(), arenas - 4);
+  auto second = Load(Request("b"), &shared);
+  ASSERT_NE(second, nullptr);
+  EXPECT_EQ(second->bytes_read, second->checkpoint_bytes);  // nothing left to share
+}
+
 TEST(SegmentKey, CoversIdentityGpuAndEveryTensorField) {
   FileStamp stamp{"a.safetensors", FileIdentity{1, 2, 3, 4, 5}, 6};
   std::vector<SegmentContent> t = {{"x", 0, 16, -1, 0}, {"y", 64, 8, -1, 0}};
-  std::string key = SegmentKey(stamp, "", t);
-  EXPECT_EQ(key, SegmentKey(stamp, "", {t[1], t[0]}));  // order-free
+  std::string key = SegmentKey(stamp, "", -1, t);
+  EXPECT_EQ(key, SegmentKey(stamp, "", -1, {t[1], t[0]}));  // order-free
   FileStamp renamed = stamp;
   renamed.name = "other-folder/a.safetensors";
-  EXPECT_EQ(key, SegmentKey(renamed, "", t));  // the name is not the bytes
+  EXPECT_EQ(key, SegmentKey(renamed, "", -1, t));  // the name is not the bytes
   FileStamp touched = stamp;
   touched.identity.mtime_ns = 7;
-  EXPECT_NE(key, SegmentKey(touched, "", t));
+  EXPECT_NE(key, SegmentKey(touched, "", -1, t));
   FileStamp header = stamp;
   header.header_hash = 8;
-  EXPECT_NE(key, SegmentKey(header, "", t));
-  EXPECT_NE(key, SegmentKey(stamp, "GPU-0", t));
+  EXPECT_NE(key, SegmentKey(header, "", -1, t));
+  EXPECT_NE(key, SegmentKey(stamp, "GPU-0", -1, t));
+  EXPECT_NE(key, SegmentKey(stamp, "", 0, t));  // bound to NUMA node 0: not an unbound segment
   for (auto change : std::vector<void (*)(SegmentContent&)>{
            [](SegmentContent& c) { c.name = "z"; }, [](SegmentContent& c) { c.offset = 128; },
            [](SegmentContent& c) { c.nbytes = 8; }, [](SegmentContent& c) { c.split_dim = 0; },
            [](SegmentContent& c) { c.split_start = 1; }}) {
     std::vector<SegmentContent> changed = t;
     change(changed[0]);
-    EXPECT_NE(key, SegmentKey(stamp, "", changed));
+    EXPECT_NE(key, SegmentKey(stamp, "", -1, changed));
   }
   // A name holding the separators cannot fake two tensors.
-  EXPECT_NE(SegmentKey(stamp, "", {{"x:0:16:-1:0|1:y", 0, 8, -1, 0}}),
-            SegmentKey(stamp, "", {{"x", 0, 16, -1, 0}, {"y", 0, 8, -1, 0}}));
+  EXPECT_NE(SegmentKey(stamp, "", -1, {{"x:0:16:-1:0|1:y", 0, 8, -1, 0}}),
+            SegmentKey(stamp, "", -1, {{"x", 0, 16, -1, 0}, {"y", 0, 8, -1, 0}}));
 }
 
 TEST(SelectTensors, IncludeThenExcludeAndNoneLeftIsAnError) {
