@@ -1,6 +1,8 @@
 #include "server/config/config.h"
 
 #include <algorithm>
+#include <climits>
+#include <type_traits>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
@@ -15,6 +17,27 @@ namespace weightd {
 namespace {
 
 using json = nlohmann::json;
+
+// nlohmann/json's messages start "[json.exception.type_error.302] ": the
+// rest is the reason.
+std::string WithoutJsonPrefix(const std::string& what) {
+  if (what.rfind("[json.exception.", 0) != 0) return what;
+  size_t end = what.find("] ");
+  return end == std::string::npos ? what : what.substr(end + 2);
+}
+
+// An integer in [lo, hi]; a fraction, a boolean, a string or a number out of
+// range throws (json's own conversion would truncate or wrap it silently).
+int64_t CheckedInteger(const json& value, int64_t lo, int64_t hi) {
+  bool fits = value.is_number_integer() &&
+              (value.is_number_unsigned() ? value.get<uint64_t>() <= static_cast<uint64_t>(hi)
+                                          : value.get<int64_t>() >= lo && value.get<int64_t>() <= hi);
+  if (!fits) {
+    throw json::other_error::create(501, absl::StrCat("must be an integer in [", lo, ", ", hi, "], got ", value.dump()),
+                                    &value);
+  }
+  return value.get<int64_t>();
+}
 
 // The one list of config keys: calls f(key, field) for every field of `c`
 // (DaemonConfig or const DaemonConfig), in the order --print-config shows.
@@ -129,14 +152,28 @@ absl::Status Apply(const json& doc, absl::string_view where, DaemonConfig& c) {
   for (auto& [key, value] : doc.items()) {
     if (Keys().count(key) == 0) return absl::InvalidArgumentError(absl::StrCat(where, ": unknown key '", key, "'"));
   }
-  const char* current = "";
+  std::string current;
   try {
     ForEachField(c, [&](const char* key, auto& field) {
       current = key;
-      if (doc.contains(key)) doc.at(key).get_to(field);
+      if (!doc.contains(key)) return;
+      const json& value = doc.at(key);
+      using Field = std::decay_t<decltype(field)>;
+      if constexpr (std::is_same_v<Field, int>) {
+        field = static_cast<int>(CheckedInteger(value, INT_MIN, INT_MAX));
+      } else if constexpr (std::is_same_v<Field, std::map<std::string, PreloadPlan>>) {
+        if (!value.is_object()) throw json::other_error::create(501, "must be an object of plans by preload name", &value);
+        field.clear();
+        for (auto& [name, plan] : value.items()) {
+          current = absl::StrCat(key, "' plan '", name);
+          field[name] = plan.template get<PreloadPlan>();
+        }
+      } else {
+        value.get_to(field);
+      }
     });
   } catch (const json::exception& e) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": key '", current, "': ", e.what()));
+    return absl::InvalidArgumentError(absl::StrCat(where, ": key '", current, "': ", WithoutJsonPrefix(e.what())));
   }
   return absl::OkStatus();
 }
@@ -282,15 +319,25 @@ void to_json(json& j, const PreloadPlan& p) {
 
 void from_json(const json& j, PreloadPlan& p) {
   if (!j.is_object()) throw json::type_error::create(302, "a preload plan must be an object", &j);
+  auto strings = [](const json& value, const std::string& key) {
+    if (!value.is_array() || !std::all_of(value.begin(), value.end(), [](const json& v) { return v.is_string(); })) {
+      throw json::other_error::create(501, "key '" + key + "' must be a list of strings", &value);
+    }
+    return value.get<std::vector<std::string>>();
+  };
   for (auto& [key, value] : j.items()) {
-    if (key == "host_resident") value.get_to(p.host_resident);
-    else if (key == "include") value.get_to(p.include);
-    else if (key == "exclude") value.get_to(p.exclude);
-    else if (key == "tp_size") value.get_to(p.tp_size);
-    else if (key == "tp_rules") value.get_to(p.tp_rules);
-    else if (key == "devices") value.get_to(p.devices);
-    else if (key == "numa_copies") value.get_to(p.numa_copies);
-    else throw json::other_error::create(501, "unknown preload plan key '" + key + "'", &j);
+    if (key == "host_resident") p.host_resident = strings(value, key);
+    else if (key == "include") p.include = strings(value, key);
+    else if (key == "exclude") p.exclude = strings(value, key);
+    else if (key == "tp_rules") p.tp_rules = strings(value, key);
+    else if (key == "devices") p.devices = strings(value, key);
+    else if (key == "tp_size") p.tp_size = static_cast<uint32_t>(CheckedInteger(value, 1, 1024));
+    else if (key == "numa_copies") {
+      if (!value.is_boolean()) throw json::other_error::create(501, "key 'numa_copies' must be true or false", &value);
+      p.numa_copies = value.get<bool>();
+    } else {
+      throw json::other_error::create(501, "unknown preload plan key '" + key + "'", &j);
+    }
   }
 }
 

@@ -718,6 +718,14 @@ absl::StatusOr<std::unique_ptr<ModelGeneration>> LoadGeneration(const Catalog& c
       absl::Status bound = env.BindMemory(slot.fresh->fd(), slot.fresh->writable(), slot.fresh->size(), nodes[0].id);
       if (!bound.ok()) return Annotate(bound, absl::StrCat("numa_copies: binding '", request.name, "' to node ", nodes[0].id));
     }
+    if (nodes.size() == 1) {
+      LogInfo(absl::StrFormat("load of '%s': numa_copies on a one-node machine: one copy of %d host bytes, bound to "
+                              "node %d",
+                              request.name, plan.host_bytes, nodes[0].id));
+    }
+  } else if (request.numa_copies) {
+    LogInfo(absl::StrFormat("load of '%s': numa_copies, but this kernel shows no NUMA nodes (%s): one copy, not bound",
+                            request.name, kNumaSysfsRoot));
   }
   WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader,
                            CheckpointReader::Open(catalog, {options.direct_io}));

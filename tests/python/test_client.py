@@ -669,3 +669,13 @@ def test_numa_copies_give_each_node_its_copy_and_a_named_node_must_have_one(daem
         assert f", NUMA node {nodes[0]}'s copy (fingerprint" in out
     finally:
         daemon.client.unload("demo-numa")
+
+
+def test_one_string_is_a_list_of_one_not_its_characters(daemon, demo_small):
+    full = {t.name for t in daemon.client.manifest("demo-small").tensors}
+    result = daemon.client.load("demo-one", demo_small, include="model.norm.weight")
+    try:
+        assert {t.name for t in daemon.client.manifest("demo-one").tensors} == {"model.norm.weight"} & full
+        assert result.model.tensor_count == 1
+    finally:
+        daemon.client.unload("demo-one")

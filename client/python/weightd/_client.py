@@ -31,6 +31,11 @@ def connect(socket_path: Optional[str] = None) -> Client:
     return Client(socket_path or os.environ.get("WEIGHTD_SOCKET") or DEFAULT_SOCKET)
 
 
+def _strings(values: Union[str, Iterable[str]]) -> List[str]:
+    """A pattern (or device, peer) list: one string is one item, not its characters."""
+    return [values] if isinstance(values, str) else list(values)
+
+
 def _target(socket_path: str) -> str:
     """A Unix socket path (absolute, or any value without ':', such as
     "d1/wd.sock", made absolute against the working directory now) as a
@@ -71,13 +76,15 @@ class Client:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def load(self, name: str, checkpoint_path: Union[str, os.PathLike[str]], *, host_resident: Iterable[str] = (),
-             tp_size: int = 1, tp_rules: Iterable[Tuple[str, int]] = (), devices: Iterable[str] = (),
-             peers: Iterable[str] = (), include: Iterable[str] = (), exclude: Iterable[str] = (),
+    def load(self, name: str, checkpoint_path: Union[str, os.PathLike[str]], *,
+             host_resident: Union[str, Iterable[str]] = (), tp_size: int = 1, tp_rules: Iterable[Tuple[str, int]] = (),
+             devices: Union[str, Iterable[str]] = (), peers: Union[str, Iterable[str]] = (),
+             include: Union[str, Iterable[str]] = (), exclude: Union[str, Iterable[str]] = (),
              numa_copies: bool = False, progress: Optional[Callable[[LoadProgress], object]] = None) -> LoadResult:
         """Loads (or reuses) `checkpoint_path` under `name`; returns a LoadResult.
 
-        include / exclude: a subset load (a draft model that reads part of a
+        host_resident, devices, peers, include, exclude: lists of strings, or one
+        string for a list of one. include / exclude: a subset load (a draft model that reads part of a
         checkpoint): only tensors whose name contains one of `include` (empty:
         every tensor) and none of `exclude` are loaded; the manifest and
         fingerprint cover just those. numa_copies: one copy of the host
@@ -88,9 +95,9 @@ class Client:
         progress: called with a LoadProgress for each progress message.
         """
         request = pb.LoadModelRequest(
-            name=name, checkpoint_path=os.fspath(checkpoint_path), host_resident_patterns=list(host_resident),
-            tp_size=tp_size, tp_rules=[pb.TpRule(pattern=p, dim=d) for p, d in tp_rules], devices=list(devices),
-            peers=list(peers), include_patterns=list(include), exclude_patterns=list(exclude),
+            name=name, checkpoint_path=os.fspath(checkpoint_path), host_resident_patterns=_strings(host_resident),
+            tp_size=tp_size, tp_rules=[pb.TpRule(pattern=p, dim=d) for p, d in tp_rules], devices=_strings(devices),
+            peers=_strings(peers), include_patterns=_strings(include), exclude_patterns=_strings(exclude),
             numa_copies=numa_copies)
         return self._load_stream(self._stub.LoadModel, request, progress)
 

@@ -17,7 +17,7 @@ embeddings' object, or null), and memory deltas in bytes from
 holds a private copy of) from before loading to after loading (*_load) and
 to after the forward pass (*_forward); mapped_pss_load/_forward: the Pss of
 the weightd mappings themselves; for private: pass_bytes (bytes the pass
-wrote), pass_copied (growth of the mappings' Private_Dirty over the pass:
+wrote), pass_copied (growth of the mappings' Anonymous over the pass:
 the pages copy-on-write copied) and pass_pages_spanned (bytes of the pages
 the written tensors lie on).
 """
@@ -41,7 +41,7 @@ def rollup():
 
 
 def mapped(weights, field):
-    """`field` ("Pss", "Private_Dirty") summed over the weightd mappings of
+    """`field` ("Pss", "Anonymous") summed over the weightd mappings of
     `weights` in /proc/self/smaps, in bytes."""
     starts, total, inside = {base for base, size in weights.mappings if size}, 0, False
     with open("/proc/self/smaps") as f:
@@ -127,9 +127,11 @@ def main(mode, directory, class_name, out_path, socket=None, name=None):
         report["outside"] = [n for n, p in model.named_parameters() if not weights.owns(p.data_ptr())]
         report["mapped_pss_load"] = mapped(weights, "Pss")
     if mode == "private":
-        dirty = mapped(weights, "Private_Dirty")
+        # Anonymous: pages a write copied. Private_Dirty would also count shmem
+        # pages only this process maps at the moment (tests/python/test_torch_load.py).
+        copied = mapped(weights, "Anonymous")
         names, report["pass_bytes"] = post_process(model)
-        report["pass_copied"] = mapped(weights, "Private_Dirty") - dirty
+        report["pass_copied"] = mapped(weights, "Anonymous") - copied
         report["pass_pages_spanned"] = pages_spanned(weights, names)
     config = model.config
     with open(out_path, "wb") as f:

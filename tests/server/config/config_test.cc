@@ -121,6 +121,25 @@ TEST(DaemonConfig, PreloadPlansGiveAPreloadItsPlacementAndSubset) {
   WriteFile(dir.Join("rule.json"), R"({"preload": {"a": "/m/a"}, "preload_plans": {"a": {"tp_rules": ["q_proj"]}}})");
   EXPECT_THAT(ParseDaemonArgs({"--config", dir.Join("rule.json")}),
               StatusIs(Code::kInvalidArgument, "preload_plans 'a': a tp_rule must be PATTERN:DIM, got 'q_proj'"));
+  // Numbers and types are checked, not wrapped or truncated, and the error
+  // names the plan and the key.
+  WriteFile(dir.Join("wrap.json"), R"({"preload": {"a": "/m/a"}, "preload_plans": {"a": {"tp_size": 4294967298}}})");
+  EXPECT_THAT(ParseDaemonArgs({"--config", dir.Join("wrap.json")}),
+              StatusIs(Code::kInvalidArgument,
+                       "key 'preload_plans' plan 'a': must be an integer in [1, 1024], got 4294967298"));
+  WriteFile(dir.Join("bool.json"), R"({"preload": {"a": "/m/a"}, "preload_plans": {"a": {"numa_copies": "true"}}})");
+  EXPECT_THAT(ParseDaemonArgs({"--config", dir.Join("bool.json")}),
+              StatusIs(Code::kInvalidArgument, "key 'preload_plans' plan 'a': key 'numa_copies' must be true or false"));
+  WriteFile(dir.Join("list.json"), R"({"preload": {"a": "/m/a"}, "preload_plans": {"a": {"include": "embed"}}})");
+  EXPECT_THAT(ParseDaemonArgs({"--config", dir.Join("list.json")}),
+              StatusIs(Code::kInvalidArgument, "key 'include' must be a list of strings"));
+  WriteFile(dir.Join("watchers.json"), R"({"max_watchers": 4294967297})");
+  EXPECT_THAT(ParseDaemonArgs({"--config", dir.Join("watchers.json")}),
+              StatusIs(Code::kInvalidArgument,
+                       "key 'max_watchers': must be an integer in [-2147483648, 2147483647], got 4294967297"));
+  WriteFile(dir.Join("fraction.json"), R"({"load_threads": 1.5})");
+  EXPECT_THAT(ParseDaemonArgs({"--config", dir.Join("fraction.json")}),
+              StatusIs(Code::kInvalidArgument, "key 'load_threads': must be an integer"));
   EXPECT_THAT(ParseDaemonArgs({"--preload-plans", "x"}),
               StatusIs(Code::kInvalidArgument, "--preload-plans is set in the config file only (--config FILE.json)"));
 }
