@@ -83,6 +83,12 @@ absl::StatusOr<std::vector<DeviceInfo>> ResolveDevices(const LoadRequest& reques
       return absl::InvalidArgumentError(absl::StrCat("no device ", QuoteName(want), " on the ", backend->name(),
                                                      " backend (available: ", absl::StrJoin(names, ", "), ")"));
     }
+    for (size_t r = 0; r < out.size(); ++r) {
+      if (out[r].uuid == it->uuid) {
+        return absl::InvalidArgumentError(absl::StrCat("device ", QuoteName(want), " (", it->uuid, ") is given for ranks ",
+                                                       r, " and ", out.size(), ": one GPU per rank"));
+      }
+    }
     out.push_back(*it);
   }
   return out;

@@ -153,5 +153,21 @@ TEST(DeviceLoad, DevicesWithoutABackendAreRefused) {
               StatusIs(absl::StatusCode::kInvalidArgument, "this daemon has no device backend"));
 }
 
+TEST(DeviceLoad, OneGpuForTwoRanksIsRefusedNamingBoth) {
+  testing::TempDir dir;
+  testing::WriteFile(dir.Join("m.safetensors"), testing::SafetensorsBuilder().Add("rows", "U8", {8, 5}, Iota(40)).Build());
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(Catalog catalog, BuildCatalog(dir.Join("m.safetensors")));
+  CountingBackend backend;
+  LoaderOptions options;
+  options.device_backend = &backend;
+  options.mlock = false;
+  LoadRequest request = Request();
+  request.devices = {"0", "GPU-emulated-0"};  // the same GPU by ordinal and by UUID
+  EXPECT_THAT(LoadGeneration(catalog, request, options, nullptr),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "device 'GPU-emulated-0' (GPU-emulated-0) is given for ranks 0 and 1: one GPU per rank"));
+  EXPECT_EQ(backend.live(), 0);
+}
+
 }  // namespace
 }  // namespace weightd
