@@ -11,6 +11,7 @@
 #include "absl/strings/str_format.h"
 #include "client/cli/commands.h"
 #include "client/cli/output.h"
+#include "common/base/log.h"
 
 namespace weightd::cli {
 namespace {
@@ -171,6 +172,15 @@ int RunWeightctl(const std::vector<std::string>& argv, std::ostream& out, std::o
   AddGlobalOptions(app, ctx);
   std::map<std::string, Args> args;  // per command: a stable slot for each bound value
   for (const Command& command : Commands()) AddCommand(app, command, args[command.name]);
+  // Names, paths and patterns travel as protobuf strings, which must be UTF-8:
+  // refused here with the argument named, not as an empty error from gRPC.
+  for (size_t i = 0; i < argv.size(); ++i) {
+    if (!IsValidUtf8(argv[i])) {
+      err << "weightctl: argument " << i + 1 << " (" << EscapeForLog(argv[i].substr(0, 200))
+          << ") is not valid UTF-8; names, paths and patterns must be\n";
+      return kExitBadInput;
+    }
+  }
   try {
     app.parse(std::vector<std::string>(argv.rbegin(), argv.rend()));  // CLI11 takes them reversed
   } catch (const CLI::CallForVersion& e) {

@@ -37,6 +37,16 @@ bool HiddenCodePoint(uint32_t cp) {
 
 }  // namespace
 
+bool IsValidUtf8(absl::string_view text) {
+  while (!text.empty()) {
+    uint32_t cp = 0;
+    size_t n = Utf8Sequence(text, &cp);
+    if (n == 0) return false;
+    text.remove_prefix(n);
+  }
+  return true;
+}
+
 std::string EscapeForLog(absl::string_view message) {
   std::string out;
   out.reserve(message.size());

@@ -28,6 +28,11 @@ inline void LogError(absl::string_view m) { Log(LogLevel::kError, m); }
 // Everything else, printable UTF-8 included, unchanged. What Log() writes.
 std::string EscapeForLog(absl::string_view message);
 
+// Whether `text` is valid UTF-8 (RFC 3629: no overlong forms, no
+// surrogates, nothing above U+10FFFF): what a protobuf string field must
+// hold, so a client checks names, paths and patterns before sending them.
+bool IsValidUtf8(absl::string_view text);
+
 }  // namespace weightd
 
 #endif  // WEIGHTD_COMMON_BASE_LOG_H_

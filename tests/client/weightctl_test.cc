@@ -216,4 +216,14 @@ TEST(WeightctlMakeDemo, WritesTinyPresetThatInspects) {
 }
 
 }  // namespace
+TEST(Weightctl, AnArgumentThatIsNotUtf8IsRefusedNamingIt) {
+  // Found by a new user: --include $'\xff\xfe' reached gRPC and came back as
+  // an empty "weightctl: " line.
+  Result r = Weightctl({"load", "x2", "/models/m", "--include", "\xff\xfe"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.err, "weightctl: argument 5 (\\xff\\xfe) is not valid UTF-8; names, paths and patterns must be\n");
+  EXPECT_EQ(Weightctl({"load", "caf\xc3\xa9", "/models/m", "--socket", "/nonexistent/w.sock"}).err.find("UTF-8"),
+            std::string::npos);  // valid UTF-8 passes on (and fails later, on the socket)
+}
+
 }  // namespace weightd::cli

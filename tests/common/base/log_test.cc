@@ -21,6 +21,16 @@ TEST(EscapeForLog, C1ControlsAndBidiOverridesAreWrittenAsCodePoints) {
   EXPECT_EQ(EscapeForLog("\xe2\x81\xa6x\xe2\x81\xa9"), "\\u{2066}x\\u{2069}");  // isolates
 }
 
+TEST(IsValidUtf8, FollowsRfc3629) {
+  EXPECT_TRUE(IsValidUtf8(""));
+  EXPECT_TRUE(IsValidUtf8("caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80"));
+  EXPECT_FALSE(IsValidUtf8("\xff\xfe"));
+  EXPECT_FALSE(IsValidUtf8("\xc0\xaf"));          // overlong '/'
+  EXPECT_FALSE(IsValidUtf8("\xed\xa0\x80"));      // a surrogate
+  EXPECT_FALSE(IsValidUtf8("\xf4\x90\x80\x80"));  // above U+10FFFF
+  EXPECT_FALSE(IsValidUtf8("ok\xe2\x82"));         // cut short
+}
+
 TEST(EscapeForLog, InvalidUtf8BytesAreWrittenAsHex) {
   EXPECT_EQ(EscapeForLog("a\xff" "b"), "a\\xffb");
   EXPECT_EQ(EscapeForLog("\xc0\xaf"), "\\xc0\\xaf");          // an overlong '/'
