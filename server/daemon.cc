@@ -12,7 +12,6 @@
 #include <map>
 #include <thread>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "common/io/env.h"
 #include "common/memory/device.h"
@@ -454,11 +453,8 @@ class DaemonImpl final : public Daemon {
         request.tp_size = p.tp_size;
         request.devices = p.devices;
         request.numa_copies = p.numa_copies;
-        for (const std::string& rule : p.tp_rules) {  // PATTERN:DIM, checked by the config's validation
-          size_t colon = rule.rfind(':');
-          uint32_t dim = 0;
-          (void)absl::SimpleAtoi(rule.substr(colon + 1), &dim);
-          request.tp_rules.push_back({rule.substr(0, colon), dim});
+        for (const std::string& rule : p.tp_rules) {  // each one parses: the config's validation checked
+          if (std::optional<TpRule> parsed = ParseTpRule(rule)) request.tp_rules.push_back(std::move(*parsed));
         }
       }
       absl::StatusOr<ModelRegistry::LoadResult> result = registry_->Load(request, nullptr);

@@ -12,6 +12,7 @@
 #include "common/base/status.h"
 #include "server/peer/peer_join.h"
 #include "server/load/reader.h"
+#include "server/model/model.h"
 
 namespace weightd {
 namespace {
@@ -241,9 +242,7 @@ absl::Status ValidatePreloadPlans(const DaemonConfig& c) {
       return absl::InvalidArgumentError(absl::StrCat("preload_plans '", name, "': tp_size must be in [1, 1024]"));
     }
     for (const std::string& rule : plan.tp_rules) {
-      size_t colon = rule.rfind(':');
-      uint32_t dim;
-      if (colon == std::string::npos || colon == 0 || !absl::SimpleAtoi(rule.substr(colon + 1), &dim)) {
+      if (!ParseTpRule(rule)) {
         return absl::InvalidArgumentError(
             absl::StrCat("preload_plans '", name, "': a tp_rule must be PATTERN:DIM, got '", rule, "'"));
       }

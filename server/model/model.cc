@@ -4,6 +4,7 @@
 #include <cctype>
 
 #include "absl/strings/cord.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 
@@ -17,6 +18,13 @@ std::string ModelStateName(ModelState state) {
     case ModelState::kDraining: return "DRAINING";
   }
   return "UNKNOWN";
+}
+
+std::optional<TpRule> ParseTpRule(const std::string& text) {
+  size_t colon = text.rfind(':');
+  uint32_t dim = 0;
+  if (colon == std::string::npos || colon == 0 || !absl::SimpleAtoi(text.substr(colon + 1), &dim)) return std::nullopt;
+  return TpRule{text.substr(0, colon), dim};
 }
 
 bool LoadRequest::SamePlan(const LoadRequest& o) const {

@@ -40,6 +40,11 @@ struct TpRule {
   uint32_t dim = 0;
 };
 
+// "PATTERN:DIM" (weightctl's --tp-rule, a preload plan's tp_rules): the
+// pattern is everything before the last ':', non-empty; DIM a decimal
+// number. nullopt otherwise.
+std::optional<TpRule> ParseTpRule(const std::string& text);
+
 // A load refused for its request (a model name, a path over its bounds, an
 // empty TP pattern), before any checkpoint was read: INVALID_ARGUMENT with
 // this payload, which weightd_checkpoint_errors_total counts as
