@@ -3,7 +3,6 @@
 // for libcuda.so.1, so that CudaDriver::Load() gets it): device pointers for
 // the pinned tensors, the flags and ranges they were registered with, and
 // their unregistration on detach, also in the middle of pinning.
-#include <dlfcn.h>
 #include <dlpack/dlpack.h>
 
 #include <tuple>
@@ -11,6 +10,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/client/pin_fixture.h"
+#include "tests/testing/fake_cuda_driver.h"
 #include "tests/testing/status_matchers.h"
 
 namespace weightd {
@@ -26,26 +26,14 @@ constexpr unsigned kPortableDevicemapReadOnly = 0x01 | 0x02 | 0x08;  // cuda.h C
 // The same daemon and model, with the fake driver in this process.
 class AttachPinFakeDriverTest : public AttachPinTest {
  protected:
-  using Registration = std::tuple<uintptr_t, uint64_t, unsigned>;
+  using Registration = testing::FakeCudaRegistration;
 
   void SetUp() override {
-    void* library = dlopen(WEIGHTD_FAKE_CUDA_LIBRARY, RTLD_NOW | RTLD_GLOBAL);
-    ASSERT_NE(library, nullptr) << dlerror();
-    list_ = reinterpret_cast<int (*)(uintptr_t*, uint64_t*, unsigned*, int)>(
-        dlsym(library, "weightd_fake_cuda_host_registrations"));
-    ASSERT_NE(list_, nullptr);
+    ASSERT_EQ(driver_.Open(WEIGHTD_FAKE_CUDA_LIBRARY), "");
     WEIGHTD_ASSERT_OK(load_);
   }
-  std::vector<Registration> Registrations() {
-    uintptr_t bases[16];
-    uint64_t sizes[16];
-    unsigned flags[16];
-    int n = list_(bases, sizes, flags, 16);
-    std::vector<Registration> out;
-    for (int i = 0; i < n && i < 16; ++i) out.emplace_back(bases[i], sizes[i], flags[i]);
-    return out;
-  }
-  int (*list_)(uintptr_t*, uint64_t*, unsigned*, int) = nullptr;
+  std::vector<Registration> Registrations() const { return driver_.Registrations(); }
+  testing::FakeCudaDriver driver_;
 };
 
 TEST_F(AttachPinFakeDriverTest, PinnedHostTensorsGetDevicePointersUntilDetach) {

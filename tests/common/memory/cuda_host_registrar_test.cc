@@ -3,7 +3,6 @@
 // cuda.h documents for cuMemHostRegister and reports the flags each range
 // was registered with. The fake is loaded by path before anything asks for
 // libcuda.so.1, so CudaDriver::Load() gets it (its soname is libcuda.so.1).
-#include <dlfcn.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -15,6 +14,7 @@
 #include "common/memory/host_registrar.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/fake_cuda_driver.h"
 #include "tests/testing/status_matchers.h"
 
 namespace weightd {
@@ -28,28 +28,16 @@ constexpr uint64_t kPage = kPinPageBytes;
 constexpr unsigned kPortableDevicemap = 0x01 | 0x02;
 constexpr unsigned kReadOnly = 0x08;
 
-using Registration = std::tuple<uintptr_t, uint64_t, unsigned>;
+using Registration = testing::FakeCudaRegistration;
 
 class FakeDriver : public ::testing::Test {
  protected:
   void SetUp() override {
-    library_ = dlopen(WEIGHTD_FAKE_CUDA_LIBRARY, RTLD_NOW | RTLD_GLOBAL);
-    ASSERT_NE(library_, nullptr) << dlerror();
-    list_ = reinterpret_cast<int (*)(uintptr_t*, uint64_t*, unsigned*, int)>(
-        dlsym(library_, "weightd_fake_cuda_host_registrations"));
-    ASSERT_NE(list_, nullptr);
+    ASSERT_EQ(driver_.Open(WEIGHTD_FAKE_CUDA_LIBRARY), "");
   }
 
   // The fake driver's registered host ranges: (base, bytes, flags).
-  std::vector<Registration> Registrations() {
-    uintptr_t bases[16];
-    uint64_t sizes[16];
-    unsigned flags[16];
-    int n = list_(bases, sizes, flags, 16);
-    std::vector<Registration> out;
-    for (int i = 0; i < n && i < 16; ++i) out.emplace_back(bases[i], sizes[i], flags[i]);
-    return out;
-  }
+  std::vector<Registration> Registrations() const { return driver_.Registrations(); }
 
   // A sealed host segment's mapping: a memfd mapped shared and PROT_READ.
   char* MapReadOnly(uint64_t size) {
@@ -60,8 +48,7 @@ class FakeDriver : public ::testing::Test {
     return p == MAP_FAILED ? nullptr : static_cast<char*>(p);
   }
 
-  void* library_ = nullptr;
-  int (*list_)(uintptr_t*, uint64_t*, unsigned*, int) = nullptr;
+  testing::FakeCudaDriver driver_;
 };
 
 TEST_F(FakeDriver, RegistersDeviceMappedPortableAndReadOnly) {
