@@ -1,5 +1,6 @@
 #include "server/api/convert.h"
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/base/status.h"
 #include "common/format/content_hash.h"
@@ -74,6 +75,76 @@ void ToProto(const ModelGeneration& m, v1::ModelInfo* out) {
   out->set_bytes_total(m.bytes_total.load());
   out->set_version_label(m.version_label);
   out->set_source(m.source);
+  for (const auto& layout : m.layouts->List()) ToProto(*layout, out->add_layouts());
+}
+
+void ToProto(const Layout& l, v1::LayoutInfo* out) {
+  out->set_key(l.key);
+  out->set_rank(l.rank);
+  out->mutable_identity()->insert(l.identity.begin(), l.identity.end());
+  out->set_generation(l.generation);
+  out->set_tensor_count(static_cast<uint32_t>(l.tensors.size()));
+  out->set_host_bytes(l.host_bytes);
+  if (l.device_bytes > 0) {
+    v1::DeviceBytes* d = out->add_device_bytes();
+    d->set_gpu_uuid(l.gpu_uuid);
+    d->set_bytes(l.device_bytes);
+  }
+  out->set_leases(static_cast<uint32_t>(l.leases.load()));
+  out->set_fingerprint(l.fingerprint);
+  out->set_publish_seconds(l.publish_seconds);
+  out->set_published_at(l.published_at);
+}
+
+void ToProto(const LayoutTensor& t, v1::TensorEntry* out) {
+  ToProto(t.record, out);
+  for (uint64_t s : t.strides) out->add_strides(s);
+}
+
+absl::StatusOr<LayoutRequest> FromProto(const v1::BeginLayoutRequest& r) {
+  if (static_cast<size_t>(r.tensors_size()) > kMaxLayoutTensors) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a layout holds at most ", kMaxLayoutTensors, " tensors; this one declares ", r.tensors_size()));
+  }
+  if (static_cast<size_t>(r.identity_size()) > kMaxIdentityEntries) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the layout identity has ", r.identity_size(), " fields; at most ", kMaxIdentityEntries));
+  }
+  LayoutRequest out;
+  out.model = r.name();
+  out.key = r.key();
+  out.identity.insert(r.identity().begin(), r.identity().end());
+  out.rank = r.rank();
+  out.gpu_uuid = r.gpu_uuid();
+  out.generation = r.generation();
+  out.wait_seconds = r.wait_seconds();
+  out.tensors.reserve(r.tensors_size());
+  for (const v1::LayoutTensorSpec& t : r.tensors()) {
+    LayoutTensorSpec spec;
+    spec.name = t.name();
+    std::optional<DType> dtype = ParseDType(t.dtype());
+    if (!dtype.has_value()) {
+      return absl::InvalidArgumentError(absl::StrCat("layout tensor ", QuoteName(t.name()), " has dtype ",
+                                                     QuoteName(t.dtype()), ", which is no safetensors dtype"));
+    }
+    spec.dtype = *dtype;
+    if (static_cast<size_t>(t.shape_size()) > kMaxLayoutDims || static_cast<size_t>(t.strides_size()) > kMaxLayoutDims) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("layout tensor ", QuoteName(t.name()), " has more than ", kMaxLayoutDims, " dims"));
+    }
+    spec.shape.assign(t.shape().begin(), t.shape().end());
+    spec.strides.assign(t.strides().begin(), t.strides().end());
+    if (t.placement() == v1::HOST) {
+      spec.placement = Placement::kHost;
+    } else if (t.placement() == v1::DEVICE) {
+      spec.placement = Placement::kDevice;
+    } else {
+      return absl::InvalidArgumentError(
+          absl::StrCat("layout tensor ", QuoteName(t.name()), " needs a placement (HOST or DEVICE)"));
+    }
+    out.tensors.push_back(std::move(spec));
+  }
+  return out;
 }
 
 void ToProto(const TensorRecord& t, v1::TensorEntry* out) {
@@ -118,11 +189,16 @@ void ToProto(const ModelEvent& e, v1::ModelEvent* out) {
     case ModelEvent::Kind::kDraining: out->set_kind(v1::ModelEvent::DRAINING); break;
     case ModelEvent::Kind::kFreed: out->set_kind(v1::ModelEvent::FREED); break;
     case ModelEvent::Kind::kUnloaded: out->set_kind(v1::ModelEvent::UNLOADED); break;
+    case ModelEvent::Kind::kLayoutPublished: out->set_kind(v1::ModelEvent::LAYOUT_PUBLISHED); break;
+    case ModelEvent::Kind::kLayoutDropped: out->set_kind(v1::ModelEvent::LAYOUT_DROPPED); break;
+    case ModelEvent::Kind::kLayoutDraining: out->set_kind(v1::ModelEvent::LAYOUT_DRAINING); break;
   }
   out->set_generation(e.generation);
   out->set_version_label(e.version_label);
   out->set_fingerprint(e.fingerprint);
   out->set_time(e.unix_seconds);
+  out->set_layout(e.layout);
+  out->set_rank(e.rank);
 }
 
 }  // namespace weightd

@@ -155,8 +155,21 @@ grpc::Status WeightdService::AttachEncoded(const grpc::ByteBuffer& raw, grpc::By
     }
     placement.cpus.push_back(static_cast<int>(cpu));
   }
-  absl::StatusOr<ModelRegistry::Grant> grant = registry_->Attach(request.name(), request.rank(), placement);
+  ModelRegistry::AttachLayout layout;
+  if (!request.layout().empty() || request.identity_size() > 0) {
+    if (request.identity_size() > static_cast<int>(kMaxIdentityEntries)) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          absl::StrCat("identity has ", request.identity_size(), " fields; at most ", kMaxIdentityEntries));
+    }
+    if (request.layout().empty()) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "an identity is checked against a layout: name the layout");
+    }
+    layout.key = request.layout();
+    layout.identity.insert(request.identity().begin(), request.identity().end());
+  }
+  absl::StatusOr<ModelRegistry::Grant> grant = registry_->Attach(request.name(), request.rank(), placement, layout);
   if (!grant.ok()) return ToGrpcStatus(grant.status());
+  if (grant->layout != nullptr) return AttachLayoutReply(*grant, out);
   const ModelGeneration& m = *grant->model;
   std::shared_ptr<const std::string> packed;
   if (request.manifest_encoding() == v1::AttachRequest::PACKED_TABLE_V1) {
@@ -189,6 +202,84 @@ grpc::Status WeightdService::AttachEncoded(const grpc::ByteBuffer& raw, grpc::By
                                        [](void* p) { delete static_cast<std::shared_ptr<const std::string>*>(p); },
                                        hold)};
   *out = grpc::ByteBuffer(slices, 2);
+  return grpc::Status::OK;
+}
+
+grpc::Status WeightdService::AttachLayoutReply(const ModelRegistry::Grant& grant, grpc::ByteBuffer* out) {
+  const Layout& layout = *grant.layout;
+  v1::AttachResponse response;
+  response.set_lease_id(grant.lease_id);
+  response.set_fd_socket(fd_socket_path_);
+  response.set_claim_timeout_seconds(std::chrono::duration<double>(registry_->claim_timeout()).count());
+  response.set_model(grant.model->request.name);
+  response.set_generation(grant.model->generation);
+  response.set_rank(grant.rank);
+  response.set_fingerprint(layout.fingerprint);
+  response.set_version_label(grant.model->version_label);
+  response.set_numa_node(-1);
+  response.set_layout(layout.key);
+  response.mutable_identity()->insert(layout.identity.begin(), layout.identity.end());
+  for (uint32_t i = 0; i < layout.segments.size(); ++i) ToProto(layout.segments[i], i, response.add_segments());
+  for (const LayoutTensor& t : layout.tensors) ToProto(t, response.add_tensors());
+  grpc::Slice slice(response.SerializeAsString());
+  *out = grpc::ByteBuffer(&slice, 1);
+  return grpc::Status::OK;
+}
+
+grpc::Status WeightdService::BeginLayout(grpc::ServerContext*, const v1::BeginLayoutRequest* request,
+                                         v1::BeginLayoutResponse* response) {
+  absl::StatusOr<LayoutRequest> parsed = FromProto(*request);
+  if (!parsed.ok()) return ToGrpcStatus(parsed.status());
+  absl::StatusOr<ModelRegistry::LayoutGrant> grant = registry_->BeginLayout(std::move(*parsed));
+  if (!grant.ok()) return ToGrpcStatus(grant.status());
+  response->set_model(request->name());
+  response->set_generation(grant->generation);
+  response->set_rank(request->rank());
+  if (grant->published != nullptr) {
+    response->set_published(true);
+    return grpc::Status::OK;
+  }
+  const StagedLayout& staged = *grant->staged;
+  response->set_writer_id(grant->writer_id);
+  response->set_fd_socket(fd_socket_path_);
+  response->set_claim_timeout_seconds(std::chrono::duration<double>(registry_->claim_timeout()).count());
+  for (uint32_t i = 0; i < staged.segments.size(); ++i) {
+    const HostSegment& memory = *staged.segments[i].memory;
+    SegmentRecord record{Placement::kHost, memory.size(), SegmentBackend::kMemfd, "", memory.fd(), ""};
+    ToProto(record, i, response->add_segments());
+  }
+  for (const LayoutTensor& t : staged.tensors) ToProto(t, response->add_tensors());
+  response->set_bytes_staged(staged.bytes_staged);
+  return grpc::Status::OK;
+}
+
+grpc::Status WeightdService::CommitLayout(grpc::ServerContext*, const v1::CommitLayoutRequest* request,
+                                          v1::CommitLayoutResponse* response) {
+  if (static_cast<size_t>(request->expected_hashes_size()) > kMaxLayoutTensors) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        absl::StrCat("at most ", kMaxLayoutTensors, " expected hashes"));
+  }
+  std::map<std::string, std::string> expected(request->expected_hashes().begin(), request->expected_hashes().end());
+  absl::StatusOr<std::shared_ptr<const Layout>> layout = registry_->CommitLayout(request->writer_id(), expected);
+  if (!layout.ok()) return ToGrpcStatus(layout.status());
+  ToProto(**layout, response->mutable_layout());
+  response->set_seconds((*layout)->publish_seconds);
+  return grpc::Status::OK;
+}
+
+grpc::Status WeightdService::AbortLayout(grpc::ServerContext*, const v1::AbortLayoutRequest* request,
+                                         v1::AbortLayoutResponse*) {
+  return ToGrpcStatus(registry_->AbortLayout(request->writer_id(), "aborted_by_writer"));
+}
+
+grpc::Status WeightdService::DropLayout(grpc::ServerContext*, const v1::DropLayoutRequest* request,
+                                        v1::DropLayoutResponse* response) {
+  if (absl::Status key = ValidateLayoutKey(request->key()); !key.ok()) return ToGrpcStatus(key);
+  std::optional<uint32_t> rank;
+  if (request->has_rank()) rank = request->rank();
+  absl::StatusOr<int> dropped = registry_->DropLayout(request->name(), request->key(), rank);
+  if (!dropped.ok()) return ToGrpcStatus(dropped.status());
+  response->set_dropped(static_cast<uint32_t>(*dropped));
   return grpc::Status::OK;
 }
 
@@ -304,6 +395,26 @@ grpc::Status ReadOnlyWeightdService::UnloadModel(grpc::ServerContext*, const v1:
 
 grpc::Status ReadOnlyWeightdService::Attach(grpc::ServerContext*, const v1::AttachRequest*, v1::AttachResponse*) {
   return AdminOnly("Attach");
+}
+
+grpc::Status ReadOnlyWeightdService::BeginLayout(grpc::ServerContext*, const v1::BeginLayoutRequest*,
+                                                 v1::BeginLayoutResponse*) {
+  return AdminOnly("BeginLayout");
+}
+
+grpc::Status ReadOnlyWeightdService::CommitLayout(grpc::ServerContext*, const v1::CommitLayoutRequest*,
+                                                  v1::CommitLayoutResponse*) {
+  return AdminOnly("CommitLayout");
+}
+
+grpc::Status ReadOnlyWeightdService::AbortLayout(grpc::ServerContext*, const v1::AbortLayoutRequest*,
+                                                 v1::AbortLayoutResponse*) {
+  return AdminOnly("AbortLayout");
+}
+
+grpc::Status ReadOnlyWeightdService::DropLayout(grpc::ServerContext*, const v1::DropLayoutRequest*,
+                                                v1::DropLayoutResponse*) {
+  return AdminOnly("DropLayout");
 }
 
 grpc::Status ReadOnlyWeightdService::BeginUpdate(grpc::ServerContext*, const v1::BeginUpdateRequest*,

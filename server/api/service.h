@@ -57,11 +57,21 @@ class WeightdService final
                            v1::AbortUpdateResponse* response) override;
   grpc::ServerWriteReactor<v1::ModelEvent>* WatchModel(grpc::CallbackServerContext* context,
                                                        const v1::WatchModelRequest* request) override;
+  grpc::Status BeginLayout(grpc::ServerContext* context, const v1::BeginLayoutRequest* request,
+                           v1::BeginLayoutResponse* response) override;
+  grpc::Status CommitLayout(grpc::ServerContext* context, const v1::CommitLayoutRequest* request,
+                            v1::CommitLayoutResponse* response) override;
+  grpc::Status AbortLayout(grpc::ServerContext* context, const v1::AbortLayoutRequest* request,
+                           v1::AbortLayoutResponse* response) override;
+  grpc::Status DropLayout(grpc::ServerContext* context, const v1::DropLayoutRequest* request,
+                          v1::DropLayoutResponse* response) override;
   grpc::Status UpgradeDaemon(grpc::ServerContext* context, const v1::UpgradeDaemonRequest* request,
                              v1::UpgradeDaemonResponse* response) override;
 
  private:
   grpc::Status AttachEncoded(const grpc::ByteBuffer& request, grpc::ByteBuffer* response);
+  // The reply of an attach of a runtime layout (`grant.layout`).
+  grpc::Status AttachLayoutReply(const ModelRegistry::Grant& grant, grpc::ByteBuffer* response);
   static ProgressFn MakeProgress(grpc::ServerWriter<v1::LoadModelProgress>* writer);
   // Writes the DONE message of a load or reload.
   static grpc::Status FinishLoad(const absl::StatusOr<ModelRegistry::LoadResult>& result,
@@ -104,6 +114,10 @@ class ReadOnlyWeightdService final : public v1::Weightd::WithCallbackMethod_Watc
   grpc::Status CommitUpdate(grpc::ServerContext*, const v1::CommitUpdateRequest*, v1::CommitUpdateResponse*) override;
   grpc::Status AbortUpdate(grpc::ServerContext*, const v1::AbortUpdateRequest*, v1::AbortUpdateResponse*) override;
   grpc::Status UpgradeDaemon(grpc::ServerContext*, const v1::UpgradeDaemonRequest*, v1::UpgradeDaemonResponse*) override;
+  grpc::Status BeginLayout(grpc::ServerContext*, const v1::BeginLayoutRequest*, v1::BeginLayoutResponse*) override;
+  grpc::Status CommitLayout(grpc::ServerContext*, const v1::CommitLayoutRequest*, v1::CommitLayoutResponse*) override;
+  grpc::Status AbortLayout(grpc::ServerContext*, const v1::AbortLayoutRequest*, v1::AbortLayoutResponse*) override;
+  grpc::Status DropLayout(grpc::ServerContext*, const v1::DropLayoutRequest*, v1::DropLayoutResponse*) override;
 
  private:
   WeightdService* full_;

@@ -35,6 +35,12 @@ bool SendFds(int sock, const std::vector<int>& fds) {
 
 bool SendSegmentFds(int sock, const ModelRegistry::Grant& grant) {
   std::vector<int> fds;
+  if (grant.layout != nullptr) {  // a lease on a runtime layout maps its segments
+    for (const SegmentRecord& segment : grant.layout->segments) {
+      if (segment.exports_fd()) fds.push_back(segment.fd);
+    }
+    return SendFds(sock, fds);
+  }
   for (uint32_t id : grant.model->SegmentsOf(grant.rank, grant.numa_copy)) {
     const SegmentRecord& segment = grant.model->segments[id];
     if (segment.exports_fd()) fds.push_back(segment.fd);
@@ -48,6 +54,7 @@ struct FdChannel::Connection {
   ScopedFd sock;
   std::string lease_id;   // empty until claimed
   std::string update_id;  // a writer's claimed update instead: the connection is its lease
+  std::string layout_writer_id;  // a layout writer's claim instead: the connection is its lease
   bool refused = false;  // ERR sent and writing shut down: drained until the deadline
   std::chrono::steady_clock::time_point deadline;
 };
@@ -77,6 +84,7 @@ FdChannel::~FdChannel() {
   for (auto& c : connections_) {
     if (!c->lease_id.empty()) registry_->Release(c->lease_id);
     if (!c->update_id.empty()) (void)registry_->AbortUpdate(c->update_id, "writer_disconnected");
+    if (!c->layout_writer_id.empty()) (void)registry_->AbortLayout(c->layout_writer_id, "writer_disconnected");
   }
   unlink(options_.path.c_str());
 }
@@ -99,6 +107,8 @@ void FdChannel::Loop() {
         alive = Serve(c);
       } else if (!c.update_id.empty()) {
         alive = registry_->IsUpdateOpen(c.update_id);  // committed or aborted: the writer sees EOF
+      } else if (!c.layout_writer_id.empty()) {
+        alive = registry_->IsLayoutWriterOpen(c.layout_writer_id);
       } else if (c.lease_id.empty()) {
         alive = now < c.deadline;  // never claimed (or refused): give up after the deadline
       } else {
@@ -108,6 +118,7 @@ void FdChannel::Loop() {
         if (!c.lease_id.empty()) registry_->Release(c.lease_id);
         // A writer gone before committing: its update ends (NOT_FOUND once committed; ignored).
         if (!c.update_id.empty()) (void)registry_->AbortUpdate(c.update_id, "writer_disconnected");
+        if (!c.layout_writer_id.empty()) (void)registry_->AbortLayout(c.layout_writer_id, "writer_disconnected");
         continue;
       }
       keep.push_back(std::move(connections_[i]));
@@ -180,7 +191,9 @@ bool FdChannel::Serve(Connection& c) {
   absl::StatusOr<std::string> message = ReceiveMessage(c.sock.get(), nullptr, 0);
   if (!message.ok()) return false;  // EOF or error: the lease (if any) ends
   if (c.refused) return true;            // drained; closed at EOF or the deadline
-  if (!c.lease_id.empty() || !c.update_id.empty()) return true;  // clients send nothing after CLAIM; ignore
+  if (!c.lease_id.empty() || !c.update_id.empty() || !c.layout_writer_id.empty()) {
+    return true;  // clients send nothing after CLAIM; ignore
+  }
   auto refuse = [&](const absl::Status& error) {
     (void)SendMessage(c.sock.get(), EncodeErr(error), {});
     return false;
@@ -196,6 +209,15 @@ bool FdChannel::Serve(Connection& c) {
     c.update_id = claim->lease_id;
     std::vector<int> fds;
     for (const StagedSegment& s : (*update)->segments) fds.push_back(s.memory->fd());
+    return SendFds(c.sock.get(), fds);
+  }
+  if (absl::StartsWith(claim->lease_id, kLayoutWriterIdPrefix)) {
+    // A layout writer (BeginLayout) likewise.
+    absl::StatusOr<std::shared_ptr<const StagedLayout>> staged = registry_->ClaimLayoutWriter(claim->lease_id);
+    if (!staged.ok()) return refuse(staged.status());
+    c.layout_writer_id = claim->lease_id;
+    std::vector<int> fds;
+    for (const StagedLayoutSegment& s : (*staged)->segments) fds.push_back(s.memory->fd());
     return SendFds(c.sock.get(), fds);
   }
   absl::StatusOr<ModelRegistry::Grant> grant = registry_->Claim(claim->lease_id);

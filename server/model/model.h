@@ -173,6 +173,10 @@ class FreedHook {
   std::function<void()> fn_;
 };
 
+class LayoutSet;  // server/model/layout.h
+// An empty LayoutSet (ModelGeneration::layouts).
+std::shared_ptr<LayoutSet> MakeLayoutSet();
+
 // One NUMA node's copy of a generation's host segments (LoadRequest::numa_copies).
 struct NumaCopy {
   int32_t node = 0;
@@ -247,6 +251,11 @@ class ModelGeneration {
   std::atomic<uint64_t> bytes_total{0};
   // A FAILED record's reason, "CODE: message"; set before it is shared.
   std::string error;
+
+  // The runtime layouts published on this generation (server/model/layout.h):
+  // they live with it, and are freed with it unless dropped first.
+  // Declared last: destroyed first. Never null.
+  const std::shared_ptr<LayoutSet> layouts = MakeLayoutSet();
 };
 
 // Which NUMA copy an attach maps (an index into `copies`, -1 when there are

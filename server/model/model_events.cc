@@ -15,6 +15,9 @@ absl::string_view ModelEventKindName(ModelEvent::Kind kind) {
     case ModelEvent::Kind::kDraining: return "DRAINING";
     case ModelEvent::Kind::kFreed: return "FREED";
     case ModelEvent::Kind::kUnloaded: return "UNLOADED";
+    case ModelEvent::Kind::kLayoutPublished: return "LAYOUT_PUBLISHED";
+    case ModelEvent::Kind::kLayoutDropped: return "LAYOUT_DROPPED";
+    case ModelEvent::Kind::kLayoutDraining: return "LAYOUT_DRAINING";
   }
   return "KIND_UNSPECIFIED";
 }

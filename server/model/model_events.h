@@ -36,17 +36,20 @@ namespace weightd {
 
 struct ModelEvent {
   // The meaning of each kind: proto/weightd/v1/weightd.proto, ModelEvent.
-  enum class Kind { kCurrent, kPublished, kDraining, kFreed, kUnloaded };
+  enum class Kind { kCurrent, kPublished, kDraining, kFreed, kUnloaded, kLayoutPublished, kLayoutDropped, kLayoutDraining };
   Kind kind = Kind::kCurrent;
   std::string name;
   uint64_t generation = 0;
   std::string version_label;
   std::string fingerprint;
   double unix_seconds = 0;  // when it happened
+  std::string layout = {};  // kLayout*: the layout key
+  uint32_t rank = 0;        // kLayout*: its rank
   bool operator==(const ModelEvent&) const = default;
 };
 
-// "CURRENT", "PUBLISHED", "DRAINING", "FREED", "UNLOADED" (the proto's names).
+// "CURRENT", "PUBLISHED", "DRAINING", "FREED", "UNLOADED", "LAYOUT_PUBLISHED",
+// "LAYOUT_DROPPED", "LAYOUT_DRAINING" (the proto's names).
 absl::string_view ModelEventKindName(ModelEvent::Kind kind);
 
 // The wall clock as seconds since the Unix epoch.

@@ -15,9 +15,10 @@ std::string NewRandomId(absl::string_view prefix) {
 }
 
 LeaseTable::Lease LeaseTable::Add(std::shared_ptr<ModelGeneration> model, uint32_t rank, Clock::time_point now,
-                                  Clock::time_point deadline, int numa_copy) {
-  Lease lease{NewRandomId(""), std::move(model), rank, false, now, deadline, numa_copy};
+                                  Clock::time_point deadline, int numa_copy, std::shared_ptr<const Layout> layout) {
+  Lease lease{NewRandomId(""), std::move(model), rank, false, now, deadline, numa_copy, std::move(layout)};
   ++lease.model->leases;
+  if (lease.layout != nullptr) ++lease.layout->leases;
   absl::MutexLock lock(&mu_);
   leases_[lease.id] = lease;
   return lease;
@@ -34,6 +35,7 @@ absl::StatusOr<LeaseTable::Lease> LeaseTable::Claim(const std::string& id) {
 
 LeaseTable::Removed LeaseTable::RemoveLocked(std::map<std::string, Lease>::iterator it) {
   Removed removed{std::move(it->second.model), 0};
+  if (it->second.layout != nullptr) --it->second.layout->leases;
   leases_.erase(it);
   removed.leases_left = --removed.model->leases;
   return removed;

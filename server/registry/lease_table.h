@@ -31,6 +31,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "server/model/layout.h"
 #include "server/model/model.h"
 
 namespace weightd {
@@ -50,6 +51,9 @@ class LeaseTable {
     Clock::time_point attached;
     Clock::time_point deadline;  // to be claimed by
     int numa_copy = -1;          // index into model->numa_copies whose host segments it maps; -1: the rank's own
+    // A lease on a runtime layout of `model` (server/model/layout.h): the
+    // client maps the layout's segments; counted in layout->leases too.
+    std::shared_ptr<const Layout> layout;
   };
   // A lease taken out of the table: its generation (whose lease count was
   // decremented) and that count after.
@@ -59,9 +63,11 @@ class LeaseTable {
   };
 
   // A new PENDING lease on `rank` of `model`, attached at `now`, to be
-  // claimed by `deadline`. Increments model->leases.
+  // claimed by `deadline`. Increments model->leases (and layout->leases
+  // for a lease on `layout`, a layout of `model`).
   Lease Add(std::shared_ptr<ModelGeneration> model, uint32_t rank, Clock::time_point now,
-            Clock::time_point deadline, int numa_copy = -1) ABSL_LOCKS_EXCLUDED(mu_);
+            Clock::time_point deadline, int numa_copy = -1, std::shared_ptr<const Layout> layout = nullptr)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // PENDING -> ACTIVE; the lease. NOT_FOUND for an unknown or expired id,
   // FAILED_PRECONDITION for one claimed already (on another connection).
   absl::StatusOr<Lease> Claim(const std::string& id) ABSL_LOCKS_EXCLUDED(mu_);

@@ -288,6 +288,12 @@ void ModelRegistry::InstallLocked(const std::shared_ptr<ModelGeneration>& model)
   // Watchers see PUBLISHED of the new generation before DRAINING of the old.
   std::shared_ptr<ModelGeneration> previous = std::exchange(current_[name], model);
   AnnouncePublished(*model);
+  // The old generation's layouts drain with it; engines publish again for
+  // the new one, and writers still staging for the old one are refused.
+  for (LayoutWriters::Ended& ended : layout_writers_.EndOf(name, model->generation, "superseded")) {
+    ReleaseLater(FinishLayoutWriterLocked(std::move(ended), "superseded"));
+  }
+  if (previous) AnnounceLayouts(ModelEvent::Kind::kLayoutDraining, *previous);
   if (previous) Retire(std::move(previous));
   if (listener_) listener_->OnModelServing(name, true);
   if (listener_) listener_->OnGenerationPublished(model);
@@ -480,10 +486,16 @@ absl::StatusOr<ModelRegistry::UnloadResult> ModelRegistry::Unload(const std::str
   if (std::optional<UpdateTable::Ended> ended = updates_.EndOf(name, "unloaded")) {
     dropped_update = FinishUpdateLocked(std::move(*ended), "unloaded");
   }
+  for (LayoutWriters::Ended& ended : layout_writers_.EndOf(name, std::nullopt, "unloaded")) {
+    ReleaseLater(FinishLayoutWriterLocked(std::move(ended), "unloaded"));
+  }
   auto it = current_.find(name);
   if (it == current_.end()) return UnloadDraining(name, force, std::move(failed));
   std::shared_ptr<ModelGeneration> model = std::move(it->second);
   current_.erase(it);
+  // Its layouts take no new attaches; leases on them keep their memory.
+  AnnounceLayouts(ModelEvent::Kind::kLayoutDropped, *model);
+  for (auto& layout : model->layouts->Clear()) ReleaseLater(std::move(layout));
   if (listener_) listener_->OnModelServing(name, false);
   if (listener_) listener_->OnModelUnloaded(name);
   Announce(ModelEvent::Kind::kUnloaded, *model);
@@ -595,14 +607,20 @@ absl::StatusOr<std::shared_ptr<ModelGeneration>> ModelRegistry::GetLocked(const 
 }
 
 absl::StatusOr<ModelRegistry::Grant> ModelRegistry::Attach(const std::string& name, uint32_t rank,
-                                                           const AttachPlacement& placement) {
+                                                           const AttachPlacement& placement, const AttachLayout& layout) {
   absl::MutexLock lock(&mu_);  // one critical section: an Unload cannot slip in before the lease
   WEIGHTD_ASSIGN_OR_RETURN(std::shared_ptr<ModelGeneration> model, GetRankLocked(name, rank));
-  WEIGHTD_ASSIGN_OR_RETURN(int copy, ChooseNumaCopy(model->numa_copies, placement.numa_node, placement.cpus));
+  std::shared_ptr<const Layout> found;
+  int copy = -1;
+  if (!layout.key.empty()) {
+    WEIGHTD_ASSIGN_OR_RETURN(found, FindLayoutLocked(*model, rank, layout));
+  } else {
+    WEIGHTD_ASSIGN_OR_RETURN(copy, ChooseNumaCopy(model->numa_copies, placement.numa_node, placement.cpus));
+  }
   auto now = Now();
-  LeaseTable::Lease lease = leases_.Add(model, rank, now, now + options_.claim_timeout, copy);
+  LeaseTable::Lease lease = leases_.Add(model, rank, now, now + options_.claim_timeout, copy, found);
   if (listener_) listener_->OnLeasesChanged(name, model->leases.load());
-  return Grant{lease.id, model, rank, copy};
+  return Grant{lease.id, model, rank, copy, found};
 }
 
 absl::StatusOr<ModelRegistry::Grant> ModelRegistry::Claim(const std::string& lease_id) {
@@ -612,7 +630,7 @@ absl::StatusOr<ModelRegistry::Grant> ModelRegistry::Claim(const std::string& lea
     double seconds = std::chrono::duration<double>(Now() - lease.attached).count();
     listener_->OnLeaseClaimed(lease.model->request.name, seconds);
   }
-  return Grant{lease.id, lease.model, lease.rank, lease.numa_copy};
+  return Grant{lease.id, lease.model, lease.rank, lease.numa_copy, lease.layout};
 }
 
 void ModelRegistry::LeaseRemovedLocked(const LeaseTable::Removed& removed) {
@@ -668,6 +686,10 @@ int ModelRegistry::ExpirePending() {
     dropped.push_back(FinishUpdateLocked(std::move(ended), "claim_timeout"));
     ++expired;
   }
+  for (LayoutWriters::Ended& ended : layout_writers_.Expire(now)) {
+    ReleaseLater(FinishLayoutWriterLocked(std::move(ended), "claim_timeout"));
+    ++expired;
+  }
   if (expired) NotifyMemory();
   return expired;
 }
@@ -683,9 +705,24 @@ void ModelRegistry::NotifyMemory() {
       locked += segment->locked() ? segment->size() : 0;
     }
   };
-  for (const auto& [name, model] : current_) add(*model);
-  for (const auto& model : draining_) add(*model);
-  host += updates_.StagedBytes();
+  auto add_layouts = [&](const ModelGeneration& m) {
+    for (const auto& layout : m.layouts->List()) {
+      for (const auto& segment : layout->host_segments) {
+        if (!seen.insert(segment.get()).second) continue;
+        host += segment->size();
+        locked += segment->locked() ? segment->size() : 0;
+      }
+    }
+  };
+  for (const auto& [name, model] : current_) {
+    add(*model);
+    add_layouts(*model);
+  }
+  for (const auto& model : draining_) {
+    add(*model);
+    add_layouts(*model);
+  }
+  host += updates_.StagedBytes() + layout_writers_.StagedBytes();
   listener_->OnMemoryChanged(host, locked);
 }
 

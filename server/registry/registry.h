@@ -18,6 +18,7 @@
 #include <chrono>
 #include <functional>
 #include <map>
+#include <optional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -30,6 +31,9 @@
 #include "server/load/loader.h"
 #include "server/model/segment_pinner.h"
 #include "server/model/model.h"
+#include "server/layout/layout_publish.h"
+#include "server/model/layout.h"
+#include "server/registry/layout_writers.h"
 #include "server/registry/lease_table.h"
 #include "server/registry/update_table.h"
 #include "server/update/update.h"
@@ -60,6 +64,13 @@ class RegistryListener {
   virtual void OnUpdateCommitted(const ModelGeneration& model, uint64_t bytes_written, uint64_t bytes_shared,
                                  uint32_t tensors_changed, double seconds) {}
   virtual void OnUpdateAborted(const std::string& name, const std::string& reason) {}
+  // Runtime layouts: one was published; a publish ended without one for
+  // `reason` (kLayoutAbortReasons); an attach asked for a layout: `result`
+  // is "hit", "not_found" or "identity_mismatch". (Layouts held are
+  // sampled from the generations at each scrape: metrics.h.)
+  virtual void OnLayoutPublished(const Layout& layout) {}
+  virtual void OnLayoutAborted(const std::string& name, const std::string& reason) {}
+  virtual void OnLayoutAttach(const std::string& name, const std::string& result) {}
 };
 
 struct RegistryOptions {
@@ -177,6 +188,8 @@ class ModelRegistry {
     int numa_copy = -1;  // index into model->numa_copies (ModelGeneration::SegmentsOf); -1: none
     // The node of that copy; -1 when the model has no NUMA copies.
     int numa_node() const { return numa_copy < 0 ? -1 : model->numa_copies[numa_copy].node; }
+    // Set for a lease on a runtime layout: the client maps its segments.
+    std::shared_ptr<const Layout> layout;
   };
   // Which NUMA copy a client wants (ChooseNumaCopy, server/model/model.h):
   // a named node, or its CPU affinity. Ignored for models without copies.
@@ -184,7 +197,17 @@ class ModelRegistry {
     std::optional<int> numa_node;
     std::vector<int> cpus;
   };
-  absl::StatusOr<Grant> Attach(const std::string& name, uint32_t rank, const AttachPlacement& placement = {});
+  // A runtime layout instead of the checkpoint tensors: `key` of the
+  // current generation and `rank`, its identity checked when `identity` is
+  // not empty (IdentityDifference). NOT_FOUND naming the keys published for
+  // that generation and rank; FAILED_PRECONDITION naming every field that
+  // differs.
+  struct AttachLayout {
+    std::string key;  // empty: the checkpoint tensors
+    LayoutIdentity identity;
+  };
+  absl::StatusOr<Grant> Attach(const std::string& name, uint32_t rank, const AttachPlacement& placement = {},
+                               const AttachLayout& layout = {});
   // PENDING -> ACTIVE. NOT_FOUND for an unknown or expired id,
   // FAILED_PRECONDITION for one already claimed.
   absl::StatusOr<Grant> Claim(const std::string& lease_id);
@@ -225,6 +248,47 @@ class ModelRegistry {
   // Frees what the update staged; the served generation is untouched.
   // NOT_FOUND for an unknown id, FAILED_PRECONDITION while it commits.
   absl::Status AbortUpdate(const std::string& update_id, const std::string& reason);
+  // Runtime layouts (server/layout/layout_publish.h, docs/api.md "Runtime
+  // layouts"). BeginLayout checks `request` (ValidateLayoutRequest), then
+  // opens the one writer of (model, current generation, key, rank) and
+  // stages its memfds; the writer claims `writer_id` on the fd socket within
+  // claim_timeout (else the publish ends, "claim_timeout"). ALREADY_EXISTS
+  // when the slot has a writer or a published layout; with
+  // request.wait_seconds, waits for a busy slot's writer to end instead and
+  // answers `published` (its layout) or opens the slot when it aborted;
+  // DEADLINE_EXCEEDED when it does neither in time. FAILED_PRECONDITION for
+  // a generation other than the current one, or device tensors without a
+  // GPU; RESOURCE_EXHAUSTED when the host or the GPU has no room.
+  struct LayoutGrant {
+    std::string writer_id;  // kLayoutWriterIdPrefix + 32 hex digits; empty when `published`
+    std::shared_ptr<const StagedLayout> staged;
+    std::shared_ptr<const Layout> published;  // the wait ended with another writer's commit
+    uint64_t generation = 0;
+  };
+  absl::StatusOr<LayoutGrant> BeginLayout(LayoutRequest request);
+  // The fd socket's claim of a layout writer: the writer's connection is its
+  // lease. NOT_FOUND for an unknown id, FAILED_PRECONDITION when claimed.
+  absl::StatusOr<std::shared_ptr<const StagedLayout>> ClaimLayoutWriter(const std::string& writer_id);
+  bool IsLayoutWriterOpen(const std::string& writer_id) const;
+  // Seals, hashes and publishes the layout (SealLayout) on its generation,
+  // if that is still the current one. A commit refused before sealing
+  // (INVALID_ARGUMENT, or FAILED_PRECONDITION such as a mapping still
+  // writable) leaves the writer open for another try; any other failure
+  // ends it (kLayoutAbortReasons).
+  absl::StatusOr<std::shared_ptr<const Layout>> CommitLayout(const std::string& writer_id,
+                                                             const std::map<std::string, std::string>& expected_hashes);
+  // Ends an open writer and frees what it staged. NOT_FOUND for an unknown
+  // id, FAILED_PRECONDITION while it commits.
+  absl::Status AbortLayout(const std::string& writer_id, const std::string& reason);
+  // Removes the layouts of `key` (of `rank` only, when given) from the
+  // current generation of `name`: no new attaches; leases keep their
+  // memory. Returns how many; NOT_FOUND naming the keys there are when none.
+  absl::StatusOr<int> DropLayout(const std::string& name, const std::string& key, std::optional<uint32_t> rank);
+  // Serves `layout`, restored from the fd store at start, on the current
+  // generation of its model (layout->generation must be it).
+  // FAILED_PRECONDITION otherwise; ALREADY_EXISTS when its slot has one.
+  absl::Status AdoptLayout(std::shared_ptr<const Layout> layout);
+
   // Subscribes to the events of `name`, loaded or not (docs/api.md
   // "WatchModel"): CURRENT first when the name has a READY generation, then
   // every later PUBLISHED, DRAINING, FREED and UNLOADED of the name, in the
@@ -277,6 +341,22 @@ class ModelRegistry {
   // staged, to be dropped after the lock is released.
   std::shared_ptr<StagedUpdate> FinishUpdateLocked(UpdateTable::Ended ended, const std::string& reason)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A layout writer taken out of layout_writers_: as FinishUpdateLocked.
+  std::shared_ptr<StagedLayout> FinishLayoutWriterLocked(LayoutWriters::Ended ended, const std::string& reason)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The GPU for the device tensors of a layout of `rank` of `model`:
+  // `gpu_uuid`, else the rank's GPU in the model's plan.
+  absl::StatusOr<DeviceInfo> LayoutDeviceLocked(const ModelGeneration& model, uint32_t rank,
+                                                const std::string& gpu_uuid) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // RESOURCE_EXHAUSTED when `bytes` more on `device` would exceed its
+  // total, counting the arenas of every generation and layout held.
+  absl::Status AdmitDeviceBytesLocked(const DeviceInfo& device, uint64_t bytes) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The layout an attach asks for, counted by the listener (OnLayoutAttach).
+  absl::StatusOr<std::shared_ptr<const Layout>> FindLayoutLocked(const ModelGeneration& model, uint32_t rank,
+                                                                 const AttachLayout& layout) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Tells the watchers about each layout of `model` with `kind`.
+  void AnnounceLayouts(ModelEvent::Kind kind, const ModelGeneration& model) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The end of every Load: drops its LOADING `record`; for a `failure`
   // after the plan was `accepted`, keeps a FAILED record instead.
   void EndLoad(const LoadRequest& request, const ModelGeneration& record, const absl::Status& failure, bool accepted)
@@ -328,6 +408,7 @@ class ModelRegistry {
   // and the maps above (an attach, an unload, a commit) holds mu_ too.
   LeaseTable leases_;
   UpdateTable updates_;
+  LayoutWriters layout_writers_;
   absl::Mutex release_mu_;
   std::vector<std::shared_ptr<const void>> to_release_ ABSL_GUARDED_BY(release_mu_);
   bool stop_release_ ABSL_GUARDED_BY(release_mu_) = false;
