@@ -137,6 +137,18 @@ class ListenerFanOut final : public RegistryListener {
   void OnUpdateAborted(const std::string& name, const std::string& reason) override {
     for (auto* l : listeners_) l->OnUpdateAborted(name, reason);
   }
+  void OnLayoutPublished(const Layout& layout) override {
+    for (auto* l : listeners_) l->OnLayoutPublished(layout);
+  }
+  void OnLayoutAborted(const std::string& name, const std::string& reason) override {
+    for (auto* l : listeners_) l->OnLayoutAborted(name, reason);
+  }
+  void OnLayoutAttach(const std::string& name, const std::string& result) override {
+    for (auto* l : listeners_) l->OnLayoutAttach(name, result);
+  }
+  void OnLayoutsChanged(const std::shared_ptr<ModelGeneration>& model) override {
+    for (auto* l : listeners_) l->OnLayoutsChanged(model);
+  }
 
  private:
   std::vector<RegistryListener*> listeners_;
@@ -326,7 +338,9 @@ class DaemonImpl final : public Daemon {
     int restored = 0;
     for (RestoredModel& r : result.models) {
       std::shared_ptr<ModelGeneration> model = std::move(r.model);
-      fd_store_->Adopted(model, r.record_name, std::move(r.record_fd), r.host_segment_names, r.arena_names);
+      std::vector<std::pair<std::shared_ptr<const Layout>, std::vector<std::string>>> layouts;
+      for (RestoredModel::RestoredLayout& l : r.layouts) layouts.emplace_back(l.layout, std::move(l.segment_names));
+      fd_store_->Adopted(model, r.record_name, std::move(r.record_fd), r.host_segment_names, r.arena_names, layouts);
       if (absl::Status adopted = registry_->Adopt(model); !adopted.ok()) {
         LogWarning(absl::StrCat("fd store: cannot restore '", model->request.name, "': ", adopted.message()));
         continue;
@@ -339,6 +353,10 @@ class DaemonImpl final : public Daemon {
                                               : "record not authenticated: every host tensor hashed again",
                               model->tensor_count, model->host_bytes, model->segments.size(), model->fingerprint,
                               model->version_label.empty() ? "" : absl::StrCat(", version label ", model->version_label)));
+      if (!r.layouts.empty()) {
+        LogInfo(absl::StrCat("restored ", r.layouts.size(), " runtime layout(s) of '", model->request.name,
+                             "' generation ", model->generation, " from the fd store"));
+      }
     }
     for (const DroppedRecord& d : result.dropped) {
       LogWarning(absl::StrCat("fd store: dropped record ", d.fd_name, d.model.empty() ? "" : absl::StrCat(" of '", d.model, "'"),

@@ -1,5 +1,7 @@
 #include "server/metrics/metrics.h"
 
+#include "server/model/layout.h"
+
 #include <optional>
 
 #include "absl/container/flat_hash_set.h"
@@ -44,6 +46,11 @@ ModelsSample SampleModels(const std::vector<std::shared_ptr<ModelGeneration>>& m
       if (seg.placement != Placement::kDevice) continue;
       const void* arena = seg.owner < m->arenas.size() ? m->arenas[seg.owner].get() : nullptr;
       if (arena == nullptr || seen.insert(arena).second) s.device_bytes[seg.gpu_uuid] += seg.size;
+    }
+    for (const auto& layout : m->layouts->List()) {
+      ++s.layouts[m->request.name];
+      s.layout_host_bytes[m->request.name] += layout->host_bytes;
+      if (layout->device_bytes > 0) s.layout_device_bytes[layout->gpu_uuid] += layout->device_bytes;
     }
     for (const NumaCopy& copy : m->numa_copies) {
       for (uint32_t id : copy.host_segments) {

@@ -61,7 +61,17 @@ class Metrics {
   virtual void PeerBytesReceived(absl::string_view peer, uint64_t bytes) {}
   virtual void PeerSeeded(absl::string_view peer, uint64_t bytes, double seconds) {}
   virtual void PeerFallback(absl::string_view reason) {}
+  // Runtime layouts (server/layout/layout_publish.h): one was published, its
+  // commit (seal, hash, device copy) taking `seconds`; a publish ended
+  // without one for `reason` (one of kLayoutAbortReasons); an attach asked
+  // for a layout, with `result` one of kLayoutAttachResults.
+  virtual void LayoutPublished(double seconds) {}
+  virtual void LayoutAborted(absl::string_view reason) {}
+  virtual void LayoutAttach(absl::string_view result) {}
 };
+
+// What an attach that names a runtime layout found (weightd_layout_attaches_total{result}).
+inline constexpr const char* kLayoutAttachResults[] = {"hit", "not_found", "identity_mismatch"};
 
 // The models held, as the registry lists them at one moment.
 struct ModelsSample {
@@ -77,6 +87,11 @@ struct ModelsSample {
   // NUMA node id -> bytes of host segments bound to it (numa_copies loads),
   // each segment once, for weightd_host_numa_bytes{node}.
   std::map<std::string, uint64_t> numa_bytes;
+  // Runtime layouts of every generation held: model name -> layouts, and
+  // -> bytes of their host segments; GPU UUID -> bytes of their arenas.
+  std::map<std::string, int> layouts;
+  std::map<std::string, uint64_t> layout_host_bytes;
+  std::map<std::string, uint64_t> layout_device_bytes;
 };
 // Builds the sample from ModelRegistry::ListAll(). A segment several
 // generations share (server/load/shared_segments.h) counts once.

@@ -30,6 +30,9 @@ class MetricsListener final : public RegistryListener {
     metrics_->UpdateCommitted(bytes_written, bytes_shared, seconds);
   }
   void OnUpdateAborted(const std::string&, const std::string& reason) override { metrics_->UpdateAborted(reason); }
+  void OnLayoutPublished(const Layout& layout) override { metrics_->LayoutPublished(layout.publish_seconds); }
+  void OnLayoutAborted(const std::string&, const std::string& reason) override { metrics_->LayoutAborted(reason); }
+  void OnLayoutAttach(const std::string&, const std::string& result) override { metrics_->LayoutAttach(result); }
 
  private:
   Metrics* metrics_;

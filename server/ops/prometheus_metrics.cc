@@ -73,7 +73,13 @@ class SampledGauges final : public prometheus::Collectable {
             GaugeFamily("weightd_host_numa_bytes",
                         "Bytes of host segments bound to a NUMA node (models loaded with numa_copies), each "
                         "segment once, by node.",
-                        "node", s.numa_bytes)};
+                        "node", s.numa_bytes),
+            GaugeFamily("weightd_layouts", "Runtime layouts published on the generations held, by model.", "model",
+                        s.layouts),
+            GaugeFamily("weightd_layout_host_bytes", "Bytes of runtime layouts' host segments, by model.", "model",
+                        s.layout_host_bytes),
+            GaugeFamily("weightd_layout_device_bytes", "Bytes of runtime layouts' device arenas, by GPU.", "gpu_uuid",
+                        s.layout_device_bytes)};
   }
 
   // Always 1 per READY generation; its labels say which version is served.
@@ -190,6 +196,12 @@ struct PrometheusMetrics::State {
   prometheus::Gauge* peer_seed_throughput;
   prometheus::Family<prometheus::Counter>* peer_fallbacks;
   void RegisterPeerMetrics();
+  // Runtime layouts.
+  prometheus::Counter* layouts_published;
+  prometheus::Family<prometheus::Counter>* layouts_aborted;
+  prometheus::Histogram* layout_publish_duration;
+  prometheus::Family<prometheus::Counter>* layout_attaches;
+  void RegisterLayoutMetrics();
 
   explicit State(const PrometheusOptions& o) : sampled(std::make_shared<SampledGauges>(o.sampler)) {
     using prometheus::BuildCounter, prometheus::BuildGauge, prometheus::BuildHistogram;
@@ -240,6 +252,7 @@ struct PrometheusMetrics::State {
                            .Help("State records in the fd store dropped at start instead of restored, by reason.").Register(r);
     for (const char* reason : kRestoreDropReasons) restore_dropped->Add({{"reason", reason}});
     RegisterPeerMetrics();
+    RegisterLayoutMetrics();
     BuildGauge().Name("weightd_build_info").Help("Always 1; the version of this weightd binary.").Register(r)
         .Add({{"version", o.version}}).Set(1);
   }
@@ -366,6 +379,38 @@ void PrometheusMetrics::PeerSeeded(absl::string_view, uint64_t bytes, double sec
 
 void PrometheusMetrics::PeerFallback(absl::string_view reason) {
   state_->peer_fallbacks->Add({{"reason", std::string(reason)}}).Increment();
+}
+
+// ------------------------------------------------------------- runtime layouts
+
+void PrometheusMetrics::State::RegisterLayoutMetrics() {
+  using prometheus::BuildCounter, prometheus::BuildHistogram;
+  auto& r = *registry;
+  layouts_published = &BuildCounter().Name("weightd_layout_publishes_total")
+                           .Help("Runtime layouts committed and published.").Register(r).Add({});
+  layouts_aborted = &BuildCounter().Name("weightd_layout_aborts_total")
+                         .Help("Runtime layout publishes ended without a layout, by reason.").Register(r);
+  for (const char* reason : kLayoutAbortReasons) layouts_aborted->Add({{"reason", reason}});
+  layout_publish_duration = &BuildHistogram().Name("weightd_layout_publish_duration_seconds")
+                                 .Help("Duration of layout commits: seal, hash, device copy, publish.").Register(r)
+                                 .Add({}, AttachBuckets());
+  layout_attaches = &BuildCounter().Name("weightd_layout_attaches_total")
+                         .Help("Attaches that named a runtime layout, by result (hit, not_found, identity_mismatch).")
+                         .Register(r);
+  for (const char* result : kLayoutAttachResults) layout_attaches->Add({{"result", result}});
+}
+
+void PrometheusMetrics::LayoutPublished(double seconds) {
+  state_->layouts_published->Increment();
+  state_->layout_publish_duration->Observe(seconds);
+}
+
+void PrometheusMetrics::LayoutAborted(absl::string_view reason) {
+  state_->layouts_aborted->Add({{"reason", std::string(reason)}}).Increment();
+}
+
+void PrometheusMetrics::LayoutAttach(absl::string_view result) {
+  state_->layout_attaches->Add({{"result", std::string(result)}}).Increment();
 }
 
 }  // namespace weightd

@@ -50,6 +50,9 @@ class PrometheusMetrics : public Metrics {
   void PeerBytesReceived(absl::string_view peer, uint64_t bytes) override;
   void PeerSeeded(absl::string_view peer, uint64_t bytes, double seconds) override;
   void PeerFallback(absl::string_view reason) override;
+  void LayoutPublished(double seconds) override;
+  void LayoutAborted(absl::string_view reason) override;
+  void LayoutAttach(absl::string_view result) override;
 
   struct State;
 

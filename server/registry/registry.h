@@ -71,6 +71,9 @@ class RegistryListener {
   virtual void OnLayoutPublished(const Layout& layout) {}
   virtual void OnLayoutAborted(const std::string& name, const std::string& reason) {}
   virtual void OnLayoutAttach(const std::string& name, const std::string& result) {}
+  // The layouts of `model` (a current generation) changed: one was
+  // published on it or dropped from it (the fd store keeps them).
+  virtual void OnLayoutsChanged(const std::shared_ptr<ModelGeneration>& model) {}
 };
 
 struct RegistryOptions {

@@ -199,10 +199,12 @@ absl::StatusOr<std::shared_ptr<const Layout>> ModelRegistry::CommitLayout(
   }
   events_->Publish(LayoutEvent(ModelEvent::Kind::kLayoutPublished, *current->second, *layout));
   if (listener_) listener_->OnLayoutPublished(*layout);
+  if (listener_) listener_->OnLayoutsChanged(current->second);
   LogInfo(absl::StrCat("published layout ", QuoteName(layout->key), " of rank ", layout->rank, " of model ",
                        QuoteName(name), " generation ", layout->generation, ": ", layout->tensors.size(), " tensors, ",
-                       layout->host_bytes, " bytes on the host, ", layout->device_bytes, " bytes on ",
-                       layout->gpu_uuid.empty() ? "no GPU" : layout->gpu_uuid, ", sealed and hashed in ",
+                       layout->host_bytes, " bytes on the host",
+                       layout->gpu_uuid.empty() ? "" : absl::StrCat(", ", layout->device_bytes, " on ", layout->gpu_uuid),
+                       ", sealed and hashed in ",
                        absl::StrFormat("%.3f", layout->publish_seconds), " s, fingerprint ", layout->fingerprint));
   NotifyMemory();
   return std::shared_ptr<const Layout>(std::move(layout));
@@ -237,6 +239,7 @@ absl::StatusOr<int> ModelRegistry::DropLayout(const std::string& name, const std
                          QuoteName(name), " generation ", model->generation, " (", layout->leases.load(),
                          " lease(s) keep it until they end)"));
   }
+  if (listener_) listener_->OnLayoutsChanged(model);
   NotifyMemory();
   for (auto& layout : removed) ReleaseLater(std::move(layout));
   return static_cast<int>(removed.size());
@@ -261,6 +264,7 @@ absl::Status ModelRegistry::AdoptLayout(std::shared_ptr<const Layout> layout) {
   }
   events_->Publish(LayoutEvent(ModelEvent::Kind::kLayoutPublished, *current->second, *layout));
   if (listener_) listener_->OnLayoutPublished(*layout);
+  if (listener_) listener_->OnLayoutsChanged(current->second);
   NotifyMemory();
   return absl::OkStatus();
 }

@@ -40,6 +40,16 @@ uint64_t InodeOf(int fd) {
   return fstat(fd, &st) == 0 ? static_cast<uint64_t>(st.st_ino) : 0;
 }
 
+// How a record names arena `arena` of `layout`, stored as `name`.
+StoredSegment ArenaStored(const Layout& layout, const DeviceArena& arena, const std::string& name) {
+  SegmentBackend backend = SegmentBackend::kEmulated;
+  for (const SegmentRecord& s : layout.segments) {
+    if (s.placement == Placement::kDevice) backend = s.backend;
+  }
+  uint64_t inode = backend == SegmentBackend::kEmulated ? InodeOf(arena.export_fd()) : 0;
+  return {name, backend, arena.size(), inode, false, arena.device().uuid};
+}
+
 }  // namespace
 
 std::unique_ptr<FdStoreSink> MakeSystemdFdStore() {
@@ -150,14 +160,32 @@ FdStoreKeeper::~FdStoreKeeper() {
 
 void FdStoreKeeper::Adopted(const std::shared_ptr<ModelGeneration>& model, const std::string& record_name,
                             ScopedFd record_fd, const std::vector<std::string>& host_segment_names,
-                            const std::vector<std::string>& arena_names) {
+                            const std::vector<std::string>& arena_names,
+                            const std::vector<std::pair<std::shared_ptr<const Layout>, std::vector<std::string>>>& layouts) {
   absl::MutexLock lock(&state_mu_);
-  Stored stored{record_name, std::move(record_fd), model, {}, {}, {}};
+  Stored stored{record_name, std::move(record_fd), model, {}, {}, {}, {}};
   for (size_t i = 0; i < model->host_segments.size() && i < host_segment_names.size(); ++i) {
     AdoptSegment(model->host_segments[i], model->host_segments[i]->fd(), host_segment_names[i], stored);
   }
   for (size_t i = 0; i < model->arenas.size() && i < arena_names.size(); ++i) {
     AdoptSegment(model->arenas[i], model->arenas[i]->export_fd(), arena_names[i], stored);
+  }
+  // The record to write again (Handoff without a sink) names the layouts'
+  // segments as the restored record did.
+  for (const auto& [layout, names] : layouts) {
+    size_t k = 0;
+    for (const auto& segment : layout->host_segments) {
+      if (k >= names.size()) break;
+      AdoptSegment(segment, segment->fd(), names[k], stored);
+      stored.layouts.host.push_back({names[k++], SegmentBackend::kMemfd, segment->size(), InodeOf(segment->fd()),
+                                     segment->huge_pages(), ""});
+    }
+    for (const auto& arena : layout->arenas) {
+      if (k >= names.size()) break;
+      AdoptSegment(arena, arena->export_fd(), names[k], stored);
+      stored.layouts.arenas.push_back(ArenaStored(*layout, *arena, names[k++]));
+    }
+    stored.layouts.layouts.push_back(layout);
   }
   models_[model->request.name] = std::move(stored);
 }
@@ -186,6 +214,11 @@ void FdStoreKeeper::OnModelUnloaded(const std::string& name) {
   queue_.push_back({nullptr, name});
 }
 
+void FdStoreKeeper::OnLayoutsChanged(const std::shared_ptr<ModelGeneration>& model) {
+  absl::MutexLock lock(&mu_);
+  queue_.push_back({model, model->request.name, true});
+}
+
 void FdStoreKeeper::Run() {
   for (;;) {
     Task task;
@@ -201,7 +234,7 @@ void FdStoreKeeper::Run() {
     {
       absl::MutexLock lock(&state_mu_);
       if (task.publish) {
-        Publish(task.publish);
+        Publish(task.publish, task.relayout);
       } else {
         Unload(task.name);
       }
@@ -212,11 +245,15 @@ void FdStoreKeeper::Run() {
   }
 }
 
-void FdStoreKeeper::Publish(const std::shared_ptr<ModelGeneration>& model) {
+void FdStoreKeeper::Publish(const std::shared_ptr<ModelGeneration>& model, bool relayout) {
   const std::string& name = model->request.name;
   auto old = models_.find(name);
-  if (old != models_.end() && old->second.model.lock() == model) return;  // adopted at start
-  Stored next{absl::StrCat("wd-rec-", model->generation), ScopedFd(), model, {}, {}, {}};
+  const bool stored_now = old != models_.end() && old->second.model.lock() == model;
+  if (stored_now && !relayout) return;  // adopted at start
+  if (relayout && !stored_now) return;  // a newer generation replaced it, or its name was unloaded
+  Stored next{relayout ? absl::StrCat("wd-rec-", model->generation, ".", next_rewrite_++)
+                       : absl::StrCat("wd-rec-", model->generation),
+              ScopedFd(), model, {}, {}, {}, {}};
   std::vector<StoredSegment> host, arenas;
   absl::Status status;
   for (const auto& segment : model->host_segments) {
@@ -242,14 +279,24 @@ void FdStoreKeeper::Publish(const std::shared_ptr<ModelGeneration>& model) {
     uint64_t inode = backend == SegmentBackend::kEmulated ? InodeOf(arena.export_fd()) : 0;
     arenas.push_back({*fd_name, backend, arena.size(), inode, false, arena.device().uuid});
   }
+  if (status.ok()) {
+    absl::StatusOr<LayoutsToStore> layouts = StoreLayouts(*model, next.segments);
+    if (layouts.ok()) next.layouts = std::move(*layouts);
+    status = layouts.status();
+  }
   // Without a service manager the record is written only if an upgrade
   // needs it (Handoff): encoding 100,000 tensors takes ~100 MB of heap.
   absl::StatusOr<ScopedFd> record = ScopedFd();
   if (status.ok() && sink_) {
-    record = WriteRecord(*model, host, arenas);
+    record = WriteRecord(*model, host, arenas, next.layouts);
     if (record.ok()) status = sink_->Store(next.record_name, record->get());
   }
   if (!record.ok()) status = record.status();
+  if (relayout && !status.ok()) {  // the record stored before still holds the generation
+    Release(next.segments);
+    Note(status, absl::StrCat("keep the layouts of '", name, "' generation ", model->generation, " across a restart"));
+    return;
+  }
   // The name's older record goes either way: after a failure, a restart must
   // not bring back a generation older than the one served now.
   if (old != models_.end()) {
@@ -268,11 +315,34 @@ void FdStoreKeeper::Publish(const std::shared_ptr<ModelGeneration>& model) {
   models_[name] = std::move(next);
 }
 
+absl::StatusOr<LayoutsToStore> FdStoreKeeper::StoreLayouts(const ModelGeneration& model, std::vector<std::string>& names) {
+  LayoutsToStore out;
+  for (const auto& layout : model.layouts->List()) {
+    for (const auto& segment : layout->host_segments) {
+      WEIGHTD_ASSIGN_OR_RETURN(std::string fd_name, Need(segment, segment->fd()));
+      names.push_back(fd_name);
+      out.host.push_back({fd_name, SegmentBackend::kMemfd, segment->size(), InodeOf(segment->fd()), segment->huge_pages(), ""});
+    }
+    for (const auto& arena : layout->arenas) {
+      if (arena->export_fd() < 0) {
+        return absl::UnimplementedError(absl::StrCat("layout ", QuoteName(layout->key),
+                                                     "'s arenas are exported by handle, which no fd store can keep"));
+      }
+      WEIGHTD_ASSIGN_OR_RETURN(std::string fd_name, Need(arena, arena->export_fd()));
+      names.push_back(fd_name);
+      out.arenas.push_back(ArenaStored(*layout, *arena, fd_name));
+    }
+    out.layouts.push_back(layout);
+  }
+  return out;
+}
+
 absl::StatusOr<ScopedFd> FdStoreKeeper::WriteRecord(const ModelGeneration& model, const std::vector<StoredSegment>& host,
-                                                    const std::vector<StoredSegment>& arenas) const {
+                                                    const std::vector<StoredSegment>& arenas,
+                                                    const LayoutsToStore& layouts) const {
   absl::StatusOr<ScopedFd> record;
   {
-    absl::StatusOr<std::string> bytes = EncodeStateRecord(model, host, arenas, key_);
+    absl::StatusOr<std::string> bytes = EncodeStateRecord(model, host, arenas, key_, layouts);
     record = bytes.ok() ? SealedMemfd(model.request.name, *bytes) : bytes.status();
   }
   malloc_trim(0);  // the encoder's many small allocations: give them back now, not at the next load
@@ -334,7 +404,7 @@ std::vector<NamedFd> FdStoreKeeper::Handoff() {
   for (auto& [name, stored] : models_) {
     if (!stored.record_fd.valid()) {  // no service manager: written now
       std::shared_ptr<ModelGeneration> model = stored.model.lock();
-      absl::StatusOr<ScopedFd> record = model ? WriteRecord(*model, stored.host, stored.arenas)
+      absl::StatusOr<ScopedFd> record = model ? WriteRecord(*model, stored.host, stored.arenas, stored.layouts)
                                               : absl::StatusOr<ScopedFd>(absl::NotFoundError("freed"));
       if (!record.ok()) {
         Note(record.status(), absl::StrCat("hand '", name, "' over"));

@@ -9,9 +9,11 @@
 // the same way to the re-executed binary itself.
 //
 // What is stored, per model name: its current READY generation's state
-// record (server/restart/state_record.h) in a sealed memfd named "wd-rec-<gen>", and
-// each of its segments once, named "wd-seg-<n>" (host memfds and fd-exported
-// arenas). Segments go in before the record that names them and leave after
+// record (server/restart/state_record.h) in a sealed memfd named "wd-rec-<gen>"
+// ("wd-rec-<gen>.<n>" when it is written again because a runtime layout of
+// the generation was published or dropped: the record holds its layouts),
+// and each of its segments and its layouts' segments once, named
+// "wd-seg-<n>" (host memfds and fd-exported arenas). Segments go in before the record that names them and leave after
 // it, so a daemon killed at any point finds every record it gets complete or
 // drops it. Draining generations are not stored: their leases die with the
 // process.
@@ -100,8 +102,11 @@ class FdStoreKeeper final : public RegistryListener {
   // `record_name` (its record memfd `record_fd`) and the segment names
   // given, parallel to model->host_segments and ->arenas. Call before
   // the registry publishes it.
+  // `layouts`: the restored runtime layouts (already in model->layouts),
+  // each with the names of its host segments then arenas.
   void Adopted(const std::shared_ptr<ModelGeneration>& model, const std::string& record_name, ScopedFd record_fd,
-               const std::vector<std::string>& host_segment_names, const std::vector<std::string>& arena_names);
+               const std::vector<std::string>& host_segment_names, const std::vector<std::string>& arena_names,
+               const std::vector<std::pair<std::shared_ptr<const Layout>, std::vector<std::string>>>& layouts = {});
   // Tells the store to drop `name` (a record or segment that start-up did
   // not adopt). Synchronous.
   void Drop(const std::string& name);
@@ -110,6 +115,10 @@ class FdStoreKeeper final : public RegistryListener {
   // record dropped); a name was unloaded (its record dropped).
   void OnGenerationPublished(const std::shared_ptr<ModelGeneration>& model) override;
   void OnModelUnloaded(const std::string& name) override;
+  // A runtime layout of `model` was published or dropped: its record is
+  // written again with the layouts it has now, under a new name, stored
+  // before the old record is dropped (segments first, as always).
+  void OnLayoutsChanged(const std::shared_ptr<ModelGeneration>& model) override;
 
   // Waits for queued work, then copies (dup) of every stored fd with its
   // name: what an in-place upgrade passes to the next binary. Records first.
@@ -129,14 +138,20 @@ class FdStoreKeeper final : public RegistryListener {
     std::weak_ptr<ModelGeneration> model;
     std::vector<std::string> segments;  // names of the fds it needs
     std::vector<StoredSegment> host, arenas;  // what the record says of them
+    LayoutsToStore layouts;                   // the runtime layouts it holds
   };
   struct Task {
     std::shared_ptr<ModelGeneration> publish;  // null: unload of `name`
     std::string name;
+    bool relayout = false;  // `publish` is stored already: write its record again for its layouts
   };
 
   void Run() ABSL_LOCKS_EXCLUDED(mu_, state_mu_);
-  void Publish(const std::shared_ptr<ModelGeneration>& model) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
+  void Publish(const std::shared_ptr<ModelGeneration>& model, bool relayout) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
+  // Stores the segments of `model`'s layouts (Need) and says what the
+  // record gives of them.
+  absl::StatusOr<LayoutsToStore> StoreLayouts(const ModelGeneration& model, std::vector<std::string>& names)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
   void Unload(const std::string& name) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
   // The store name of a segment object, storing its fd first when new;
   // counts one more record needing it. The keeper holds the object while it
@@ -151,7 +166,7 @@ class FdStoreKeeper final : public RegistryListener {
   void Note(const absl::Status& status, const std::string& what) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
   // The state record of `model` in a sealed memfd, with an HMAC under key_.
   absl::StatusOr<ScopedFd> WriteRecord(const ModelGeneration& model, const std::vector<StoredSegment>& host,
-                                       const std::vector<StoredSegment>& arenas) const;
+                                       const std::vector<StoredSegment>& arenas, const LayoutsToStore& layouts) const;
 
   const RecordKey* key_;
   std::unique_ptr<FdStoreSink> sink_;
@@ -172,6 +187,7 @@ class FdStoreKeeper final : public RegistryListener {
   std::map<std::string, int> segment_refs_ ABSL_GUARDED_BY(state_mu_);
   uint64_t next_segment_ ABSL_GUARDED_BY(state_mu_) = 1;
   uint64_t errors_ ABSL_GUARDED_BY(state_mu_) = 0;
+  uint64_t next_rewrite_ ABSL_GUARDED_BY(state_mu_) = 1;  // suffix of a rewritten record's name
   std::thread worker_;
 };
 

@@ -11,6 +11,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/base/log.h"
 #include "common/base/parallel.h"
 #include "common/base/status.h"
 #include "common/format/content_hash.h"
@@ -77,8 +78,12 @@ class Restorer {
     // One record per name: the newest generation wins.
     std::vector<size_t> order(decoded.size());
     for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-    std::sort(order.begin(), order.end(),
-              [&](size_t a, size_t b) { return decoded[a].model->generation > decoded[b].model->generation; });
+    // Of two records of one generation (a rewrite for its layouts that a
+    // crash cut short), the later written.
+    std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+      return std::pair(decoded[a].model->generation, decoded[a].written_ns) >
+             std::pair(decoded[b].model->generation, decoded[b].written_ns);
+    });
     std::set<std::string> names;
     std::vector<size_t> chosen;
     for (size_t i : order) {
@@ -101,10 +106,12 @@ class Restorer {
         result_.dropped.push_back({record_fds[i].name, decoded[i].model->request.name, refusal->reason, refusal->message});
         continue;
       }
-      for (const auto& n : restored.host_segment_names) used.insert(n);
-      for (const auto& n : restored.arena_names) used.insert(n);
       restored.record_fd = std::move(record_fds[i].fd);
       restored.model = std::move(decoded[i].model);
+      AdoptLayouts(decoded[i], restored);
+      for (const auto& n : restored.host_segment_names) used.insert(n);
+      for (const auto& n : restored.arena_names) used.insert(n);
+      for (const auto& l : restored.layouts) used.insert(l.segment_names.begin(), l.segment_names.end());
       restored.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       result_.models.push_back(std::move(restored));
     }
@@ -125,51 +132,15 @@ class Restorer {
                                                          options_.model_roots ? options_.model_roots->Describe() : "", ")")};
     }
     for (const StoredSegment& s : record.host_segments) {
-      // A segment several generations share (another name or plan over
-      // the same files, server/load/shared_segments.h) was stored once and
-      // is adopted once: every record naming it gets the same object.
-      std::shared_ptr<const HostSegment>& adopted = host_adopted_[s.fd_name];
-      if (adopted == nullptr) {
-        absl::StatusOr<ScopedFd> fd = Take(s);
-        if (!fd.ok()) return Refused(fd.status());
-        absl::StatusOr<std::unique_ptr<HostSegment>> segment = HostSegment::Adopt(std::move(*fd), s.size, s.huge_pages);
-        if (!segment.ok()) return Refusal{"segment_mismatch", absl::StrCat(s.fd_name, ": ", segment.status().message())};
-        adopted = std::move(*segment);
-      } else if (adopted->size() != s.size) {
-        return Refusal{"segment_mismatch", absl::StrCat(s.fd_name, ": another record gives it ", adopted->size(),
-                                                        " bytes, this one ", s.size)};
-      }
+      std::shared_ptr<const HostSegment> adopted;
+      if (std::optional<Refusal> refusal = AdoptHost(s, &adopted)) return refusal;
       m.huge_page_bytes += adopted->huge_bytes();  // hugetlb ones; THP is not known after a restart
-      m.host_segments.push_back(adopted);
+      m.host_segments.push_back(std::move(adopted));
       out.host_segment_names.push_back(s.fd_name);
     }
     for (const StoredSegment& s : record.arenas) {
-      if (options_.device_backend == nullptr || options_.device_backend->segment_backend() != s.backend) {
-        return Refusal{"device_unavailable", absl::StrCat(s.fd_name, ": a ", SegmentBackendName(s.backend),
-                                                          " arena, and this daemon's device backend is ",
-                                                          options_.device_backend ? options_.device_backend->name() : "none")};
-      }
-      auto device = std::find_if(devices_.begin(), devices_.end(), [&](const DeviceInfo& d) { return d.uuid == s.gpu_uuid; });
-      if (device == devices_.end()) {
-        return Refusal{"device_unavailable", absl::StrCat(s.fd_name, ": GPU ", s.gpu_uuid, " is not present")};
-      }
-      if (auto it = arena_adopted_.find(s.fd_name); it != arena_adopted_.end()) {  // shared, as host segments above
-        if (it->second->size() != s.size || it->second->device().uuid != s.gpu_uuid) {
-          return Refusal{"segment_mismatch", absl::StrCat(s.fd_name, ": another record gives it another size or GPU")};
-        }
-        m.arenas.push_back(it->second);
-        out.arena_names.push_back(s.fd_name);
-        continue;
-      }
-      absl::StatusOr<ScopedFd> fd = Take(s);
-      if (!fd.ok()) return Refused(fd.status());
-      absl::StatusOr<std::unique_ptr<DeviceArena>> arena = options_.device_backend->Adopt(*device, std::move(*fd), s.size);
-      if (!arena.ok()) {
-        bool cannot = arena.status().code() == absl::StatusCode::kUnimplemented;
-        return Refusal{cannot ? "device_unavailable" : "segment_mismatch", absl::StrCat(s.fd_name, ": ", arena.status().message())};
-      }
-      std::shared_ptr<DeviceArena> adopted = std::move(*arena);
-      arena_adopted_[s.fd_name] = adopted;
+      std::shared_ptr<DeviceArena> adopted;
+      if (std::optional<Refusal> refusal = AdoptArena(s, &adopted)) return refusal;
       m.arenas.push_back(std::move(adopted));
       out.arena_names.push_back(s.fd_name);
     }
@@ -186,6 +157,114 @@ class Restorer {
     // never shared as a file's with other names (server/load/shared_segments.h).
     m.from_files = false;
     return VerifyHostTensors(m);
+  }
+
+  // Host segment `s`, adopted once however many records name it (a segment
+  // several generations share, server/load/shared_segments.h, was stored once).
+  std::optional<Refusal> AdoptHost(const StoredSegment& s, std::shared_ptr<const HostSegment>* out) {
+    std::shared_ptr<const HostSegment>& adopted = host_adopted_[s.fd_name];
+    if (adopted == nullptr) {
+      absl::StatusOr<ScopedFd> fd = Take(s);
+      if (!fd.ok()) {
+        host_adopted_.erase(s.fd_name);
+        return Refused(fd.status());
+      }
+      absl::StatusOr<std::unique_ptr<HostSegment>> segment = HostSegment::Adopt(std::move(*fd), s.size, s.huge_pages);
+      if (!segment.ok()) {
+        host_adopted_.erase(s.fd_name);
+        return Refusal{"segment_mismatch", absl::StrCat(s.fd_name, ": ", segment.status().message())};
+      }
+      adopted = std::move(*segment);
+    } else if (adopted->size() != s.size) {
+      return Refusal{"segment_mismatch", absl::StrCat(s.fd_name, ": another record gives it ", adopted->size(),
+                                                      " bytes, this one ", s.size)};
+    }
+    *out = adopted;
+    return std::nullopt;
+  }
+
+  // Device arena `s`, adopted once as host segments are.
+  std::optional<Refusal> AdoptArena(const StoredSegment& s, std::shared_ptr<DeviceArena>* out) {
+    if (options_.device_backend == nullptr || options_.device_backend->segment_backend() != s.backend) {
+      return Refusal{"device_unavailable", absl::StrCat(s.fd_name, ": a ", SegmentBackendName(s.backend),
+                                                        " arena, and this daemon's device backend is ",
+                                                        options_.device_backend ? options_.device_backend->name() : "none")};
+    }
+    auto device = std::find_if(devices_.begin(), devices_.end(), [&](const DeviceInfo& d) { return d.uuid == s.gpu_uuid; });
+    if (device == devices_.end()) {
+      return Refusal{"device_unavailable", absl::StrCat(s.fd_name, ": GPU ", s.gpu_uuid, " is not present")};
+    }
+    if (auto it = arena_adopted_.find(s.fd_name); it != arena_adopted_.end()) {
+      if (it->second->size() != s.size || it->second->device().uuid != s.gpu_uuid) {
+        return Refusal{"segment_mismatch", absl::StrCat(s.fd_name, ": another record gives it another size or GPU")};
+      }
+      *out = it->second;
+      return std::nullopt;
+    }
+    absl::StatusOr<ScopedFd> fd = Take(s);
+    if (!fd.ok()) return Refused(fd.status());
+    absl::StatusOr<std::unique_ptr<DeviceArena>> arena = options_.device_backend->Adopt(*device, std::move(*fd), s.size);
+    if (!arena.ok()) {
+      bool cannot = arena.status().code() == absl::StatusCode::kUnimplemented;
+      return Refusal{cannot ? "device_unavailable" : "segment_mismatch", absl::StrCat(s.fd_name, ": ", arena.status().message())};
+    }
+    std::shared_ptr<DeviceArena> adopted = std::move(*arena);
+    arena_adopted_[s.fd_name] = adopted;
+    *out = std::move(adopted);
+    return std::nullopt;
+  }
+
+  // The record's runtime layouts, into its model's LayoutSet: each checked
+  // as the generation's segments are (and its host tensors hashed again
+  // unless the record is authenticated). A layout that fails a check is
+  // dropped alone, with one log line; its model is still restored.
+  void AdoptLayouts(StateRecord& record, RestoredModel& out) {
+    ModelGeneration& m = *out.model;
+    for (StoredLayout& stored : record.layouts) {
+      Layout& l = *stored.layout;
+      std::optional<Refusal> refusal;
+      std::vector<std::string> names;
+      for (size_t at : stored.host) {
+        std::shared_ptr<const HostSegment> adopted;
+        if ((refusal = AdoptHost(record.layout_host_segments[at], &adopted))) break;
+        l.host_segments.push_back(std::move(adopted));
+        names.push_back(record.layout_host_segments[at].fd_name);
+      }
+      for (size_t i = 0; !refusal && i < stored.arenas.size(); ++i) {
+        std::shared_ptr<DeviceArena> adopted;
+        if ((refusal = AdoptArena(record.layout_arenas[stored.arenas[i]], &adopted))) break;
+        l.arenas.push_back(std::move(adopted));
+        names.push_back(record.layout_arenas[stored.arenas[i]].fd_name);
+      }
+      if (!refusal) {
+        for (SegmentRecord& s : l.segments) {
+          s.fd = s.placement == Placement::kHost ? l.host_segments[s.owner]->fd() : l.arenas[s.owner]->export_fd();
+          s.handle = s.placement == Placement::kHost ? "" : l.arenas[s.owner]->export_handle();
+        }
+        if (!record.authenticated) refusal = VerifyLayoutTensors(l);
+      }
+      if (refusal || !m.layouts->Add(stored.layout)) {
+        LogWarning(absl::StrCat("restore: layout ", QuoteName(l.key), " of rank ", l.rank, " of model ",
+                                QuoteName(m.request.name), " dropped (",
+                                refusal ? absl::StrCat(refusal->reason, ": ", refusal->message) : "a duplicate", ")"));
+        continue;
+      }
+      out.layouts.push_back({stored.layout, std::move(names)});
+    }
+  }
+
+  static std::optional<Refusal> VerifyLayoutTensors(const Layout& l) {
+    for (const LayoutTensor& t : l.tensors) {
+      const SegmentRecord& seg = l.segments[t.record.segment];
+      if (seg.placement != Placement::kHost) continue;
+      uint64_t hash = TensorContentHash(l.host_segments[seg.owner]->data() + t.record.offset, t.record.nbytes);
+      if (hash != t.record.content_hash) {
+        return Refusal{"content_mismatch", absl::StrCat("layout tensor ", QuoteName(t.record.name), ": its bytes hash to ",
+                                                        ContentHashHex(hash), ", the record says ",
+                                                        ContentHashHex(t.record.content_hash))};
+      }
+    }
+    return std::nullopt;
   }
 
   // A record without a valid HMAC may have been written by whoever handed

@@ -15,6 +15,8 @@
 //     that were verified when it was sealed;
 //   - every device arena's GPU is one this daemon's backend has, and the
 //     backend can adopt it.
+//   - its runtime layouts (server/model/layout.h) pass the same checks, each
+//     on its own: a layout that fails is dropped, not its generation;
 //   - every host tensor's bytes, hashed again from its segment (in
 //     parallel), equal the content hash the record gives: a record is
 //     checksummed, not authenticated, so whoever can hand the daemon fds at
@@ -39,6 +41,7 @@
 #include "common/memory/device.h"
 #include "server/restart/fd_store.h"
 #include "server/restart/record_key.h"
+#include "server/model/layout.h"
 #include "server/model/model.h"
 
 namespace weightd {
@@ -60,6 +63,14 @@ struct RestoredModel {
   ScopedFd record_fd;
   std::vector<std::string> host_segment_names;  // parallel to model->host_segments
   std::vector<std::string> arena_names;         // parallel to model->arenas
+  // The runtime layouts restored into model->layouts, each with the store
+  // names of its host segments then its arenas. A layout whose check failed
+  // is dropped alone (logged) and its segments are unused.
+  struct RestoredLayout {
+    std::shared_ptr<const Layout> layout;
+    std::vector<std::string> segment_names;
+  };
+  std::vector<RestoredLayout> layouts;
   double seconds = 0;                           // to check and adopt it
   bool authenticated = false;                   // its record's HMAC verified: its host bytes were not hashed again
 };

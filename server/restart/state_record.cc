@@ -5,13 +5,18 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <map>
+#include <set>
 
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "common/base/status.h"
 #include "common/format/dtype.h"
 #include "server/load/loader.h"
+#include "server/layout/layout_publish.h"
 #include "server/registry/registry.h"
 
 namespace weightd {
@@ -105,6 +110,34 @@ json ModelJson(const ModelGeneration& m) {
           {"bytes_read", m.bytes_read},
           {"bytes_reused", m.bytes_reused},
           {"tensor_count", m.tensor_count}};
+}
+
+// One layout; `host_base` / `arena_base`: where its segments start in the
+// record's layout_host_fds / layout_arena_fds.
+json LayoutJson(const Layout& l, size_t host_base, size_t arena_base) {
+  json segments = json::array();
+  for (const SegmentRecord& s : l.segments) {
+    bool host = s.placement == Placement::kHost;
+    segments.push_back({{"placement", host ? "host" : "device"},
+                        {"stored", (host ? host_base : arena_base) + s.owner},
+                        {"size", s.size},
+                        {"backend", std::string(SegmentBackendName(s.backend))},
+                        {"gpu_uuid", s.gpu_uuid}});
+  }
+  json tensors = json::array();
+  for (const LayoutTensor& t : l.tensors) {
+    json tensor = TensorJson(t.record);
+    tensor["strides"] = t.strides;
+    tensors.push_back(std::move(tensor));
+  }
+  return {{"key", l.key},
+          {"rank", l.rank},
+          {"identity", l.identity},
+          {"fingerprint", l.fingerprint},
+          {"publish_seconds", l.publish_seconds},
+          {"published_at", l.published_at},
+          {"segments", std::move(segments)},
+          {"tensors", std::move(tensors)}};
 }
 
 // ------------------------------------------------------------------ decode
@@ -410,12 +443,131 @@ absl::Status DecodeModel(const json& j, StateRecord& out) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<LayoutTensor> DecodeLayoutTensor(const json& j, const std::string& where) {
+  if (!j.is_object()) return absl::InvalidArgumentError(absl::StrCat(where, " is not an object"));
+  LayoutTensor t;
+  WEIGHTD_ASSIGN_OR_RETURN(t.record.name, Field<std::string>(j, "name", where));
+  WEIGHTD_ASSIGN_OR_RETURN(std::string dtype, Field<std::string>(j, "dtype", where));
+  std::optional<DType> parsed = ParseDType(dtype);
+  if (!parsed) return absl::InvalidArgumentError(absl::StrCat(where, ".dtype '", dtype, "' is unknown"));
+  t.record.dtype = *parsed;
+  WEIGHTD_ASSIGN_OR_RETURN(t.record.shape, Field<std::vector<uint64_t>>(j, "shape", where));
+  WEIGHTD_ASSIGN_OR_RETURN(t.strides, Field<std::vector<uint64_t>>(j, "strides", where));
+  WEIGHTD_ASSIGN_OR_RETURN(std::string placement, Field<std::string>(j, "placement", where));
+  WEIGHTD_ASSIGN_OR_RETURN(t.record.placement, ParsePlacement(placement, where));
+  WEIGHTD_ASSIGN_OR_RETURN(t.record.segment, Field<uint32_t>(j, "segment", where));
+  WEIGHTD_ASSIGN_OR_RETURN(t.record.offset, Field<uint64_t>(j, "offset", where));
+  WEIGHTD_ASSIGN_OR_RETURN(t.record.nbytes, Field<uint64_t>(j, "nbytes", where));
+  WEIGHTD_ASSIGN_OR_RETURN(t.record.content_hash, Field<uint64_t>(j, "content_hash", where));
+  if (t.record.name.empty() || t.record.name.size() > kMaxLayoutTensorNameBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ".name must be 1..", kMaxLayoutTensorNameBytes, " bytes"));
+  }
+  LayoutTensorSpec spec{t.record.name, t.record.dtype, t.record.shape, t.strides, t.record.placement};
+  absl::StatusOr<uint64_t> bytes = LayoutTensorBytes(spec);
+  if (!bytes.ok()) return Annotate(bytes.status(), where);
+  if (*bytes != t.record.nbytes) {
+    return absl::InvalidArgumentError(absl::StrCat(where, " (", ElideName(t.record.name), "): nbytes ", t.record.nbytes,
+                                                   " does not match its dtype, shape and strides"));
+  }
+  return t;
+}
+
+// The record's layouts, each checked: key, identity, rank, segments in
+// range of the stored fds with their sizes, tensors inside their segments,
+// names unique, fingerprint.
+absl::Status DecodeLayouts(const json& j, StateRecord& out) {
+  if (!j.contains("layouts")) return absl::OkStatus();  // records before runtime layouts
+  WEIGHTD_ASSIGN_OR_RETURN(const json* host, ArrayField(j, "layout_host_fds", "record", kMaxSegments));
+  WEIGHTD_ASSIGN_OR_RETURN(const json* arenas, ArrayField(j, "layout_arena_fds", "record", kMaxSegments));
+  for (const json& s : *host) {
+    WEIGHTD_ASSIGN_OR_RETURN(StoredSegment seg, DecodeSegment(s, "layout_host_fds[]"));
+    if (seg.backend != SegmentBackend::kMemfd) return absl::InvalidArgumentError("layout_host_fds[]: not a memfd");
+    out.layout_host_segments.push_back(std::move(seg));
+  }
+  for (const json& s : *arenas) {
+    WEIGHTD_ASSIGN_OR_RETURN(StoredSegment seg, DecodeSegment(s, "layout_arena_fds[]"));
+    out.layout_arenas.push_back(std::move(seg));
+  }
+  WEIGHTD_ASSIGN_OR_RETURN(const json* layouts, ArrayField(j, "layouts", "record", kMaxSegments));
+  const ModelGeneration& m = *out.model;
+  for (const json& lj : *layouts) {
+    const std::string where = "record.layouts[]";
+    if (!lj.is_object()) return absl::InvalidArgumentError(absl::StrCat(where, " is not an object"));
+    StoredLayout stored;
+    stored.layout = std::make_shared<Layout>();
+    Layout& l = *stored.layout;
+    l.model = m.request.name;
+    l.generation = m.generation;
+    WEIGHTD_ASSIGN_OR_RETURN(l.key, Field<std::string>(lj, "key", where));
+    WEIGHTD_RETURN_IF_ERROR(ValidateLayoutKey(l.key));
+    WEIGHTD_ASSIGN_OR_RETURN(l.rank, Field<uint32_t>(lj, "rank", where));
+    if (l.rank >= m.ranks.size()) return absl::InvalidArgumentError(absl::StrCat(where, ".rank is out of range"));
+    WEIGHTD_ASSIGN_OR_RETURN(l.identity, (Field<std::map<std::string, std::string>>(lj, "identity", where)));
+    WEIGHTD_RETURN_IF_ERROR(ValidateLayoutIdentity(l.identity));
+    WEIGHTD_ASSIGN_OR_RETURN(l.fingerprint, Field<std::string>(lj, "fingerprint", where));
+    WEIGHTD_ASSIGN_OR_RETURN(l.publish_seconds, Field<double>(lj, "publish_seconds", where));
+    WEIGHTD_ASSIGN_OR_RETURN(l.published_at, Field<double>(lj, "published_at", where));
+    WEIGHTD_ASSIGN_OR_RETURN(const json* segments, ArrayField(lj, "segments", where, 2));
+    for (const json& sj : *segments) {
+      SegmentRecord seg;
+      WEIGHTD_ASSIGN_OR_RETURN(std::string placement, Field<std::string>(sj, "placement", where + ".segments[]"));
+      WEIGHTD_ASSIGN_OR_RETURN(seg.placement, ParsePlacement(placement, where + ".segments[]"));
+      WEIGHTD_ASSIGN_OR_RETURN(size_t at, Field<size_t>(sj, "stored", where + ".segments[]"));
+      WEIGHTD_ASSIGN_OR_RETURN(seg.size, Field<uint64_t>(sj, "size", where + ".segments[]"));
+      WEIGHTD_ASSIGN_OR_RETURN(seg.gpu_uuid, Field<std::string>(sj, "gpu_uuid", where + ".segments[]"));
+      WEIGHTD_ASSIGN_OR_RETURN(std::string backend, Field<std::string>(sj, "backend", where + ".segments[]"));
+      WEIGHTD_ASSIGN_OR_RETURN(seg.backend, ParseSegmentBackend(backend));
+      const bool is_host = seg.placement == Placement::kHost;
+      const std::vector<StoredSegment>& pool = is_host ? out.layout_host_segments : out.layout_arenas;
+      if (at >= pool.size() || pool[at].size != seg.size || (is_host && seg.backend != SegmentBackend::kMemfd) ||
+          (!is_host && (pool[at].backend != seg.backend || pool[at].gpu_uuid != seg.gpu_uuid))) {
+        return absl::InvalidArgumentError(absl::StrCat(where, ".segments[]: stored index ", at,
+                                                       " is out of range or disagrees with its fd"));
+      }
+      std::vector<size_t>& owners = is_host ? stored.host : stored.arenas;
+      seg.owner = static_cast<uint32_t>(owners.size());
+      owners.push_back(at);
+      (is_host ? l.host_bytes : l.device_bytes) += seg.size;
+      if (!is_host) l.gpu_uuid = seg.gpu_uuid;
+      l.segments.push_back(std::move(seg));
+    }
+    WEIGHTD_ASSIGN_OR_RETURN(const json* tensors, ArrayField(lj, "tensors", where, kMaxLayoutTensors));
+    std::set<std::string> names;
+    for (const json& tj : *tensors) {
+      WEIGHTD_ASSIGN_OR_RETURN(LayoutTensor t, DecodeLayoutTensor(tj, where + ".tensors[]"));
+      const TensorRecord& r = t.record;
+      if (r.segment >= l.segments.size() || l.segments[r.segment].placement != r.placement ||
+          r.offset > l.segments[r.segment].size || r.nbytes > l.segments[r.segment].size - r.offset) {
+        return absl::InvalidArgumentError(absl::StrCat(where, ".tensors[] (", ElideName(r.name),
+                                                       ") lies outside its segment"));
+      }
+      if (!names.insert(r.name).second) {
+        return absl::InvalidArgumentError(absl::StrCat(where, ".tensors[]: ", ElideName(r.name), " appears twice"));
+      }
+      l.tensors.push_back(std::move(t));
+    }
+    if (l.tensors.empty()) return absl::InvalidArgumentError(absl::StrCat(where, " has no tensors"));
+    if (LayoutFingerprint(l.tensors) != l.fingerprint) {
+      return absl::InvalidArgumentError(absl::StrCat(where, " (", ElideName(l.key),
+                                                     "): its fingerprint differs from the one its tensors give"));
+    }
+    out.layouts.push_back(std::move(stored));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<std::string> EncodeStateRecord(const ModelGeneration& model, const std::vector<StoredSegment>& host_segments,
-                                              const std::vector<StoredSegment>& arenas, const RecordKey* key) {
+                                              const std::vector<StoredSegment>& arenas, const RecordKey* key,
+                                              const LayoutsToStore& layouts) {
   if (host_segments.size() != model.host_segments.size() || arenas.size() != model.arenas.size()) {
     return absl::InvalidArgumentError("stored segments do not match the generation's");
+  }
+  size_t layout_host = 0, layout_arenas = 0;
+  for (const auto& l : layouts.layouts) layout_host += l->host_segments.size(), layout_arenas += l->arenas.size();
+  if (layouts.host.size() != layout_host || layouts.arenas.size() != layout_arenas) {
+    return absl::InvalidArgumentError("stored segments do not match the layouts'");
   }
   json body = ModelJson(model);
   json host = json::array(), devices = json::array();
@@ -423,6 +575,19 @@ absl::StatusOr<std::string> EncodeStateRecord(const ModelGeneration& model, cons
   for (const StoredSegment& s : arenas) devices.push_back(SegmentJson(s));
   body["host_segment_fds"] = std::move(host);
   body["arena_fds"] = std::move(devices);
+  json layout_list = json::array(), layout_host_fds = json::array(), layout_arena_fds = json::array();
+  size_t host_base = 0, arena_base = 0;
+  for (const auto& l : layouts.layouts) {
+    layout_list.push_back(LayoutJson(*l, host_base, arena_base));
+    host_base += l->host_segments.size();
+    arena_base += l->arenas.size();
+  }
+  for (const StoredSegment& s : layouts.host) layout_host_fds.push_back(SegmentJson(s));
+  for (const StoredSegment& s : layouts.arenas) layout_arena_fds.push_back(SegmentJson(s));
+  body["layouts"] = std::move(layout_list);
+  body["layout_host_fds"] = std::move(layout_host_fds);
+  body["layout_arena_fds"] = std::move(layout_arena_fds);
+  body["written_ns"] = static_cast<uint64_t>(absl::ToUnixNanos(absl::Now()));
   std::string text;
   try {
     text = body.dump();
@@ -462,6 +627,10 @@ absl::StatusOr<StateRecord> DecodeStateRecord(absl::string_view bytes, const Rec
   out.model = std::make_unique<ModelGeneration>();
   out.authenticated = key != nullptr && !mac.empty() && key->Verify(bytes.substr(0, kStateRecordHeaderBytes + length), mac);
   WEIGHTD_RETURN_IF_ERROR(DecodeModel(j, out));
+  WEIGHTD_RETURN_IF_ERROR(DecodeLayouts(j, out));
+  if (j.contains("written_ns")) {
+    WEIGHTD_ASSIGN_OR_RETURN(out.written_ns, Field<uint64_t>(j, "written_ns", "record"));
+  }
   return out;
 }
 

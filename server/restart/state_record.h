@@ -31,6 +31,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "common/memory/segment_backend.h"
+#include "server/model/layout.h"
 #include "server/model/model.h"
 #include "server/restart/record_key.h"
 
@@ -49,6 +50,17 @@ struct StoredSegment {
   std::string gpu_uuid;        // arenas
 };
 
+// A runtime layout of the generation (server/model/layout.h) as a record
+// holds it: the layout without its segment objects (host_segments and
+// arenas empty, SegmentRecord::fd -1), and which of the record's
+// layout_host_segments / layout_arenas hold them, in Layout::host_segments
+// and ::arenas order.
+struct StoredLayout {
+  std::shared_ptr<Layout> layout;
+  std::vector<size_t> host;    // indexes into StateRecord::layout_host_segments
+  std::vector<size_t> arenas;  // indexes into StateRecord::layout_arenas
+};
+
 // A decoded record: the generation without its segment objects
 // (host_segments and arenas empty, SegmentRecord::fd -1), and the fds that
 // hold them, in ModelGeneration::host_segments and ::arenas order.
@@ -57,6 +69,24 @@ struct StateRecord {
   // It carries an HMAC that verifies under the key it was decoded with.
   bool authenticated = false;
   std::vector<StoredSegment> host_segments;
+  std::vector<StoredSegment> arenas;
+  // The generation's runtime layouts and the fds that hold them.
+  std::vector<StoredLayout> layouts;
+  std::vector<StoredSegment> layout_host_segments;
+  std::vector<StoredSegment> layout_arenas;
+  // When the record was written (ns since the Unix epoch): of two records of
+  // one generation (a crash between storing a rewritten record and dropping
+  // the one before), the later wins.
+  uint64_t written_ns = 0;
+};
+
+// The layouts a record stores, and the fds of their segments: `layouts`
+// (each sealed and published), with `host` and `arenas` parallel to the
+// concatenation of every layout's host_segments, and of its arenas, in
+// `layouts` order.
+struct LayoutsToStore {
+  std::vector<std::shared_ptr<const Layout>> layouts;
+  std::vector<StoredSegment> host;
   std::vector<StoredSegment> arenas;
 };
 
@@ -68,12 +98,15 @@ struct StateRecord {
 absl::StatusOr<std::string> EncodeStateRecord(const ModelGeneration& model,
                                               const std::vector<StoredSegment>& host_segments,
                                               const std::vector<StoredSegment>& arenas,
-                                              const RecordKey* key = nullptr);
+                                              const RecordKey* key = nullptr, const LayoutsToStore& layouts = {});
 
 // Checks and decodes a record: magic, length, checksum, every field's type,
 // a valid model name, every index in range, every tensor inside its
 // segment with nbytes matching its dtype and shape, and the fingerprint
-// recomputed from the tensors' hashes. DATA_LOSS for a damaged record
+// recomputed from the tensors' hashes; for each layout, its key, identity
+// and rank checked as a live publish checks them, every tensor's nbytes
+// matching its dtype, shape and strides (LayoutTensorBytes) and inside its
+// segment, and its fingerprint recomputed. DATA_LOSS for a damaged record
 // (magic, length, checksum), INVALID_ARGUMENT naming the field otherwise.
 // StateRecord::authenticated when `key` is not null and the record's HMAC
 // verifies under it; a record without one, or with one that does not
