@@ -523,3 +523,102 @@ TEST(HostSegmentAdopt, RefusesUnsealedWrongSizeAndWrongPageSize) {
 
 }  // namespace
 }  // namespace weightd
+
+namespace weightd {
+namespace {
+
+// A published layout of `model` rank `rank`: one host tensor and one device
+// tensor on the rank's GPU, bytes from `seed`.
+std::shared_ptr<Layout> PublishLayout(ModelGeneration& model, DeviceBackend* backend, const std::string& key,
+                                      uint32_t rank, char seed) {
+  LayoutRequest r;
+  r.model = model.request.name;
+  r.key = key;
+  r.rank = rank;
+  r.identity = {{"engine", "test"}};
+  r.tensors = {{"fused.qkv", DType::kI8, {4, 3}, {}, Placement::kHost},
+               {"w_t", DType::kF32, {2, 2}, {1, 2}, Placement::kDevice}};
+  absl::StatusOr<std::vector<DeviceInfo>> devices = backend->Devices();
+  EXPECT_TRUE(devices.ok());
+  absl::StatusOr<std::unique_ptr<StagedLayout>> staged = StageLayout(r, model.generation, (*devices)[rank], backend, nullptr);
+  EXPECT_TRUE(staged.ok()) << staged.status();
+  for (const LayoutTensor& t : (*staged)->tensors) {
+    char* at = (*staged)->segments[t.record.segment].memory->writable() + t.record.offset;
+    for (uint64_t i = 0; i < t.record.nbytes; ++i) at[i] = static_cast<char>(seed + i);
+  }
+  LayoutCommitAttempt attempt = SealLayout(**staged, {}, false);
+  EXPECT_TRUE(attempt.layout.ok()) << attempt.layout.status();
+  std::shared_ptr<Layout> layout = *attempt.layout;
+  model.layouts->Add(layout);
+  return layout;
+}
+
+TEST_F(Restore, LayoutsComeBackWithTheirGenerationAndARewriteReplacesTheRecord) {
+  auto* sink = new FakeSink;
+  FdStoreKeeper keeper{std::unique_ptr<FdStoreSink>(sink)};
+  std::shared_ptr<ModelGeneration> model = Load("m", 7);
+  Store(keeper, model);
+  std::shared_ptr<Layout> layout = PublishLayout(*model, backend_.get(), "eng/int8/tp2", 1, 5);
+  keeper.OnLayoutsChanged(model);
+  keeper.Flush();
+  // The layout's memfd and arena, then the rewritten record, then the old record leaves.
+  EXPECT_EQ(sink->Log(), (std::vector<std::string>{"+wd-seg-1", "+wd-seg-2", "+wd-seg-3", "+wd-rec-7", "+wd-seg-4",
+                                                   "+wd-seg-5", "+wd-rec-7.1", "-wd-rec-7"}));
+
+  RestoreResult result = RestoreAll(sink->Passed(), backend_.get());
+  ASSERT_EQ(result.models.size(), 1u);
+  EXPECT_TRUE(result.dropped.empty());
+  EXPECT_TRUE(result.unused.empty());
+  const RestoredModel& back = result.models[0];
+  ASSERT_EQ(back.layouts.size(), 1u);
+  EXPECT_EQ(back.layouts[0].segment_names, (std::vector<std::string>{"wd-seg-4", "wd-seg-5"}));
+  std::shared_ptr<const Layout> restored = back.model->layouts->Find("eng/int8/tp2", 1);
+  ASSERT_NE(restored, nullptr);
+  EXPECT_EQ(restored->identity, layout->identity);
+  EXPECT_EQ(restored->fingerprint, layout->fingerprint);
+  EXPECT_EQ(restored->generation, 7u);
+  EXPECT_EQ(restored->gpu_uuid, "GPU-emulated-1");
+  ASSERT_EQ(restored->tensors.size(), 2u);
+  EXPECT_EQ(restored->tensors[1].strides, (std::vector<uint64_t>{1, 2}));
+  EXPECT_EQ(std::string(restored->host_segments[0]->data(), 12), std::string(layout->host_segments[0]->data(), 12));
+  std::string device(restored->tensors[1].record.nbytes, '\0');
+  ASSERT_TRUE(restored->arenas[0]->CopyToHost(restored->tensors[1].record.offset, device.data(), device.size()).ok());
+  EXPECT_EQ(TensorContentHash(device.data(), device.size()), layout->tensors[1].record.content_hash);
+  EXPECT_NE(restored->segments[1].fd, -1);
+
+  // Dropping it writes the record again without it.
+  model->layouts->Clear();
+  keeper.OnLayoutsChanged(model);
+  keeper.Flush();
+  std::vector<std::string> log = sink->Log();
+  EXPECT_EQ(std::vector<std::string>(log.end() - 4, log.end()),
+            (std::vector<std::string>{"+wd-rec-7.2", "-wd-rec-7.1", "-wd-seg-4", "-wd-seg-5"}));
+}
+
+TEST_F(Restore, ALayoutWhoseFdIsMissingIsDroppedAloneAndTheLaterRecordWins) {
+  auto* sink = new FakeSink;
+  FdStoreKeeper keeper{std::unique_ptr<FdStoreSink>(sink)};
+  std::shared_ptr<ModelGeneration> model = Load("m", 3);
+  Store(keeper, model);
+  std::vector<NamedFd> before = sink->Passed();  // a crash before the rewrite's old record left
+  PublishLayout(*model, backend_.get(), "k", 0, 9);
+  keeper.OnLayoutsChanged(model);
+  keeper.Flush();
+  std::vector<NamedFd> passed = sink->Passed();
+  for (NamedFd& f : before) {
+    if (f.name == "wd-rec-3") passed.push_back(std::move(f));
+  }
+  std::erase_if(passed, [](const NamedFd& f) { return f.name == "wd-seg-5"; });  // the layout's arena
+  RestoreResult result = RestoreAll(std::move(passed), backend_.get());
+  ASSERT_EQ(result.models.size(), 1u);
+  EXPECT_EQ(result.models[0].record_name, "wd-rec-3.1");
+  ASSERT_EQ(result.dropped.size(), 1u);
+  EXPECT_EQ(result.dropped[0].fd_name, "wd-rec-3");
+  EXPECT_EQ(result.dropped[0].reason, "duplicate");
+  EXPECT_TRUE(result.models[0].layouts.empty());
+  EXPECT_TRUE(result.models[0].model->layouts->List().empty());
+  EXPECT_EQ(result.unused, (std::vector<std::string>{"wd-rec-3", "wd-seg-4"}));  // the layout's memfd, unused
+}
+
+}  // namespace
+}  // namespace weightd
