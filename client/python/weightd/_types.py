@@ -36,6 +36,9 @@ class WatchEventKind(_StrEnum):
     DRAINING = "DRAINING"
     FREED = "FREED"
     UNLOADED = "UNLOADED"
+    LAYOUT_PUBLISHED = "LAYOUT_PUBLISHED"
+    LAYOUT_DROPPED = "LAYOUT_DROPPED"
+    LAYOUT_DRAINING = "LAYOUT_DRAINING"
 
 
 @dataclass(frozen=True)
