@@ -142,7 +142,10 @@ TEST(Weightctl, UsageLinesFollowTheDesignContract) {
   EXPECT_EQ(usage["ls"], "ls [--json]");
   EXPECT_EQ(usage["manifest"], "manifest NAME [--rank R] [--json]");
   EXPECT_EQ(usage["attach"],
-            "attach NAME [--rank R] [--verify CHECKPOINT_DIR] [--hold SECONDS] [--prefault] [--numa-node N] [--json]");
+            "attach NAME [--rank R] [--verify CHECKPOINT_DIR] [--hold SECONDS] [--prefault] [--numa-node N] "
+            "[--layout KEY] [--identity K=V ...] [--verify-layout] [--json]");
+  EXPECT_EQ(usage["layouts"], "layouts NAME [--json]");
+  EXPECT_EQ(usage["drop-layout"], "drop-layout NAME KEY [--rank R]");
   EXPECT_EQ(usage["unload"], "unload NAME [--force]");
   EXPECT_EQ(usage["health"], "health [MODEL] [--json]");
   EXPECT_EQ(usage["inspect"], "inspect PATH [--json]");
