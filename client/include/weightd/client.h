@@ -521,7 +521,7 @@ class LayoutWriter {
   uint64_t bytes_staged() const;  // bytes of the staged memfds
   // The staged memfds (this writer owns them), in segment order, for a
   // writer that fills them with pwrite(2) or splice(2) rather than through
-  // `data`; -1 once committed or aborted. A writable mapping of one of them
+  // `data`; empty once committed or aborted. A writable mapping of one of them
   // that is still alive at Commit makes it fail (FAILED_PRECONDITION
   // "still mapped writable"). Empty when published_by_other().
   std::vector<int> staged_fds() const;
