@@ -1,5 +1,6 @@
 // Client::BeginLayout and LayoutWriter: publishing a runtime layout
 // (docs/api.md "Runtime layouts", server/layout/layout_publish.h).
+#include <errno.h>
 #include <sys/mman.h>
 
 #include <chrono>
@@ -22,27 +23,35 @@ struct LayoutWriter::State {
   std::vector<WritableTensor> tensors;
   std::vector<ScopedFd> fds;       // the staged memfds, by segment
   std::vector<uint64_t> sizes;     // their sizes
-  std::vector<void*> mappings;     // their writable mappings; empty while unmapped
+  std::vector<void*> mappings;     // their writable mappings (nullptr: not mapped); empty while unmapped
   ScopedFd conn;  // the fd-socket connection: the publish's lease
   bool ended = false;
 
-  // Maps every staged memfd read-write and points the tensors into them.
+  // Maps every staged memfd read-write and points the tensors into them. A
+  // memfd the daemon sealed already (a commit that sealed one segment and
+  // was refused on the next) refuses with EPERM: its tensors stay nullptr.
   absl::Status Map() {
+    mappings.assign(fds.size(), nullptr);
     for (size_t i = 0; i < fds.size(); ++i) {
       // MAP_POPULATE: the writer touches every page of its tensors anyway.
       void* addr = mmap(nullptr, sizes[i], PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fds[i].get(), 0);
-      if (addr == MAP_FAILED) {
+      if (addr != MAP_FAILED) {
+        mappings[i] = addr;
+      } else if (errno != EPERM) {
         int error = errno;
         Unmap();
         return ErrnoToStatus(absl::StrCat("mmap staged layout segment ", i, " read-write"), error);
       }
-      mappings.push_back(addr);
     }
-    for (WritableTensor& t : tensors) t.data = static_cast<char*>(mappings[t.info.segment]) + t.info.offset;
+    for (WritableTensor& t : tensors) {
+      t.data = mappings[t.info.segment] ? static_cast<char*>(mappings[t.info.segment]) + t.info.offset : nullptr;
+    }
     return absl::OkStatus();
   }
   void Unmap() {
-    for (size_t i = 0; i < mappings.size(); ++i) munmap(mappings[i], sizes[i]);
+    for (size_t i = 0; i < mappings.size(); ++i) {
+      if (mappings[i] != nullptr) munmap(mappings[i], sizes[i]);
+    }
     mappings.clear();
     for (WritableTensor& t : tensors) t.data = nullptr;
   }

@@ -533,7 +533,8 @@ class LayoutWriter {
   // Errors: the daemon's. FAILED_PRECONDITION "still mapped writable" when
   // another mapping of a staged memfd is writable, or INVALID_ARGUMENT for a
   // malformed expected hash: the publish stays open, the tensors are
-  // mapped again (new `data` pointers), and Commit may be called again.
+  // mapped again (new `data` pointers; nullptr for those of a staged memfd
+  // the daemon sealed before the refusal), and Commit may be called again.
   // Others (a hash that differs: FAILED_PRECONDITION; a byte outside every
   // tensor) end the publish.
   absl::StatusOr<LayoutCommitInfo> Commit(const std::map<std::string, std::string>& expected_hashes = {});
