@@ -54,7 +54,7 @@ struct TensorInfo {
   // Layout tensors only: strides in elements, as torch.Tensor.stride()
   // gives them; empty: contiguous (row-major). nbytes then covers the
   // elements the strides reach: (1 + sum((shape[i] - 1) * strides[i])) elements.
-  std::vector<uint64_t> strides;
+  std::vector<uint64_t> strides = {};
 };
 
 // One segment of a rank's manifest (the daemon's counterpart is
@@ -84,8 +84,8 @@ struct Manifest {
   // Attach of a runtime layout (AttachOptions::layout): its key and the
   // identity it was published with; "" and empty otherwise. `fingerprint`
   // is then the layout's.
-  std::string layout;
-  std::map<std::string, std::string> identity;
+  std::string layout = {};
+  std::map<std::string, std::string> identity = {};
 };
 
 // A tensor as mapped in this process.
@@ -142,7 +142,7 @@ struct ModelSummary {
   std::string version_label;  // a writer's tag of the generation (e.g. "step-1200"); "" for loads from disk
   std::string source;         // where its bytes came from: "storage", "writer", or "peer HOST:PORT"
   std::vector<int> numa_nodes;  // nodes holding a copy of the host segments (numa_copies); empty: one copy
-  std::vector<LayoutSummary> layouts;  // the runtime layouts published on this generation
+  std::vector<LayoutSummary> layouts = {};  // the runtime layouts published on this generation
 };
 
 // What UpgradeDaemon started.
@@ -259,9 +259,9 @@ struct AttachOptions {
   // FAILED_PRECONDITION naming every field that differs when `identity` is
   // not empty and not equal to the published identity; INVALID_ARGUMENT for
   // a malformed key or identity. The lease holds the generation too.
-  std::string layout;
+  std::string layout = {};
   // The identity the layout must have been published with; empty: any.
-  std::map<std::string, std::string> identity;
+  std::map<std::string, std::string> identity = {};
 };
 
 struct LoadProgressInfo {
@@ -350,7 +350,7 @@ struct WatchEvent {
   std::string version_label;
   std::string fingerprint;
   double time = 0;  // when it happened, seconds since the Unix epoch
-  std::string layout;  // LAYOUT_* events: the layout key ("" otherwise)
+  std::string layout = {};  // LAYOUT_* events: the layout key ("" otherwise)
   uint32_t rank = 0;   // LAYOUT_* events: its rank
 };
 
