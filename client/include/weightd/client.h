@@ -391,9 +391,9 @@ struct ConnectOptions {
 
 // A tensor a writer may write: `data` points at its bytes in a writable,
 // shared mapping of a staged segment (host memory), valid until the
-// Updater commits, aborts or is destroyed.
+// Updater (or LayoutWriter) commits, aborts or is destroyed.
 struct WritableTensor {
-  TensorInfo info;  // info.segment indexes the update's staged segments
+  TensorInfo info;  // info.segment indexes the update's (layout's) staged segments
   uint32_t rank = 0;
   char* data = nullptr;
 };
