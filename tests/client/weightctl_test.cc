@@ -168,6 +168,28 @@ TEST(Weightctl, BadTypedValuesExitTwoWithOneLineBeforeConnecting) {
   EXPECT_EQ(r.err, "weightctl: --tp-size: must be an integer in [1, 1024], got '0'\n");
 }
 
+TEST(Weightctl, LayoutFlagsAreCheckedBeforeAnyRequest) {
+  Result r = Weightctl({"--socket", "/nowhere.sock", "attach", "m", "--layout", "k", "--identity", "engine"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.out, "");
+  EXPECT_EQ(r.err, "weightctl: --identity must be KEY=VALUE, got 'engine'\n");
+  r = Weightctl({"--socket", "/nowhere.sock", "attach", "m", "--layout", "k", "--identity", "a=1", "--identity", "a=2"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.err, "weightctl: --identity names 'a' twice\n");
+  r = Weightctl({"--socket", "/nowhere.sock", "attach", "m", "--verify-layout"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.err, "weightctl: --identity and --verify-layout need --layout KEY\n");
+  r = Weightctl({"--socket", "/nowhere.sock", "attach", "m", "--layout", "k", "--verify", "/ckpt"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.err, "weightctl: --verify compares checkpoint tensors; a layout's are checked with --verify-layout\n");
+  r = Weightctl({"--socket", "/nowhere.sock", "drop-layout", "m", "k", "--rank", "x"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.err, "weightctl: --rank must be an integer in [0, 1048576], got 'x'\n");
+  r = Weightctl({"--socket", "/nowhere.sock", "drop-layout", "m"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.err, "weightctl: KEY is required; usage: weightctl drop-layout NAME KEY [--rank R]\n");
+}
+
 TEST(Weightctl, MissingOrExtraPositionalsNameTheUsage) {
   Result r = Weightctl({"unload"});
   EXPECT_EQ(r.code, 2);

@@ -199,6 +199,16 @@ TEST_F(LayoutsE2E, PublishedHostAndDeviceTensorsAreServedToAnotherProcess) {
   EXPECT_EQ(l[0]["fingerprint"], committed->layout.fingerprint);
   EXPECT_EQ(l[0]["identity"], json({{"engine", "e2e"}, {"quant", "int8"}}));
 
+  CommandResult text = d_.Ctl({"layouts", "tiny"});
+  ASSERT_EQ(text.code, 0) << text.err;
+  EXPECT_TRUE(absl::StartsWith(text.out, "KEY ")) << text.out;
+  EXPECT_TRUE(absl::StrContains(text.out, absl::StrCat("\n", kKey, " "))) << text.out;
+  EXPECT_TRUE(absl::StrContains(text.out, " 512 B GPU-emulated-0=")) << text.out;
+  EXPECT_TRUE(absl::StrContains(text.out, " engine=e2e,quant=int8\n")) << text.out;
+  CommandResult missing_model = d_.Ctl({"layouts", "nope"});
+  EXPECT_EQ(missing_model.code, 2);
+  EXPECT_EQ(missing_model.err, "weightctl: no model named 'nope'\n");
+
   // And in this process, byte for byte (the device tensor copied back).
   AttachOptions options;
   options.layout = kKey;
