@@ -13,6 +13,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
+#include "client/client_internal.h"
 #include "client/pin.h"
 #include "common/format/content_hash.h"
 #include "common/format/packed_manifest.h"
@@ -43,12 +44,14 @@ std::vector<int> AllowedCpus() {
 }
 
 
+}  // namespace
+
 absl::Status FromGrpc(const grpc::Status& s) {
   if (s.ok()) return absl::OkStatus();
   return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
 }
 
-ModelSummary FromProto(const v1::ModelInfo& m);
+namespace {
 
 // The progress messages of a LoadModel or ReloadModel stream, to the DONE one.
 absl::StatusOr<LoadResult> ReadLoadStream(grpc::ClientReaderInterface<v1::LoadModelProgress>& reader,
@@ -73,6 +76,8 @@ absl::StatusOr<LoadResult> ReadLoadStream(grpc::ClientReaderInterface<v1::LoadMo
   if (!done) return absl::InternalError("load stream ended without a DONE message");
   return result;
 }
+
+}  // namespace
 
 ModelSummary FromProto(const v1::ModelInfo& m) {
   ModelSummary s;
@@ -99,6 +104,7 @@ ModelSummary FromProto(const v1::ModelInfo& m) {
   s.version_label = m.version_label();
   s.source = m.source();
   s.numa_nodes.assign(m.numa_nodes().begin(), m.numa_nodes().end());
+  for (const auto& l : m.layouts()) s.layouts.push_back(FromProto(l));
   return s;
 }
 
@@ -115,13 +121,32 @@ TensorInfo FromProto(const v1::TensorEntry& t) {
   info.split_dim = t.split_dim();
   info.split_start = t.split_start();
   info.content_hash = t.content_hash();
+  info.strides.assign(t.strides().begin(), t.strides().end());
   return info;
+}
+
+LayoutSummary FromProto(const v1::LayoutInfo& l) {
+  LayoutSummary s;
+  s.key = l.key();
+  s.rank = l.rank();
+  s.identity.insert(l.identity().begin(), l.identity().end());
+  s.generation = l.generation();
+  s.tensor_count = l.tensor_count();
+  s.host_bytes = l.host_bytes();
+  for (const auto& d : l.device_bytes()) s.device_bytes[d.gpu_uuid()] = d.bytes();
+  s.leases = l.leases();
+  s.fingerprint = l.fingerprint();
+  s.publish_seconds = l.publish_seconds();
+  s.published_at = l.published_at();
+  return s;
 }
 
 SegmentInfo FromProto(const v1::SegmentDescriptor& s) {
   return {s.placement() == v1::DEVICE ? Location::kDevice : Location::kHost, s.size(), s.backend(), s.gpu_uuid(),
           s.ipc_handle(), s.export_kind() == v1::SegmentDescriptor::EXPORT_FD};
 }
+
+namespace {
 
 // A target is a Unix socket path when it is absolute or holds no ':'
 // ("w.sock", "d1/w.sock", "./w.sock"), made absolute against the working
@@ -195,6 +220,8 @@ absl::Status ParseClaimReply(const std::string& reply, int sock, int timeout_ms,
 }
 
 // Receives the segment fds for `lease_id` on the fd socket ("OK n" + "MORE"s).
+}  // namespace
+
 absl::Status ClaimLease(const std::string& fd_socket, const std::string& lease_id, int timeout_ms, ScopedFd* conn,
                         std::vector<ScopedFd>* fds) {
   WEIGHTD_ASSIGN_OR_RETURN(*conn, ConnectSeqpacket(fd_socket));
@@ -203,8 +230,6 @@ absl::Status ClaimLease(const std::string& fd_socket, const std::string& lease_i
   if (!reply.ok()) return sent.ok() ? reply.status() : sent;
   return ParseClaimReply(*reply, conn->get(), timeout_ms, fds);
 }
-
-}  // namespace
 
 // ---------------------------------------------------------------- MappedModel
 
@@ -287,6 +312,8 @@ absl::StatusOr<Manifest> ManifestOf(const v1::AttachResponse& response) {
   m.rank = response.rank();
   m.fingerprint = response.fingerprint();
   m.version_label = response.version_label();
+  m.layout = response.layout();
+  m.identity.insert(response.identity().begin(), response.identity().end());
   for (const auto& s : response.segments()) m.segments.push_back(FromProto(s));
   WEIGHTD_RETURN_IF_ERROR(TensorsOf(response, &m.tensors));
   return m;
@@ -458,8 +485,8 @@ absl::StatusOr<WatchEvent> ModelWatch::Next() {
   if (!state_->ended.ok()) return state_->ended;
   v1::ModelEvent e;
   if (state_->reader->Read(&e)) {
-    return WatchEvent{v1::ModelEvent::Kind_Name(e.kind()), e.model(),       e.generation(),
-                      e.version_label(),                   e.fingerprint(), e.time()};
+    return WatchEvent{v1::ModelEvent::Kind_Name(e.kind()), e.model(),       e.generation(), e.version_label(),
+                      e.fingerprint(),                     e.time(),        e.layout(),     e.rank()};
   }
   absl::Status status = FromGrpc(state_->reader->Finish());
   // The daemon ends a stream only with an error; OK would mean a daemon
@@ -471,61 +498,6 @@ absl::StatusOr<WatchEvent> ModelWatch::Next() {
 void ModelWatch::Cancel() { state_->context.TryCancel(); }
 
 // ---------------------------------------------------------------- Client
-
-// One channel to the daemon and its stubs.
-struct ClientStubs {
-  std::shared_ptr<grpc::Channel> channel;
-  std::unique_ptr<v1::Weightd::Stub> weightd;
-  std::unique_ptr<grpc::health::v1::Health::Stub> health;
-};
-
-// Reconnecting after a daemon restart. gRPC retries a failed connection
-// with exponential backoff (up to 120 s by default) and fails calls fast
-// with UNAVAILABLE meanwhile, so a client of a restarted daemon could keep
-// failing for minutes. Here a call that finds the channel in
-// TRANSIENT_FAILURE gets a new channel instead, which connects at once;
-// backoff is also capped at 1 s. `impl_->stub->Method(...)` reads the
-// current stubs through StubRef, a temporary that holds them (shared_ptr)
-// until the end of the full expression: the whole unary call.
-struct Client::Impl {
-  template <typename StubT, std::unique_ptr<StubT> ClientStubs::*kMember>
-  struct StubRef {
-    std::shared_ptr<ClientStubs> stubs;
-    StubT* operator->() const { return (stubs.get()->*kMember).get(); }
-  };
-  template <typename StubT, std::unique_ptr<StubT> ClientStubs::*kMember>
-  struct StubProxy {
-    Impl* impl;
-    StubRef<StubT, kMember> operator->() const { return {impl->Current()}; }
-  };
-
-  std::string target;
-  std::shared_ptr<grpc::ChannelCredentials> credentials;
-  absl::Mutex mu;
-  std::shared_ptr<ClientStubs> stubs ABSL_GUARDED_BY(mu);
-  StubProxy<v1::Weightd::Stub, &ClientStubs::weightd> stub{this};
-  StubProxy<grpc::health::v1::Health::Stub, &ClientStubs::health> health{this};
-
-  std::shared_ptr<ClientStubs> Make() const {
-    grpc::ChannelArguments args;
-    args.SetMaxReceiveMessageSize(-1);  // an Attach of 100,000+ tensors exceeds the 4 MiB default
-    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
-    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
-    auto s = std::make_shared<ClientStubs>();
-    s->channel = grpc::CreateCustomChannel(target, credentials, args);
-    s->weightd = v1::Weightd::NewStub(s->channel);
-    s->health = grpc::health::v1::Health::NewStub(s->channel);
-    return s;
-  }
-  // The stubs for the next call: a new channel when the current one is
-  // waiting out a reconnect backoff.
-  std::shared_ptr<ClientStubs> Current() {
-    absl::MutexLock lock(&mu);
-    if (stubs->channel->GetState(/*try_to_connect=*/false) == GRPC_CHANNEL_TRANSIENT_FAILURE) stubs = Make();
-    return stubs;
-  }
-};
 
 Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Client::~Client() = default;
@@ -661,6 +633,8 @@ absl::StatusOr<MappedModel> Client::Attach(const std::string& name, uint32_t ran
   if (options.packed_manifest) request.set_manifest_encoding(v1::AttachRequest::PACKED_TABLE_V1);
   if (options.numa_node.has_value()) request.set_numa_node(*options.numa_node);
   for (int cpu : AllowedCpus()) request.add_cpus(static_cast<uint32_t>(cpu));
+  request.set_layout(options.layout);
+  request.mutable_identity()->insert(options.identity.begin(), options.identity.end());
   v1::AttachResponse response;
   grpc::ClientContext context;
   WEIGHTD_RETURN_IF_ERROR(FromGrpc(impl_->stub->Attach(&context, request, &response)));

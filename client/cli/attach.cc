@@ -1,5 +1,6 @@
-// weightctl attach: take a lease, map the tensors, optionally verify them
-// byte for byte against the checkpoint files, optionally hold the lease.
+// weightctl attach: take a lease, map the tensors (or a runtime layout's),
+// optionally verify them byte for byte against the checkpoint files (or a
+// layout's against its recorded hashes), optionally hold the lease.
 #include <chrono>
 #include <ostream>
 #include <thread>
@@ -30,6 +31,18 @@ int RunAttach(const Args& args, Context& ctx) {
     }
     options.numa_node = n;
   }
+  if (std::optional<std::string> layout = args.Text("--layout")) options.layout = *layout;
+  absl::StatusOr<std::map<std::string, std::string>> identity = ParseIdentity(args.List("--identity"));
+  if (!identity.ok()) return ReportError(identity.status(), ctx.err);
+  options.identity = std::move(*identity);
+  if (options.layout.empty() && (!options.identity.empty() || args.Flag("--verify-layout"))) {
+    return ReportError(absl::InvalidArgumentError("--identity and --verify-layout need --layout KEY"), ctx.err);
+  }
+  if (!options.layout.empty() && args.Text("--verify").has_value()) {
+    return ReportError(absl::InvalidArgumentError(
+                           "--verify compares checkpoint tensors; a layout's are checked with --verify-layout"),
+                       ctx.err);
+  }
   absl::StatusOr<MappedModel> model =
       (*client)->Attach(args.positional[0], static_cast<uint32_t>(args.Int("--rank")), options);
   if (!model.ok()) return ReportError(model.status(), ctx.err);
@@ -38,8 +51,9 @@ int RunAttach(const Args& args, Context& ctx) {
   const Manifest& m = model->manifest();
   bool as_json = args.Flag("--json");
   if (!as_json) {
-    ctx.out << absl::StrFormat("attached '%s' rank %d generation %d: %d tensors, %s in %.3f ms%s%s (fingerprint %s)\n",
-                               m.model, m.rank, m.generation, model->tensors().size(), HumanBytes(bytes),
+    ctx.out << absl::StrFormat("attached '%s'%s rank %d generation %d: %d tensors, %s in %.3f ms%s%s (fingerprint %s)\n",
+                               m.model, m.layout.empty() ? "" : absl::StrCat(" layout '", m.layout, "'"), m.rank,
+                               m.generation, model->tensors().size(), HumanBytes(bytes),
                                model->attach_seconds() * 1e3, options.prefault ? ", prefaulted" : "",
                                m.numa_node >= 0 ? absl::StrCat(", NUMA node ", m.numa_node, "'s copy") : "",
                                m.fingerprint);
@@ -51,8 +65,33 @@ int RunAttach(const Args& args, Context& ctx) {
     verified = true;
     if (!as_json) ctx.out << absl::StrFormat("verified %d tensors, %d bytes\n", result->tensors, result->bytes);
   }
+  if (args.Flag("--verify-layout")) {
+    absl::StatusOr<VerifyResult> result = VerifyLayoutHashes(*model);
+    if (!result.ok()) return ReportError(result.status(), ctx.err);
+    verified = true;
+    if (!as_json) {
+      ctx.out << absl::StrFormat("verified %d layout tensors, %d bytes: every content hash matches\n", result->tensors,
+                                 result->bytes);
+    }
+  }
   if (as_json) {
+    nlohmann::json tensors = nlohmann::json::array();
+    if (!m.layout.empty()) {  // a layout's tensors are the writer's: say what they are
+      for (const TensorView& v : model->tensors()) {
+        const TensorInfo& t = *v.info;
+        tensors.push_back({{"name", t.name},
+                           {"dtype", t.dtype},
+                           {"shape", t.shape},
+                           {"strides", t.strides},
+                           {"placement", t.location == Location::kDevice ? "device" : "host"},
+                           {"nbytes", t.nbytes},
+                           {"content_hash", t.content_hash}});
+      }
+    }
     ctx.out << nlohmann::json{{"model", m.model},
+                              {"layout", m.layout},
+                              {"identity", m.identity},
+                              {"layout_tensors", tensors},
                               {"rank", m.rank},
                               {"generation", m.generation},
                               {"tensors", model->tensors().size()},

@@ -5,6 +5,7 @@
 #define WEIGHTD_CLIENT_CLI_COMMANDS_H_
 
 #include <iosfwd>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -53,6 +54,12 @@ int RunUnload(const Args& args, Context& ctx);
 int RunUpgrade(const Args& args, Context& ctx);
 int RunHealth(const Args& args, Context& ctx);
 int RunWatch(const Args& args, Context& ctx);
+int RunLayouts(const Args& args, Context& ctx);
+int RunDropLayout(const Args& args, Context& ctx);
+
+// --identity KEY=VALUE fields as a map; INVALID_ARGUMENT naming a field
+// without '=' or a key given twice.
+absl::StatusOr<std::map<std::string, std::string>> ParseIdentity(const std::vector<std::string>& fields);
 
 }  // namespace weightd::cli
 

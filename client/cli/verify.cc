@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/format/catalog.h"
+#include "common/format/content_hash.h"
 #include "common/base/status.h"
 
 namespace weightd::cli {
@@ -61,6 +62,28 @@ absl::StatusOr<VerifyResult> VerifyAgainstCheckpoint(const MappedModel& model, c
         uint64_t src = source->offset + (o * t.full_shape[t.split_dim] + t.split_start) * row;
         WEIGHTD_RETURN_IF_ERROR(CompareRange(file, src, model, view, o * run, run));
       }
+    }
+    ++result.tensors;
+    result.bytes += t.nbytes;
+  }
+  return result;
+}
+
+absl::StatusOr<VerifyResult> VerifyLayoutHashes(const MappedModel& model) {
+  VerifyResult result;
+  std::string block;
+  for (const TensorView& view : model.tensors()) {
+    const TensorInfo& t = *view.info;
+    std::vector<uint64_t> blocks;
+    for (uint64_t at = 0; at < t.nbytes; at += kHashBlockBytes) {
+      block.resize(std::min(kHashBlockBytes, t.nbytes - at));
+      WEIGHTD_RETURN_IF_ERROR(model.CopyToHost(view, at, block.data(), block.size()));
+      blocks.push_back(TensorContentHash(block.data(), block.size()));
+    }
+    uint64_t hash = CombineBlockHashes(blocks);  // the daemon's block scheme (content_hash.h)
+    if (ContentHashHex(hash) != t.content_hash) {
+      return absl::DataLossError(absl::StrCat("layout tensor '", t.name, "' (", t.nbytes, " bytes) hashes to ",
+                                              ContentHashHex(hash), " but the daemon recorded ", t.content_hash));
     }
     ++result.tensors;
     result.bytes += t.nbytes;

@@ -84,9 +84,14 @@ void Print(const WatchEvent& e, bool as_json, std::ostream& out) {
                           {"model", e.model},
                           {"generation", e.generation},
                           {"version_label", e.version_label},
-                          {"fingerprint", e.fingerprint}}
+                          {"fingerprint", e.fingerprint},
+                          {"layout", e.layout},
+                          {"rank", e.rank}}
                .dump()
         << "\n";
+  } else if (!e.layout.empty()) {
+    out << absl::StrFormat("%s %-9s %s generation %d layout %s rank %d fingerprint %s\n", TimeText(e.time), e.kind,
+                           e.model, e.generation, absl::CEscape(e.layout), e.rank, OrDash(e.fingerprint));
   } else {
     out << absl::StrFormat("%s %-9s %s generation %d version_label %s fingerprint %s\n", TimeText(e.time), e.kind,
                            e.model, e.generation, OrDash(e.version_label), OrDash(e.fingerprint));

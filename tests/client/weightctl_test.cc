@@ -142,7 +142,10 @@ TEST(Weightctl, UsageLinesFollowTheDesignContract) {
   EXPECT_EQ(usage["ls"], "ls [--json]");
   EXPECT_EQ(usage["manifest"], "manifest NAME [--rank R] [--json]");
   EXPECT_EQ(usage["attach"],
-            "attach NAME [--rank R] [--verify CHECKPOINT_DIR] [--hold SECONDS] [--prefault] [--numa-node N] [--json]");
+            "attach NAME [--rank R] [--verify CHECKPOINT_DIR] [--hold SECONDS] [--prefault] [--numa-node N] "
+            "[--layout KEY] [--identity K=V ...] [--verify-layout] [--json]");
+  EXPECT_EQ(usage["layouts"], "layouts NAME [--json]");
+  EXPECT_EQ(usage["drop-layout"], "drop-layout NAME KEY [--rank R]");
   EXPECT_EQ(usage["unload"], "unload NAME [--force]");
   EXPECT_EQ(usage["health"], "health [MODEL] [--json]");
   EXPECT_EQ(usage["inspect"], "inspect PATH [--json]");
@@ -163,6 +166,28 @@ TEST(Weightctl, BadTypedValuesExitTwoWithOneLineBeforeConnecting) {
   r = Weightctl({"load", "m", "p", "--tp-size", "0"});
   EXPECT_EQ(r.code, 2);
   EXPECT_EQ(r.err, "weightctl: --tp-size: must be an integer in [1, 1024], got '0'\n");
+}
+
+TEST(Weightctl, LayoutFlagsAreCheckedBeforeAnyRequest) {
+  Result r = Weightctl({"--socket", "/nowhere.sock", "attach", "m", "--layout", "k", "--identity", "engine"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.out, "");
+  EXPECT_EQ(r.err, "weightctl: --identity must be KEY=VALUE, got 'engine'\n");
+  r = Weightctl({"--socket", "/nowhere.sock", "attach", "m", "--layout", "k", "--identity", "a=1", "--identity", "a=2"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.err, "weightctl: --identity names 'a' twice\n");
+  r = Weightctl({"--socket", "/nowhere.sock", "attach", "m", "--verify-layout"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.err, "weightctl: --identity and --verify-layout need --layout KEY\n");
+  r = Weightctl({"--socket", "/nowhere.sock", "attach", "m", "--layout", "k", "--verify", "/ckpt"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.err, "weightctl: --verify compares checkpoint tensors; a layout's are checked with --verify-layout\n");
+  r = Weightctl({"--socket", "/nowhere.sock", "drop-layout", "m", "k", "--rank", "x"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.err, "weightctl: --rank must be an integer in [0, 1048576], got 'x'\n");
+  r = Weightctl({"--socket", "/nowhere.sock", "drop-layout", "m"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.err, "weightctl: KEY is required; usage: weightctl drop-layout NAME KEY [--rank R]\n");
 }
 
 TEST(Weightctl, MissingOrExtraPositionalsNameTheUsage) {

@@ -50,6 +50,11 @@ struct TensorInfo {
   int split_dim = -1;                // -1: not split
   uint64_t split_start = 0;          // first index along split_dim
   std::string content_hash;          // 16 hex digits, of the full checkpoint tensor
+                                     // (of this tensor's bytes, for a layout tensor)
+  // Layout tensors only: strides in elements, as torch.Tensor.stride()
+  // gives them; empty: contiguous (row-major). nbytes then covers the
+  // elements the strides reach: (1 + sum((shape[i] - 1) * strides[i])) elements.
+  std::vector<uint64_t> strides = {};
 };
 
 // One segment of a rank's manifest (the daemon's counterpart is
@@ -76,6 +81,11 @@ struct Manifest {
   int numa_node = -1;
   std::vector<SegmentInfo> segments;
   std::vector<TensorInfo> tensors;
+  // Attach of a runtime layout (AttachOptions::layout): its key and the
+  // identity it was published with; "" and empty otherwise. `fingerprint`
+  // is then the layout's.
+  std::string layout = {};
+  std::map<std::string, std::string> identity = {};
 };
 
 // A tensor as mapped in this process.
@@ -88,6 +98,22 @@ struct TensorView {
   Location location = Location::kHost;
   std::string gpu_uuid;  // device tensors
   int device_ordinal = -1;  // this process's CUDA ordinal for gpu_uuid
+};
+
+// One published runtime layout of a generation (docs/api.md "Runtime
+// layouts"; LayoutInfo in the proto).
+struct LayoutSummary {
+  std::string key;   // the engine's name for it, e.g. "vllm/fp8-marlin/tp2"
+  uint32_t rank = 0;
+  std::map<std::string, std::string> identity;
+  uint64_t generation = 0;  // the model generation it belongs to
+  uint32_t tensor_count = 0;
+  uint64_t host_bytes = 0;
+  std::map<std::string, uint64_t> device_bytes;  // by GPU UUID
+  uint32_t leases = 0;                           // active leases on this layout
+  std::string fingerprint;                       // 32 hex digits
+  double publish_seconds = 0;                    // sealing, hashing and device copies at commit
+  double published_at = 0;                       // seconds since the Unix epoch
 };
 
 struct ModelSummary {
@@ -116,6 +142,7 @@ struct ModelSummary {
   std::string version_label;  // a writer's tag of the generation (e.g. "step-1200"); "" for loads from disk
   std::string source;         // where its bytes came from: "storage", "writer", or "peer HOST:PORT"
   std::vector<int> numa_nodes;  // nodes holding a copy of the host segments (numa_copies); empty: one copy
+  std::vector<LayoutSummary> layouts = {};  // the runtime layouts published on this generation
 };
 
 // What UpgradeDaemon started.
@@ -224,6 +251,17 @@ struct AttachOptions {
   // pin_status() turns FAILED with UNAVAILABLE ("libcuda.so.1 not found",
   // "no CUDA device").
   PinOptions pin = {};
+  // A runtime layout of the current generation instead of its checkpoint
+  // tensors (docs/api.md "Runtime layouts"): the mapped model's tensors are
+  // the layout's (names, dtypes, shapes and strides as its writer declared
+  // them; TensorInfo::strides). Empty: the checkpoint tensors. Errors:
+  // NOT_FOUND naming the keys published for this generation and rank;
+  // FAILED_PRECONDITION naming every field that differs when `identity` is
+  // not empty and not equal to the published identity; INVALID_ARGUMENT for
+  // a malformed key or identity. The lease holds the generation too.
+  std::string layout = {};
+  // The identity the layout must have been published with; empty: any.
+  std::map<std::string, std::string> identity = {};
 };
 
 struct LoadProgressInfo {
@@ -304,12 +342,16 @@ class MappedModel {
 
 // One event of a watched model name (docs/api.md "WatchModel").
 struct WatchEvent {
-  std::string kind;  // "CURRENT", "PUBLISHED", "DRAINING", "FREED" or "UNLOADED"
+  // "CURRENT", "PUBLISHED", "DRAINING", "FREED", "UNLOADED", or for a
+  // runtime layout "LAYOUT_PUBLISHED", "LAYOUT_DROPPED", "LAYOUT_DRAINING"
+  std::string kind;
   std::string model;
   uint64_t generation = 0;
   std::string version_label;
   std::string fingerprint;
   double time = 0;  // when it happened, seconds since the Unix epoch
+  std::string layout = {};  // LAYOUT_* events: the layout key ("" otherwise)
+  uint32_t rank = 0;   // LAYOUT_* events: its rank
 };
 
 // A WatchModel stream: a blocking iterator over one name's events. Next()
@@ -349,9 +391,9 @@ struct ConnectOptions {
 
 // A tensor a writer may write: `data` points at its bytes in a writable,
 // shared mapping of a staged segment (host memory), valid until the
-// Updater commits, aborts or is destroyed.
+// Updater (or LayoutWriter) commits, aborts or is destroyed.
 struct WritableTensor {
-  TensorInfo info;  // info.segment indexes the update's staged segments
+  TensorInfo info;  // info.segment indexes the update's (layout's) staged segments
   uint32_t rank = 0;
   char* data = nullptr;
 };
@@ -406,6 +448,107 @@ class Updater {
   std::unique_ptr<State> state_;
 };
 
+// One tensor a layout writer declares (LayoutTensorSpec in the proto).
+struct LayoutTensorRequest {
+  std::string name;             // 1..1024 bytes, unique in the layout
+  std::string dtype;            // safetensors spelling: "BF16", "I8", "F32", ...
+  std::vector<uint64_t> shape;  // in elements; at most 16 dims
+  // In elements, one per dim (as torch.Tensor.stride()); empty: contiguous.
+  // The tensor's bytes are the span the strides reach.
+  std::vector<uint64_t> strides;
+  Location location = Location::kHost;  // kDevice: on LayoutOptions::gpu_uuid
+};
+
+// What to publish (Client::BeginLayout; BeginLayoutRequest in the proto).
+struct LayoutOptions {
+  std::string model;  // a READY model
+  // The engine's name for the layout: 1..256 bytes of [A-Za-z0-9._:/+=-].
+  std::string key;
+  // The strings that decide the layout (engine and version, layout ABI,
+  // quantization, parallel sizes, device arch): at most 64 entries, keys
+  // 1..128 bytes of [A-Za-z0-9._-], values at most 1024 printable ASCII bytes.
+  std::map<std::string, std::string> identity;
+  uint32_t rank = 0;  // a TP rank of the model
+  std::vector<LayoutTensorRequest> tensors;  // 1..1,048,576, at most 1 TiB in all
+  // The GPU of the device tensors; empty: the rank's GPU in the model's plan.
+  std::string gpu_uuid;
+  uint64_t generation = 0;  // 0: the current one; else it must be the current one
+  // > 0: when another writer is publishing the same (model, generation,
+  // key, rank), wait up to this many seconds (at most 3600) for it: a
+  // commit answers with a writer that is published_by_other(), an abort
+  // with a writer grant. 0: ALREADY_EXISTS at once.
+  double wait_seconds = 0;
+};
+
+// What CommitLayout published.
+struct LayoutCommitInfo {
+  LayoutSummary layout;
+  double seconds = 0;  // sealing, hashing, device copies and publishing, on the daemon
+};
+
+// One writer's publish of a runtime layout (Client::BeginLayout; docs/api.md
+// "Runtime layouts"). Holds writable shared mappings of the staged memfds
+// the daemon made (host memory, also for device tensors: the daemon copies
+// those to its own arena on the GPU at commit) and the fd-socket connection
+// that is the publish's lease: destroying a LayoutWriter that has not
+// committed unmaps and closes it, and the daemon aborts the publish
+// (nothing is published, the staged memory is freed). Every tensor starts
+// zero-filled; write only its `nbytes` bytes (the daemon refuses a commit
+// when a byte outside every tensor is not zero). Move-only; not
+// thread-safe: write tensors from several threads if you like, but
+// Commit/Abort from one, after those writes. Must not outlive the Client
+// that made it.
+class LayoutWriter {
+ public:
+  LayoutWriter(LayoutWriter&&) noexcept;
+  LayoutWriter& operator=(LayoutWriter&&) noexcept;
+  ~LayoutWriter();
+
+  // Another writer committed the layout while this one waited
+  // (LayoutOptions::wait_seconds): there is nothing to write, tensors() is
+  // empty, Commit() is FAILED_PRECONDITION; attach the layout instead.
+  bool published_by_other() const;
+  // The staged tensors in request order: info.name/dtype/shape/strides as
+  // declared, info.location the declared placement, `data` a writable
+  // pointer to info.nbytes bytes (host memory even for device tensors),
+  // valid until Commit or Abort; nullptr after them.
+  const std::vector<WritableTensor>& tensors() const;
+  // nullptr when the layout holds no tensor `name`.
+  WritableTensor* Find(absl::string_view name);
+  const std::string& model() const;
+  uint64_t generation() const;  // the generation the layout belongs to
+  uint32_t rank() const;
+  uint64_t bytes_staged() const;  // bytes of the staged memfds
+  // The staged memfds (this writer owns them), in segment order, for a
+  // writer that fills them with pwrite(2) or splice(2) rather than through
+  // `data`; empty once committed or aborted. A writable mapping of one of them
+  // that is still alive at Commit makes it fail (FAILED_PRECONDITION
+  // "still mapped writable"). Empty when published_by_other().
+  std::vector<int> staged_fds() const;
+
+  // Unmaps this writer's writable mappings (the daemon can seal only memory
+  // no process maps writable), then asks the daemon to seal, verify, hash
+  // and publish; after a success closes the staged fds. `expected_hashes`:
+  // tensor name -> xxh3-64 content hash (16 hex digits) its bytes must have.
+  // Errors: the daemon's. FAILED_PRECONDITION "still mapped writable" when
+  // another mapping of a staged memfd is writable, or INVALID_ARGUMENT for a
+  // malformed expected hash: the publish stays open, the tensors are
+  // mapped again (new `data` pointers; nullptr for those of a staged memfd
+  // the daemon sealed before the refusal), and Commit may be called again.
+  // Others (a hash that differs: FAILED_PRECONDITION; a byte outside every
+  // tensor) end the publish.
+  absl::StatusOr<LayoutCommitInfo> Commit(const std::map<std::string, std::string>& expected_hashes = {});
+  // Unmaps and ends the publish; nothing is published. OK when it ended already.
+  absl::Status Abort();
+
+  struct State;
+
+ private:
+  friend class Client;
+  explicit LayoutWriter(std::unique_ptr<State> state);
+  std::unique_ptr<State> state_;
+};
+
 class Client {
  public:
   // `target`: "unix:///run/weightd/weightd.sock", a socket path (absolute,
@@ -434,6 +577,23 @@ class Client {
   // Device-placed tensors are written whole into host staging memory; the
   // daemon uploads each rank's part after verifying them.
   absl::StatusOr<Updater> BeginUpdate(const std::string& name, const std::vector<std::string>& tensors = {});
+  // Opens the publish of a runtime layout (see LayoutOptions, LayoutWriter):
+  // the daemon stages zero-filled memfds for the tensors, this claims them
+  // on the fd socket and maps them read-write. Errors: INVALID_ARGUMENT
+  // naming the field for a malformed request (key, identity, names, dtype,
+  // dims, strides, sizes); NOT_FOUND for an unknown model or rank;
+  // ALREADY_EXISTS while another writer publishes the same layout or when
+  // it is published (without wait_seconds); DEADLINE_EXCEEDED when the
+  // other writer neither commits nor aborts within wait_seconds;
+  // FAILED_PRECONDITION for device tensors without a GPU, or a generation
+  // that is not the current one; RESOURCE_EXHAUSTED when memory is short.
+  absl::StatusOr<LayoutWriter> BeginLayout(const LayoutOptions& options);
+  // Removes published layout `key` of model `name` (of `rank`, or of every
+  // rank): no new attaches; leases on it keep its memory until they end.
+  // Returns how many layouts were removed. NOT_FOUND naming the layouts the
+  // generation has when none matched.
+  absl::StatusOr<uint32_t> DropLayout(const std::string& name, const std::string& key,
+                                      std::optional<uint32_t> rank = std::nullopt);
   absl::StatusOr<Manifest> GetManifest(const std::string& name, uint32_t rank);
   // Takes a lease, receives the segment fds and maps them lazily (pages fault
   // in on first use) or prefaulted: read-only, or copy-on-write (see
