@@ -16,13 +16,19 @@
 //     AttachOptions::pin on a daemon's host-resident model): register seconds
 //     per GB, GPU read bandwidth through the device pointers, unregister time
 //     (tests/gpu/gpu_check_pin.h)
+//   - a runtime layout (--socket, --layout-model: a model with rank 0 on GPU
+//     0): a 1 GiB DEVICE tensor published through the client library (the
+//     daemon hashes the sealed staging memfd and copies it into its own
+//     cuMemCreate arena), attached back and read with cuMemcpyDtoH
+//     (tests/gpu/gpu_check_layout.h)
 // Without a driver or GPU it prints "SKIPPED: ..." and exits 77. Exit status
 // 1 when a check failed.
 //
 // Usage: gpu_checks [--quick] [--checkpoint DIR --load-json FILE [--load-error FILE]
 //                              [--attach-json FILE [--attach-error FILE]]]
-//                              [--socket SOCKET --pin-model NAME]
-//        (--quick registers 256 MiB instead of 4 GiB of host memory)
+//                              [--socket SOCKET --pin-model NAME] [--layout-model NAME]
+//        (--quick registers 256 MiB instead of 4 GiB of host memory, and
+//        publishes a 16 MiB device tensor instead of 1 GiB)
 //        gpu_checks --probe        (0 and one line when a driver and GPU are here, else 77)
 //        gpu_checks --child FD     (internal: the importing process)
 #include <dirent.h>
@@ -52,6 +58,8 @@
 #include "common/base/status.h"
 #include "common/transport/unix_socket.h"
 #include "nlohmann/json.hpp"
+#include "tests/gpu/gpu_check_layout.h"
+#include "tests/gpu/gpu_check_layout.h"
 #include "tests/gpu/gpu_check_pin.h"
 #include "tests/gpu/gpu_check_protocol.h"
 
@@ -66,6 +74,8 @@ struct Options {
   std::string checkpoint, load_json, load_error, attach_json, attach_error;
   std::string socket, pin_model;  // a running daemon and a host-resident model of it
   uint64_t register_bytes = 4 * kGiB;  // --quick: 256 MiB
+  std::string layout_model;            // a model of that daemon with rank 0 on GPU 0
+  uint64_t layout_bytes = kGiB;        // the layout's device tensor; --quick: 16 MiB
 };
 
 class Table {
@@ -617,6 +627,14 @@ int ParentMain(const Options& options) {
     table.Add("pinned host table (attach --pin)", "skipped", "",
               "needs --socket and --pin-model (tests/gpu/run_gpu_checks.sh)");
   }
+  if (!options.socket.empty() && !options.layout_model.empty()) {
+    for (Row& row : CheckLayout(options.socket, options.layout_model, options.layout_bytes, *gpu.context)) {
+      table.Add(std::move(row[0]), std::move(row[1]), std::move(row[2]), std::move(row[3]));
+    }
+  } else {
+    table.Add("runtime layout (publish a device tensor, attach it)", "skipped", "",
+              "needs --socket and --layout-model (tests/gpu/run_gpu_checks.sh)");
+  }
   if (gpu.vmm.ok()) CheckReadOnlyWrite(**gpu.vmm, gpu, **child, table);
   table.Print();
   return table.failed() ? 1 : 0;
@@ -637,6 +655,7 @@ int main(int argc, char** argv) {
     if (arg == "--probe") return Probe();
     if (arg == "--quick") {
       options.register_bytes = 256 * kMiB;
+      options.layout_bytes = 16 * kMiB;
       continue;
     }
     if (arg == "--checkpoint") options.checkpoint = value;
@@ -646,9 +665,11 @@ int main(int argc, char** argv) {
     else if (arg == "--attach-error") options.attach_error = value;
     else if (arg == "--socket") options.socket = value;
     else if (arg == "--pin-model") options.pin_model = value;
+    else if (arg == "--layout-model") options.layout_model = value;
     else {
       std::cerr << "usage: gpu_checks [--quick] [--checkpoint DIR --load-json FILE [--load-error FILE]\n"
-                   "                  [--attach-json FILE [--attach-error FILE]]] [--socket SOCKET --pin-model NAME]\n";
+                   "                  [--attach-json FILE [--attach-error FILE]]] [--socket SOCKET --pin-model NAME]\n"
+                   "                  [--layout-model NAME]\n";
       return 2;
     }
     ++i;

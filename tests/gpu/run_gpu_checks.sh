@@ -25,7 +25,9 @@
 # checks, the read-only write check, open+map times, the pinned
 # cuMemcpyHtoD baseline of the same checkpoint bytes, cuMemHostRegister, and
 # pins demo-host through the client library (AttachOptions::pin: register
-# s/GB, GPU reads through the device pointers) while the daemon still runs;
+# s/GB, GPU reads through the device pointers) and publishes a runtime layout
+# with a 1 GiB device tensor on demo's rank 0 (GPU 0) and reads it back, while
+# the daemon still runs;
 # the daemon stops last. It prints the table with weightd's own numbers in it.
 #
 # Exit status: 0 all checks passed, 1 a check failed, 77 no NVIDIA driver or
@@ -205,7 +207,7 @@ say "running gpu_checks"
 set +e
 with_libs "$gpu_checks" --checkpoint "$checkpoint" --load-json "$work/load.json" --load-error "$work/load.err" \
   --attach-json "$work/attach.json" --attach-error "$work/attach.err" \
-  --socket "$socket" --pin-model demo-host >"$work/gpu_checks.md"
+  --socket "$socket" --pin-model demo-host --layout-model demo >"$work/gpu_checks.md"
 code=$?
 set -e
 kill -TERM "$daemon_pid" 2>/dev/null || true
