@@ -89,4 +89,4 @@ def test_enum_members_act_as_their_strings():
 def test_attach_takes_no_private_keyword():
     assert list(inspect.signature(weightd.Client.attach).parameters) == ["self", "model", "rank", "private",
                                                                           "prefault", "numa_node", "pin",
-                                                                          "pin_chunk_bytes"]
+                                                                          "pin_chunk_bytes", "layout", "identity"]
