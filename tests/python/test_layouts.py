@@ -374,3 +374,43 @@ def test_publish_layout_checks_its_tensor_specs_before_any_rpc(daemon, base):
         client.publish_layout(name, "test/bad", {"x": (torch.complex128, (2,))})
     with pytest.raises(ValueError, match="needs layout="):
         client.attach(name, identity=IDENTITY)
+
+
+class _Post(torch.nn.Module):
+    """A post-processed module: a transposed int8 matrix (a strided view), a
+    slice with gaps, a tied pair, a persistent and a non-persistent buffer."""
+
+    def __init__(self, device=None):
+        super().__init__()
+        meta = device == "meta"
+        base = torch.arange(-12, 12, dtype=torch.int8).view(4, 6)
+        self.qt = torch.nn.Parameter(torch.empty((6, 4), dtype=torch.int8, device="meta") if meta else base.t(),
+                                     requires_grad=False)
+        wide = torch.arange(40, dtype=torch.float32).view(4, 10)
+        self.sliced = torch.nn.Parameter(torch.empty((4, 5), device="meta") if meta else wide[:, ::2])
+        self.inner = torch.nn.Linear(3, 2, bias=False, device=device)
+        self.tied = self.inner.weight
+        self.register_buffer("scale", torch.empty(2, device="meta") if meta else torch.tensor([0.5, 2.0]))
+        self.register_buffer("position_ids", torch.arange(3), persistent=False)
+
+
+def test_publish_module_then_load_into_a_meta_module_shares_every_parameter(daemon, base):
+    client, (name, _, _) = daemon.client, base
+    torch.manual_seed(0)
+    source = _Post()
+    info = weightd.torch.publish_module(client, name, "test/module", source, identity=IDENTITY)
+    assert info.tensor_count == 4  # qt, sliced, tied (= inner.weight, once, by its first name), scale; not position_ids
+    with client.attach(name, layout="test/module", identity=IDENTITY) as layout:
+        assert sorted(layout) == ["qt", "scale", "sliced", "tied"]
+        assert layout.tensor_info("qt").strides == (1, 6)  # a dense transposed view keeps its strides
+        assert layout.tensor_info("sliced").strides == ()  # one with gaps is published contiguous
+        target = _Post(device="meta")
+        weightd.torch.load_into(target, layout)
+        mappings = layout.mappings
+    assert target.tied is target.inner.weight  # the tie is kept
+    assert target.qt.stride() == (1, 6) and target.qt.dtype == torch.int8
+    expected = source.state_dict()
+    for n, tensor in target.state_dict().items():
+        assert torch.equal(tensor, expected[n]), n
+        assert any(b <= tensor.data_ptr() < b + size for b, size in mappings), n  # held by the tensors' lease
+    assert torch.equal(target.position_ids, torch.arange(3))  # non-persistent: the module's own
