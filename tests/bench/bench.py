@@ -755,6 +755,60 @@ class Bench:
             fields = f.read().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) * 1e3 / os.sysconf("SC_CLK_TCK")
 
+    def py_layout(self, d, mode, name, key):
+        """One fresh process of tests/bench/py_layout.py; its JSON plus its whole wall time."""
+        python = "/usr/bin/python3"
+        cache = os.path.join(self.build, "CMakeCache.txt")
+        if os.path.exists(cache):
+            m = re.search(r"^WEIGHTD_PYTHON:FILEPATH=(.*)$", open(cache).read(), re.M)
+            python = m.group(1) if m else python
+        pkg = os.path.join(self.build, "client/python")
+        if not glob.glob(os.path.join(pkg, "weightd/_native*.so")):
+            raise RuntimeError("the Python package is not built (needs pybind11 and python3-dev)")
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "py_layout.py")
+        start = time.perf_counter()
+        out = run_json([python, script, mode, "--socket", d.socket, "--name", name, "--key", key],
+                       env={**os.environ, "PYTHONPATH": pkg})
+        out["process_seconds"] = time.perf_counter() - start
+        return out
+
+    def layout(self):
+        """Issue 25's row: a second process getting a post-processed model ready (attach the runtime
+        layout, load_into a meta module) vs attaching the checkpoint and post-processing it itself
+        (q/k/v fusion and int8 per-channel quantization of every linear weight); rounds interleaved."""
+        log("runtime layouts: attach the post-processed layout vs post-process the checkpoint")
+        key = "bench/int8-qkv"
+        with Daemon(self, "layout") as d:
+            subprocess.run([self.weightctl, "--socket", d.socket, "load", "lay", self.ckpt], check=True,
+                           capture_output=True)
+            try:
+                published = self.py_layout(d, "publish", "lay", key)
+            except (RuntimeError, subprocess.CalledProcessError) as err:
+                self.table.add("runtime layout: post-processed model ready in a second process", "n/a", "n/a",
+                               "-", ">= 20x", f"not measured: {err}")
+                return
+            runs = {"layout": [], "process": []}
+            for i in range(self.reps):
+                for mode in (("layout", "process") if i % 2 == 0 else ("process", "layout")):
+                    runs[mode].append(self.py_layout(d, mode, "lay", key))
+        self.raw["layout"] = {"publish": published, "runs": runs}
+        ready = median([r["seconds"] for r in runs["layout"]])
+        process = median([r["seconds"] for r in runs["process"]])
+        ratios = [p["seconds"] / l["seconds"] for l, p in zip(runs["layout"], runs["process"])]
+        whole = [p["process_seconds"] / l["process_seconds"] for l, p in zip(runs["layout"], runs["process"])]
+        inside = all(r["inside_mappings"] for r in runs["layout"])
+        gib = published["layout_host_bytes"] / GIB
+        self.table.add(f"runtime layout, {self.preset}: post-processed model ready in a second process, from "
+                       f"attach to modules bound ({published['tensors']} tensors, {gib:.2f} GiB: int8 linear "
+                       f"weights, fp32 scales, BF16 embedding and norms; median of {self.reps})",
+                       f"{ready * 1e3:.1f} ms attach of the layout + load_into"
+                       f"{'' if inside else ' (NOT all parameters inside the mappings)'}",
+                       f"{process:.2f} s attach of the checkpoint + q/k/v fusion + int8 quantization "
+                       f"(the first process also publishes: {published['publish_seconds']:.2f} s more)",
+                       f"{median(ratios):.0f}x ({rounds(ratios, 0)}); whole processes, Python and torch "
+                       f"start included: {median(whole):.1f}x", ">= 20x",
+                       at_least(median(ratios), 20.0, "attaching costs more than the pass"))
+
     def py_attach(self, d, name, runs, *flags):
         """The Python client's attach (tests/bench/py_attach.py), or raises RuntimeError with the reason."""
         python = "/usr/bin/python3"
@@ -902,6 +956,8 @@ class Bench:
             self.reload()
         if self.wants("daemon-restart"):
             self.daemon_restart()
+        if self.wants("layout"):
+            self.layout()
         if self.wants("peers"):
             self.peers()
         if self.wants("peer-seed"):

@@ -13,7 +13,8 @@
 # 4 KiB, THP and hugetlb loads vs cat and vs a bare fill; peak memory),
 # writer (a writer's publish, partial updates, publish-to-reattach, partial
 # reload), daemon-restart (SIGKILL and restart through the fd store vs a
-# full load), peers, peer-seed (a second daemon
+# full load), layout (a second process attaching a post-processed runtime
+# layout vs post-processing the checkpoint itself), peers, peer-seed (a second daemon
 # seeded over UCX on loopback TCP vs a TCP stream and cold storage). Builds into
 # $WEIGHTD_BENCH_BUILD (default build-bench/), writes checkpoints under it,
 # and installs the peers (safetensors, runai-model-streamer, fastsafetensors,
@@ -30,7 +31,7 @@ while [ $# -gt 0 ]; do
     --full|--hugepages) args+=("$1") ;;
     --only) only=${2:-}; [ -n "$only" ] || { echo "$0: --only needs a list" >&2; exit 2; }
             args+=(--only "$only"); shift ;;
-    *) echo "usage: $0 [--quick|--full] [--hugepages] [--only catalog,load,fill,attach,attach-scale,writer,daemon-restart,peers,peer-seed]" >&2; exit 2 ;;
+    *) echo "usage: $0 [--quick|--full] [--hugepages] [--only catalog,load,fill,attach,attach-scale,writer,daemon-restart,layout,peers,peer-seed]" >&2; exit 2 ;;
   esac
   shift
 done

@@ -89,4 +89,13 @@ def test_enum_members_act_as_their_strings():
 def test_attach_takes_no_private_keyword():
     assert list(inspect.signature(weightd.Client.attach).parameters) == ["self", "model", "rank", "private",
                                                                           "prefault", "numa_node", "pin",
-                                                                          "pin_chunk_bytes"]
+                                                                          "pin_chunk_bytes", "layout", "identity"]
+
+
+def test_layout_calls_take_their_documented_keywords():
+    assert list(inspect.signature(weightd.Client.publish_layout).parameters) == [
+        "self", "model", "key", "tensors", "rank", "identity", "device", "wait"]
+    assert [k.value for k in weightd.WatchEventKind if k.value.startswith("LAYOUT_")] == [
+        "LAYOUT_PUBLISHED", "LAYOUT_DROPPED", "LAYOUT_DRAINING"]
+    assert issubclass(weightd.LayoutNotFound, weightd.WeightdError)
+    assert issubclass(weightd.LayoutMismatch, weightd.WeightdError)

@@ -9,6 +9,14 @@ A writer publishes the next generation (docs/api.md, "Publishing a generation fr
     with weightd.connect().update("llama", tensors=["w"]) as up:
         up["w"].copy_(new_w)  # writable, zero-copy; commits on a clean exit, aborts on an exception
 
+An engine publishes the weights it post-processed (a runtime layout), once;
+later processes attach them (docs/integration.md, "Runtime layouts"):
+
+    try:
+        model = client.attach("llama", layout="myengine/int8", identity=identity)
+    except weightd.LayoutNotFound:
+        ...  # load, post-process, then weightd.torch.publish_module(client, "llama", "myengine/int8", module, ...)
+
 One call for a torch.nn.Module or a Hugging Face model (these import torch):
 
     weightd.torch.load_into(module, model)                       # zero-copy, ties kept
@@ -25,11 +33,12 @@ import importlib
 import types
 from typing import TYPE_CHECKING
 from ._client import DEFAULT_SOCKET, Client, connect
-from ._errors import WeightdError
+from ._errors import LayoutMismatch, LayoutNotFound, WeightdError
+from ._layout import LayoutWriter
 from ._model import Model, PinnedView, Tensor
 from ._torch import UnsupportedDtypeError, torch_dtype
-from ._types import (CommitResult, LoadProgress, LoadResult, Manifest, ModelInfo, ModelState, PinProgress, PinState,
-                     SegmentInfo, TensorInfo, UnloadResult, WatchEvent, WatchEventKind)
+from ._types import (CommitResult, LayoutInfo, LoadProgress, LoadResult, Manifest, ModelInfo, ModelState, PinProgress,
+                     PinState, SegmentInfo, TensorInfo, UnloadResult, WatchEvent, WatchEventKind)
 from ._update import Update
 from ._watch import Watch
 
@@ -37,7 +46,7 @@ __all__ = [
     "DEFAULT_SOCKET", "Client", "connect", "WeightdError", "Model", "Tensor", "UnsupportedDtypeError",
     "torch_dtype", "LoadProgress", "LoadResult", "Manifest", "ModelInfo", "ModelState", "SegmentInfo", "TensorInfo",
     "UnloadResult", "Watch", "WatchEvent", "WatchEventKind", "Update", "CommitResult", "PinnedView", "PinProgress",
-    "PinState",
+    "PinState", "LayoutNotFound", "LayoutMismatch", "LayoutWriter", "LayoutInfo",
 ]
 
 

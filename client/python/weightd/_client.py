@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import grpc
 
 from . import _fdsock, _pin
-from ._errors import WeightdError
+from ._errors import WeightdError, layout_error
+from ._layout import DEFAULT_WAIT_SECONDS, LayoutWriter, TensorSpec, gpu_uuid, tensor_specs
 from ._model import EntryTable, Model, TensorTable, _Lease
 from ._native import PackedTable, Segment
 from ._types import LoadProgress, LoadResult, Manifest, ModelInfo, SegmentInfo, TensorInfo, UnloadResult
@@ -201,9 +202,79 @@ class Client:
                                f"fd socket: {len(fds)} fds for {len(response.segments)} staged segments")
         return Update(self._stub, response, connection, fds, version_label)
 
+    def publish_layout(self, model: str, key: str, tensors: Mapping[str, TensorSpec], *, rank: int = 0,
+                       identity: Optional[Mapping[str, str]] = None, device: Union[str, int, None] = None,
+                       wait: Union[bool, float] = False) -> LayoutWriter:
+        """Opens the publish of runtime layout `key` of `model`'s current generation and rank `rank`.
+
+            with client.publish_layout("llama", "myengine/int8", {"qkv": ("I8", (3072, 1024)),
+                                                                  "qkv.scale": (torch.float32, (3072,))},
+                                       identity={"engine": "myengine 1.2", "quant": "int8"}) as w:
+                w["qkv"].copy_(q)        # writable CPU tensors over the staged memory
+                w["qkv.scale"].copy_(s)  # committed on a clean exit, aborted on an exception
+
+        tensors: {name: (dtype, shape)} or {name: (dtype, shape, strides)}, in
+        the order they are staged; dtype a safetensors string ("I8", "BF16")
+        or a torch.dtype, strides in elements as torch.Tensor.stride() gives
+        them (the tensor then covers the bytes they reach). identity: the
+        strings that decide the layout (engine and version, layout ABI,
+        quantization, parallel sizes, device arch); attach(identity=...) must
+        match it exactly. device: None places every tensor on the host (one
+        shared copy on the node); otherwise every tensor is DEVICE-placed on
+        that GPU: a UUID as the daemon reports it ("GPU-...", or
+        "GPU-emulated-N" on an emulated backend), "cuda" for the rank's GPU in
+        the model's plan, or "cuda:N" / N for this process's CUDA device N
+        (resolved to its UUID by torch 2.0+). Device tensors are written on the
+        host too and copied onto a daemon-owned arena at commit.
+        wait: True (600 s) or seconds: when another writer is publishing the
+        same layout, wait for it instead of failing with ALREADY_EXISTS; if it
+        commits, the returned writer has published_by_other True and nothing
+        to write (attach the layout); if it aborts, this one gets the publish.
+
+        Returns a LayoutWriter whose fd-socket connection is the publish's
+        lease: this process dying or closing it aborts. Raises WeightdError:
+        NOT_FOUND (no such model or rank), ALREADY_EXISTS (another writer is
+        publishing it, or it is published: attach it, or drop_layout first),
+        DEADLINE_EXCEEDED (wait ran out), INVALID_ARGUMENT (bad key, identity,
+        names, shapes or strides), FAILED_PRECONDITION (an unknown GPU),
+        RESOURCE_EXHAUSTED (no memory to stage).
+        """
+        wait_seconds = DEFAULT_WAIT_SECONDS if wait is True else float(wait or 0)
+        placement = pb.HOST if device is None else pb.DEVICE
+        request = pb.BeginLayoutRequest(name=model, key=key, identity=dict(identity or {}), rank=rank,
+                                        tensors=tensor_specs(tensors, placement),
+                                        gpu_uuid="" if device is None else gpu_uuid(device),
+                                        wait_seconds=wait_seconds)
+        response = self._call(self._stub.BeginLayout, request)
+        if response.published:
+            return LayoutWriter(self._stub, key, response, None, [])
+        fd_socket = os.environ.get("WEIGHTD_FD_SOCKET") or response.fd_socket
+        try:
+            connection, fds = _fdsock.claim(fd_socket, response.writer_id, response.claim_timeout_seconds)
+        except WeightdError:
+            self._abort_layout_quietly(response.writer_id)
+            raise
+        if len(fds) != len(response.segments):
+            for fd in fds:
+                os.close(fd)
+            connection.close()  # the daemon aborts the publish
+            raise WeightdError(grpc.StatusCode.INTERNAL,
+                               f"fd socket: {len(fds)} fds for {len(response.segments)} staged memfds")
+        return LayoutWriter(self._stub, key, response, connection, fds)
+
+    def drop_layout(self, model: str, key: str, rank: Optional[int] = None) -> int:
+        """Removes layout `key` (of rank `rank`; None: of every rank) from `model`'s current generation:
+        no new attaches, leases on it keep its memory until they end. Returns how many were
+        removed; WeightdError NOT_FOUND, naming the layouts it has, when none."""
+        request = pb.DropLayoutRequest(name=model, key=key)
+        if rank is not None:
+            request.rank = rank
+        return int(self._call(self._stub.DropLayout, request).dropped)
+
     def attach(self, model: str, rank: int = 0, *, private: bool = False, prefault: bool = False,
                numa_node: Optional[int] = None, pin: _pin.PinSpec = False,
-               pin_chunk_bytes: int = _pin.DEFAULT_CHUNK_BYTES) -> Model:
+               pin_chunk_bytes: int = _pin.DEFAULT_CHUNK_BYTES, layout: Optional[str] = None,
+               identity: Optional[Mapping[str, str]] = None) -> Model:
         """Takes a lease on `model` and maps rank `rank`; returns a Model.
 
         numa_node: for a model loaded with numa_copies=True, map the copy on
@@ -242,17 +313,28 @@ class Client:
         WeightdError(UNAVAILABLE). Refused (INVALID_ARGUMENT) with
         private=True, or for a pattern that matches no host tensor.
 
+        layout: attach runtime layout `layout` of the current generation and
+        rank instead of its checkpoint tensors (Model.layout names it); the
+        lease holds the generation too. Tensors keep the strides they were
+        published with (TensorInfo.strides; to_torch() gives them).
+        identity: checked strictly against the identity the layout was
+        published with (None or {}: not checked; Model.identity gives it).
+        Raises weightd.LayoutNotFound (NOT_FOUND, naming the keys published
+        for this generation and rank) and weightd.LayoutMismatch
+        (FAILED_PRECONDITION, naming every field that differs).
+
         Raises WeightdError with the daemon's code: NOT_FOUND, FAILED_PRECONDITION
         (draining, or private=True with a CUDA arena), ...; UNAVAILABLE when a
         device arena cannot be imported here (e.g. no CUDA driver in this
         process's view).
         """
         return self._attach(model, rank, private=private, prefault=prefault, numa_node=numa_node, pin=pin,
-                            pin_chunk_bytes=pin_chunk_bytes)
+                            pin_chunk_bytes=pin_chunk_bytes, layout=layout, identity=identity)
 
     def _attach(self, model: str, rank: int = 0, *, private: bool = False, prefault: bool = False,
                 packed: bool = True, numa_node: Optional[int] = None, pin: _pin.PinSpec = False,
-                pin_chunk_bytes: int = _pin.DEFAULT_CHUNK_BYTES) -> Model:
+                pin_chunk_bytes: int = _pin.DEFAULT_CHUNK_BYTES, layout: Optional[str] = None,
+                identity: Optional[Mapping[str, str]] = None) -> Model:
         """attach(); packed=False asks for one TensorEntry per tensor, as clients before the
         packed table did (tests/bench/py_attach.py --entries, and tests comparing the
         two encodings); a daemon that predates the packed table answers so anyway."""
@@ -264,7 +346,15 @@ class Client:
                                    cpus=sorted(os.sched_getaffinity(0)))
         if numa_node is not None:
             request.numa_node = numa_node
-        response = self._call(self._stub.Attach, request)
+        if identity and layout is None:
+            raise ValueError("attach(identity=...) checks a layout's identity and needs layout=")
+        if layout is not None:
+            request.layout = layout
+            request.identity.update(identity or {})
+        try:
+            response = self._call(self._stub.Attach, request)
+        except WeightdError as e:
+            raise (layout_error(e) if layout is not None else e) from None
         fd_socket = os.environ.get("WEIGHTD_FD_SOCKET") or response.fd_socket
         try:
             table = _tensor_table(response)
@@ -298,6 +388,12 @@ class Client:
             self._stub.AbortUpdate(pb.AbortUpdateRequest(update_id=update_id), timeout=5)
         except grpc.RpcError:
             pass  # the unclaimed update is aborted at its claim timeout
+
+    def _abort_layout_quietly(self, writer_id: str) -> None:
+        try:
+            self._stub.AbortLayout(pb.AbortLayoutRequest(writer_id=writer_id), timeout=5)
+        except grpc.RpcError:
+            pass  # the unclaimed publish is aborted at its claim timeout
 
     def _detach_quietly(self, lease_id: str) -> None:
         try:

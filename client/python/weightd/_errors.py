@@ -30,3 +30,31 @@ class WeightdError(Exception):
     def from_number(cls, number: int, message: str) -> WeightdError:
         """Wraps a numeric gRPC code (as sent on the fd socket)."""
         return cls(_CODES.get(number, grpc.StatusCode.UNKNOWN), message)
+
+
+class LayoutNotFound(WeightdError):
+    """attach(..., layout=KEY): the model's current generation has no layout KEY
+    for that rank (NOT_FOUND). The message names the keys that exist for it, so
+    an engine can tell a first start (load, post-process, publish) from a typo."""
+
+
+class LayoutMismatch(WeightdError):
+    """attach(..., layout=KEY, identity=...): KEY was published with another
+    identity (FAILED_PRECONDITION). The message names every field that differs;
+    there is no fall-back: publish under another key, or drop the old layout."""
+
+
+# How the daemon words the two (server/registry/registry_layouts.cc).
+_LAYOUT_MISSING = " has no layout "
+_IDENTITY_DIFFERS = " was published with another identity: "
+
+
+def layout_error(error: WeightdError) -> WeightdError:
+    """`error` of an Attach that named a layout, as LayoutNotFound or
+    LayoutMismatch when it is one of those; unchanged otherwise (a missing
+    model stays a plain NOT_FOUND)."""
+    if error.code == grpc.StatusCode.NOT_FOUND and _LAYOUT_MISSING in error.message:
+        return LayoutNotFound(error.code, error.message)
+    if error.code == grpc.StatusCode.FAILED_PRECONDITION and _IDENTITY_DIFFERS in error.message:
+        return LayoutMismatch(error.code, error.message)
+    return error

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import collections.abc
+import dataclasses
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple, TypeVar
 
 import grpc
@@ -220,9 +221,20 @@ class Tensor(_Exporter):
     def shape(self) -> Tuple[int, ...]:
         return self.info.shape
 
+    @property
+    def strides(self) -> Tuple[int, ...]:
+        """A layout tensor's strides in elements, as published; (): contiguous."""
+        return self.info.strides
+
     def to_torch(self) -> torch.Tensor:
-        """A torch.Tensor with the matching torch dtype, sharing this memory."""
-        return _torch.to_torch(self)
+        """A torch.Tensor with the matching torch dtype, sharing this memory (with
+        the published strides for a layout tensor that has them)."""
+        if not self.info.strides:
+            return _torch.to_torch(self)
+        # Exported as the 1-D run of elements the strides reach, then strided in place.
+        flat = dataclasses.replace(self.info, shape=(self.nbytes // _torch.element_size(self.dtype),), strides=())
+        base = _torch.to_torch(Tensor(self._lease, self._segment, flat, self._index))
+        return base.as_strided(self.info.shape, self.info.strides)
 
     @property
     def device_ptr(self) -> int:
@@ -298,6 +310,10 @@ class EntryTable:
         return (t.name, t.dtype, tuple(t.shape), "device" if t.placement == pb.DEVICE else "host", t.segment,
                 t.offset, t.nbytes, tuple(t.full_shape), t.split_dim, t.split_start, t.content_hash)
 
+    def strides(self, i: int) -> Tuple[int, ...]:
+        """A layout tensor's strides in elements; (): contiguous."""
+        return tuple(self._entries[i].strides)
+
     def select(self, patterns: Sequence[str]) -> Tuple[List[int], List[Tuple[int, int]]]:
         selected: List[int] = []
         counts = [[0, 0] for _ in patterns]
@@ -346,6 +362,15 @@ class Model(collections.abc.Mapping[str, Tensor]):
         self._index: Optional[Dict[str, int]] = None  # {name: index}, built on first use (_names)
         self._lease: Optional[_Lease] = lease
         self._lease_id = lease.lease_id
+        # attach(layout=...): the runtime layout's key and the identity it was published with; else "" and {}.
+        self.layout: str = response.layout
+        self.identity: Dict[str, str] = dict(response.identity)
+
+    def _info(self, index: int) -> TensorInfo:
+        """Tensor `index` of the table as a TensorInfo (with its strides when a layout's)."""
+        fields = _decoded(self._table.info, index)
+        strides = self._table.strides(index) if isinstance(self._table, EntryTable) else ()
+        return TensorInfo(*fields, strides=strides)
 
     def _names(self) -> Dict[str, int]:
         """{name: index}, built by the first lookup in one native loop (about 0.5 us per
@@ -360,7 +385,7 @@ class Model(collections.abc.Mapping[str, Tensor]):
     def __getitem__(self, name: str) -> Tensor:
         lease = self._open_lease()
         index = self._names()[name]
-        info = TensorInfo(*_decoded(self._table.info, index))
+        info = self._info(index)
         return Tensor(lease, lease.segments[info.segment], info, index)
 
     def __iter__(self) -> Iterator[str]:
@@ -374,12 +399,12 @@ class Model(collections.abc.Mapping[str, Tensor]):
 
     def tensor_info(self, name: str) -> TensorInfo:
         """The manifest entry of `name` (KeyError when this rank has no such tensor)."""
-        return TensorInfo(*_decoded(self._table.info, self._names()[name]))
+        return self._info(self._names()[name])
 
     @property
     def manifest(self) -> Manifest:
         return Manifest(self.name, self.generation, self.rank, self.fingerprint, self._segments,
-                        tuple(TensorInfo(*_decoded(self._table.info, i)) for i in range(len(self._table))),
+                        tuple(self._info(i) for i in range(len(self._table))),
                         self.version_label)
 
     @property
@@ -455,4 +480,5 @@ class Model(collections.abc.Mapping[str, Tensor]):
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"{len(self)} tensors"
-        return f"<weightd.Model {self.name!r} generation {self.generation} rank {self.rank}: {state}>"
+        layout = f" layout {self.layout!r}" if self.layout else ""
+        return f"<weightd.Model {self.name!r} generation {self.generation} rank {self.rank}{layout}: {state}>"

@@ -68,6 +68,12 @@ def torch_dtype(dtype: str) -> torch.dtype:
                                 f"({why}); Tensor.raw() exports its bytes")
 
 
+def element_size(dtype: str) -> int:
+    """Bytes per element of the torch dtype of safetensors dtype `dtype` (UnsupportedDtypeError as torch_dtype)."""
+    import torch
+    return int(torch.empty((), dtype=torch_dtype(dtype)).element_size())
+
+
 def to_torch_cuda(view: PinnedView) -> torch.Tensor:
     """A torch CUDA tensor over a pinned host tensor's pages (a weightd.PinnedView), no copy.
 

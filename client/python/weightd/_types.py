@@ -36,9 +36,32 @@ class WatchEventKind(_StrEnum):
     DRAINING = "DRAINING"
     FREED = "FREED"
     UNLOADED = "UNLOADED"
-    LAYOUT_PUBLISHED = "LAYOUT_PUBLISHED"
-    LAYOUT_DROPPED = "LAYOUT_DROPPED"
-    LAYOUT_DRAINING = "LAYOUT_DRAINING"
+    LAYOUT_PUBLISHED = "LAYOUT_PUBLISHED"  # WatchEvent.layout of rank WatchEvent.rank was committed
+    LAYOUT_DROPPED = "LAYOUT_DROPPED"      # removed (drop_layout or an unload): no new attaches
+    LAYOUT_DRAINING = "LAYOUT_DRAINING"    # its generation drains: publish again for the new one
+
+
+@dataclass(frozen=True)
+class LayoutInfo:
+    """One published runtime layout of a generation (docs/api.md "Runtime layouts")."""
+    key: str
+    rank: int
+    identity: Dict[str, str]
+    generation: int  # the model generation it belongs to
+    tensor_count: int
+    host_bytes: int
+    device_bytes: Dict[str, int]  # by GPU UUID
+    leases: int  # active leases on this layout
+    fingerprint: str  # 32 hex digits over names, dtypes, shapes, strides and content hashes
+    publish_seconds: float  # sealing, hashing and device copies at commit, on the daemon
+    published_at: float  # seconds since the Unix epoch
+
+    @classmethod
+    def from_proto(cls, m: Any) -> LayoutInfo:
+        return cls(key=m.key, rank=m.rank, identity=dict(m.identity), generation=m.generation,
+                   tensor_count=m.tensor_count, host_bytes=m.host_bytes,
+                   device_bytes={d.gpu_uuid: d.bytes for d in m.device_bytes}, leases=m.leases,
+                   fingerprint=m.fingerprint, publish_seconds=m.publish_seconds, published_at=m.published_at)
 
 
 @dataclass(frozen=True)
@@ -62,6 +85,7 @@ class ModelInfo:
     version_label: str = ""  # a writer's tag of the generation (e.g. "step-1200"); "" for loads from disk
     source: str = ""  # where its bytes came from: "storage", "writer" or "peer HOST:PORT"
     numa_nodes: Tuple[int, ...] = ()  # nodes holding a copy of the host segments (numa_copies); (): one copy
+    layouts: Tuple[LayoutInfo, ...] = ()  # the runtime layouts published on this generation
 
     @classmethod
     def from_proto(cls, m: Any) -> ModelInfo:
@@ -71,7 +95,8 @@ class ModelInfo:
             device_bytes={d.gpu_uuid: d.bytes for d in m.device_bytes}, leases=m.leases,
             fingerprint=m.fingerprint, tensor_count=m.tensor_count, tp_size=m.tp_size,
             load_seconds=m.load_seconds, error=m.error, bytes_read=m.bytes_read, bytes_shared=m.bytes_shared,
-            version_label=m.version_label, source=m.source, numa_nodes=tuple(m.numa_nodes))
+            version_label=m.version_label, source=m.source, numa_nodes=tuple(m.numa_nodes),
+            layouts=tuple(LayoutInfo.from_proto(layout) for layout in m.layouts))
 
 
 @dataclass(frozen=True)
@@ -146,6 +171,8 @@ class TensorInfo:
     split_dim: int  # -1: not split
     split_start: int
     content_hash: str
+    # A layout tensor's strides in elements (as torch.Tensor.stride()); (): contiguous.
+    strides: Tuple[int, ...] = ()
 
     @classmethod
     def from_proto(cls, t: Any) -> TensorInfo:
@@ -153,7 +180,7 @@ class TensorInfo:
             name=t.name, dtype=t.dtype, shape=tuple(t.shape),
             placement="device" if t.placement == pb.DEVICE else "host", segment=t.segment,
             offset=t.offset, nbytes=t.nbytes, full_shape=tuple(t.full_shape), split_dim=t.split_dim,
-            split_start=t.split_start, content_hash=t.content_hash)
+            split_start=t.split_start, content_hash=t.content_hash, strides=tuple(t.strides))
 
 
 @dataclass(frozen=True)
@@ -191,8 +218,11 @@ class WatchEvent:
     version_label: str
     fingerprint: str
     time: float  # when it happened, seconds since the Unix epoch
+    layout: str = ""  # LAYOUT_* events: the layout key
+    rank: int = 0     # LAYOUT_* events: its rank
 
     @classmethod
     def from_proto(cls, e: Any) -> WatchEvent:
         return cls(kind=WatchEventKind(pb.ModelEvent.Kind.Name(e.kind)), model=e.model, generation=e.generation,
-                   version_label=e.version_label, fingerprint=e.fingerprint, time=e.time)
+                   version_label=e.version_label, fingerprint=e.fingerprint, time=e.time, layout=e.layout,
+                   rank=e.rank)

@@ -4,11 +4,20 @@
     with weightd.connect().attach("bert") as weights:
         keys = weightd.torch.load_into(module, weights)   # every parameter now lives in weightd's memory
 
+A post-processed module (fused, re-quantized, transposed: any names, dtypes
+and shapes) is published once as a runtime layout, and later processes bind
+it into the same module structure built on the meta device:
+
+    weightd.torch.publish_module(client, "bert", "myengine/int8", module, identity=identity)
+    ...
+    with client.attach("bert", layout="myengine/int8", identity=identity) as layout:
+        weightd.torch.load_into(meta_module, layout)
+
 Importing this module imports torch; `import weightd` alone does not.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Set, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import torch
 
@@ -17,7 +26,7 @@ import weightd
 if TYPE_CHECKING:
     from torch.nn.modules.module import _IncompatibleKeys
 
-__all__ = ["load_into"]
+__all__ = ["load_into", "publish_module"]
 
 
 class _Slot:
@@ -183,3 +192,65 @@ def load_into(module: torch.nn.Module, weights: Mapping[str, Union[weightd.Tenso
     for slot, _, _ in tensors:
         _retie(slot)
     return _incompatible(missing, unexpected)
+
+
+def _dense_strides(tensor: torch.Tensor) -> bool:
+    """Whether `tensor`'s elements fill exactly the span its strides reach, with
+    no gap and no overlap (contiguous, or a permutation of dims such as .t())."""
+    dims = sorted((stride, size) for size, stride in zip(tensor.shape, tensor.stride()) if size != 1)
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _layout_strides(tensor: torch.Tensor) -> Optional[Sequence[int]]:
+    """The strides a tensor is published with: None (contiguous) when it is
+    contiguous or has gaps or overlaps (it is then published contiguous), its
+    own when it is a dense permutation (a transposed matrix keeps its layout)."""
+    if tensor.is_contiguous() or not _dense_strides(tensor):
+        return None
+    return tuple(tensor.stride())
+
+
+def publish_module(client: weightd.Client, model: str, key: str, module: torch.nn.Module, *, rank: int = 0,
+                   identity: Optional[Mapping[str, str]] = None, device: Union[str, int, None] = None,
+                   wait: Union[bool, float] = False) -> Optional[weightd.LayoutInfo]:
+    """Publishes every parameter and persistent buffer of `module` as runtime layout `key` of `model`.
+
+    Names are the module's state_dict keys; a tied group (one tensor under
+    several names) is published once, under its first name, and load_into
+    ties it again. Each tensor keeps its dtype and shape; a dense
+    non-contiguous tensor (a transposed matrix) keeps its strides, so that
+    the attached tensor is laid out, and computes, exactly as this one; one
+    with gaps or overlaps (a slice, an expand) is published contiguous.
+    Values are copied from CPU or CUDA tensors into the staged memory (one
+    copy; device-to-host for CUDA). rank, identity, device, wait: as
+    Client.publish_layout (device None: every tensor is host-placed,
+    wherever the module's tensors are).
+
+    Returns the published LayoutInfo, or None when wait found the layout
+    published by another writer (nothing of this module was written).
+    Raises WeightdError as Client.publish_layout and LayoutWriter.commit
+    (nothing is published then); ValueError for a dtype safetensors cannot name.
+    """
+    slots, _ = _slots(module)
+    tensors: Dict[str, torch.Tensor] = {}
+    for name, slot in slots.items():
+        if name == slot.names[0]:
+            tensors[name] = slot.tensor.detach()
+    specs: Dict[str, Any] = {}
+    for name, tensor in tensors.items():
+        strides = _layout_strides(tensor)
+        specs[name] = (tensor.dtype, tuple(tensor.shape)) if strides is None else \
+            (tensor.dtype, tuple(tensor.shape), strides)
+    with client.publish_layout(model, key, specs, rank=rank, identity=identity, device=device, wait=wait) as writer:
+        if writer.published_by_other:
+            return None
+        with torch.no_grad():
+            for name, tensor in tensors.items():
+                if tensor.numel():
+                    writer[name].copy_(tensor)
+    return writer.result
