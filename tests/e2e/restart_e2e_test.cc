@@ -171,6 +171,51 @@ TEST_F(RestartE2E, SigkilledDaemonServesEveryModelAgainWithoutReadingACheckpoint
   EXPECT_EQ(json::parse(again.out)["generation"], 3);
 }
 
+// Runtime layouts are kept with their generation (docs/api.md "Runtime
+// layouts"): a publish rewrites the record, and a SIGKILLed daemon serves
+// each rank's layout again, device arenas included, with the same bytes.
+TEST_F(RestartE2E, LayoutsComeBackAfterASigkilledDaemonRestarts) {
+  std::string small = Demo("small", "small");
+  Start();
+  ASSERT_EQ(Ctl(Tp2Plan("llama", small)).code, 0);
+  WaitForRecords(1);
+  for (const char* rank : {"0", "1"}) {
+    CommandResult w = testing::RunCommand({LAYOUT_WRITER_HELPER, socket_, "llama", "eng/fused", rank, "publish", "device"});
+    ASSERT_EQ(w.code, 0) << w.out << w.err;
+    EXPECT_TRUE(absl::StartsWith(w.out, "committed ")) << w.out;
+  }
+  // Each publish wrote the record again under a new name; the old one left.
+  EXPECT_TRUE(FdStoreStandIn::WaitUntil([&] { return store_.Stored().count("wd-rec-1.2") == 1; },
+                                        std::chrono::seconds(10)));
+  WaitForRecords(1);
+  CommandResult before = Ctl({"layouts", "llama", "--json"});
+  ASSERT_EQ(before.code, 0) << before.err;
+
+  EXPECT_EQ(store_.Kill(SIGKILL), 128 + SIGKILL);
+  ASSERT_EQ(rename(small.c_str(), (small + ".moved").c_str()), 0);
+  Start();
+
+  std::string log = store_.Stderr(1);
+  EXPECT_TRUE(absl::StrContains(log, "restored 2 runtime layout(s) of 'llama' generation 1 from the fd store")) << log;
+  CommandResult after = Ctl({"layouts", "llama", "--json"});
+  ASSERT_EQ(after.code, 0) << after.err;
+  json a = json::parse(after.out), b = json::parse(before.out);
+  ASSERT_EQ(a["layouts"].size(), 2u) << after.out;
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(a["layouts"][i]["key"], "eng/fused");
+    EXPECT_EQ(a["layouts"][i]["rank"], i);
+    EXPECT_EQ(a["layouts"][i]["fingerprint"], b["layouts"][i]["fingerprint"]);
+    EXPECT_EQ(a["layouts"][i]["identity"], b["layouts"][i]["identity"]);
+  }
+  for (const char* rank : {"0", "1"}) {
+    CommandResult r = Ctl({"attach", "llama", "--rank", rank, "--layout", "eng/fused", "--identity", "engine=e2e",
+                           "--verify-layout", "--json"});
+    ASSERT_EQ(r.code, 0) << r.err;
+    EXPECT_EQ(json::parse(r.out)["verified"], true) << r.out;
+  }
+  EXPECT_EQ(Count(store_.Stored(), "wd-rec-"), 1);
+}
+
 // Without the key (removed, or refused) records are not authenticated:
 // every host tensor is hashed again before it is served, and the daemon
 // makes a new key for the records it writes from then on.
