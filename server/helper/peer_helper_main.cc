@@ -36,6 +36,7 @@
 #include <ucp/api/ucp.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -422,6 +423,7 @@ struct Join {
     uint64_t size = 0;
     uint32_t receiving = 0;  // replies still landing in it
     uint64_t last_at = 0;    // test fault "late-write": a byte reported done
+    uint64_t page = 4096;    // 2 MiB for hugetlb and advised THP destinations
   };
   std::vector<Destination> destinations;
   uint64_t piece_bytes = 0;
@@ -446,6 +448,22 @@ void ReportDone(uint64_t id, int code, const std::string& text) {
   done.id = id;
   std::snprintf(done.text, sizeof done.text, "%s", text.c_str());
   SendControl(&done, sizeof done);
+}
+
+// MADV_POPULATE_WRITE (Linux 5.14) for C libraries that predate it.
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+
+// Makes the pages of bytes [at, at + n) of a destination before the bytes
+// arrive: one call allocates, zeroes and maps them (whole 2 MiB pages for
+// huge destinations) instead of a page fault per 4 KiB page inside the
+// socket receive, the costliest part of filling fresh memory on a VM
+// (docs/performance.md). Best effort: without it pages fault in.
+void Populate(const Join::Destination& d, uint64_t at, uint64_t n) {
+  uint64_t start = at / d.page * d.page;
+  uint64_t end = std::min((at + n + d.page - 1) / d.page * d.page, (d.size + 4095) / 4096 * 4096);
+  if (end > start) (void)madvise(d.base + start, end - start, MADV_POPULATE_WRITE);
 }
 
 void OnEndpointError(void*, ucp_ep_h, ucs_status_t status) { Fail(UcxWhy("the connection to the seed failed", status)); }
@@ -491,6 +509,7 @@ ucs_status_t OnReply(void* arg, const void* header, size_t header_length, void* 
   const uint32_t destination = p->destination;
   Join::Destination& d = join.destinations[destination];
   char* dst = d.base + p->at;
+  Populate(d, p->at, n);
   d.last_at = p->at;
   p->replied = true;
   if (p->sent) delete p;
@@ -616,6 +635,7 @@ void Release(Join& join, uint32_t destination) {
       // A shmem page is huge or not by the mapping that faults it in.
       if (advise_huge) madvise(p, d.size, MADV_HUGEPAGE);
       d.base = static_cast<char*>(p);
+      if (advise_huge || st.st_blksize == (2 << 20)) d.page = 2 << 20;
     }
     close(fd);
     join.destinations.push_back(d);

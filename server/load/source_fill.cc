@@ -18,7 +18,10 @@ namespace weightd {
 SourceFill::SourceFill(HostSource& source, std::vector<HostSegment*> segments,
                        std::vector<std::vector<SegmentTensor>> tensors,
                        std::vector<std::vector<uint64_t>>& block_hashes)
-    : source_(source), segments_(std::move(segments)), tensors_(std::move(tensors)), block_hashes_(block_hashes) {}
+    : source_(source), segments_(std::move(segments)), tensors_(std::move(tensors)), block_hashes_(block_hashes) {
+  absl::MutexLock lock(&mu_);
+  stage_.assign(segments_.size(), Stage::kFresh);
+}
 
 SourceFill::~SourceFill() { (void)Wait(); }
 
@@ -34,6 +37,23 @@ void SourceFill::Start(int threads) {
     Finish(st);
   });
   for (int i = 0; i < std::max(threads, 1); ++i) threads_.emplace_back([this] { Hasher(); });
+  threads_.emplace_back([this] { Populator(); });
+}
+
+void SourceFill::Populator() {
+  for (size_t i = 0; i < segments_.size(); ++i) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (fill_done_ || !error_.ok()) return;
+      if (stage_[i] != Stage::kFresh) continue;  // the source got there first
+      stage_[i] = Stage::kPopulating;
+    }
+    // Best effort: without MADV_POPULATE_WRITE, or short of memory, the
+    // source's writes make the pages.
+    (void)segments_[i]->Populate(0, segments_[i]->size());
+    absl::MutexLock lock(&mu_);
+    stage_[i] = Stage::kFresh;
+  }
 }
 
 absl::Status SourceFill::Wait() {
@@ -49,8 +69,16 @@ void SourceFill::Finish(absl::Status status) {
 
 // In the source's thread: the seal is the check that the source let go.
 absl::Status SourceFill::Filled(uint32_t segment) {
-  if (segment >= segments_.size() || segments_[segment]->sealed()) {
-    return absl::InternalError(absl::StrCat("host segment ", segment, " reported filled twice or unknown"));
+  {
+    absl::MutexLock lock(&mu_);
+    if (segment >= segments_.size() || stage_[segment] == Stage::kReported) {
+      return absl::InternalError(absl::StrCat("host segment ", segment, " reported filled twice or unknown"));
+    }
+    auto not_populating = [this, segment]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return stage_[segment] != Stage::kPopulating;
+    };
+    mu_.Await(absl::Condition(&not_populating));
+    stage_[segment] = Stage::kReported;
   }
   absl::Status sealed = segments_[segment]->Seal(/*lock=*/false);
   if (!sealed.ok()) return Annotate(sealed, absl::StrCat("sealing host segment ", segment, " after its transfer"));

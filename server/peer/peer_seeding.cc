@@ -144,7 +144,7 @@ std::string PeerReasonOf(const absl::Status& status) {
 uint32_t ChoosePeerLanes(uint64_t host_bytes, uint32_t configured, unsigned cores) {
   if (configured > 0) return std::min(configured, kMaxPeerLanes);
   uint64_t by_size = std::max<uint64_t>(1, host_bytes / kPeerBytesPerLane);
-  uint64_t by_cores = std::max(1u, cores / 2);
+  uint64_t by_cores = std::max(1u, cores);
   return static_cast<uint32_t>(std::min<uint64_t>({by_size, by_cores, kMaxAutoPeerLanes}));
 }
 

@@ -35,9 +35,10 @@ std::string PeerReasonOf(const absl::Status& status);
 
 // Lanes of a transfer (PeerConnectOptions::lanes): `configured` when not 0
 // (--peer-lanes, at most kMaxPeerLanes); else one per kPeerBytesPerLane
-// of host bytes and per two cores (each lane's helper and its seed-side
-// sends take about a core; the hashing and the rest of the daemon the
-// others), at least 1, at most kMaxAutoPeerLanes.
+// of host bytes and per core, at least 1, at most kMaxAutoPeerLanes. Per
+// core, not fewer: a receiving helper spends most of its time creating the
+// fresh pages it receives into, which parallelises across helpers (2 lanes
+// beat 1 on 2 shared cores, 4 did not beat 2: docs/performance.md).
 inline constexpr uint64_t kPeerBytesPerLane = 256ull << 20;
 inline constexpr uint32_t kMaxAutoPeerLanes = 4;
 uint32_t ChoosePeerLanes(uint64_t host_bytes, uint32_t configured,

@@ -148,8 +148,8 @@ TEST_F(PeerSeedingTest, LanesFollowTheConfigElseSizeAndCores) {
   EXPECT_EQ(ChoosePeerLanes(10ull << 30, 3, 2), 3u);
   EXPECT_EQ(ChoosePeerLanes(10ull << 30, 100, 2), kMaxPeerLanes);
   EXPECT_EQ(ChoosePeerLanes(100 << 20, 0, 64), 1u);        // small: one lane
-  EXPECT_EQ(ChoosePeerLanes(2500ull << 20, 0, 2), 1u);     // two cores: one lane
-  EXPECT_EQ(ChoosePeerLanes(2500ull << 20, 0, 4), 2u);
+  EXPECT_EQ(ChoosePeerLanes(2500ull << 20, 0, 1), 1u);     // one core: one lane
+  EXPECT_EQ(ChoosePeerLanes(2500ull << 20, 0, 2), 2u);     // one per core
   EXPECT_EQ(ChoosePeerLanes(2500ull << 20, 0, 64), 4u);    // at most kMaxAutoPeerLanes
   EXPECT_EQ(ChoosePeerLanes(600ull << 20, 0, 64), 2u);     // one per 256 MiB
 }
