@@ -50,7 +50,14 @@ void SourceFill::Populator() {
     }
     // Best effort: without MADV_POPULATE_WRITE, or short of memory, the
     // source's writes make the pages.
-    (void)segments_[i]->Populate(0, segments_[i]->size());
+    // Without a mapping where that gives the same pages; THP only through
+    // the advised mapping.
+    HostSegment& segment = *segments_[i];
+    if (segment.page_kind() == PageKind::kShmemThp) {
+      (void)segment.Populate(0, segment.size());
+    } else {
+      (void)segment.Preallocate();
+    }
     absl::MutexLock lock(&mu_);
     stage_[i] = Stage::kFresh;
   }

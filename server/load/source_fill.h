@@ -17,10 +17,11 @@
 //
 // Steps 2-3 run on `threads` hashing threads as segments are reported, so
 // hashing overlaps the arrival of later segments. One more thread makes the
-// pages of the segments ahead of the source (HostSegment::Populate, in plan
-// order): creating a fresh page (allocating and zeroing it) is the costliest
-// part of receiving on a VM (83% of a joiner helper's CPU time on 4 KiB
-// pages, docs/performance.md), and this moves it off the receiving process
+// pages of the segments ahead of the source, in plan order
+// (HostSegment::Preallocate; Populate for THP): creating a fresh page
+// (allocating and zeroing it) is the costliest part of receiving on a VM
+// (83% of a joiner helper's CPU time on 4 KiB pages, docs/performance.md),
+// and this moves it off the receiving process
 // onto another core. A segment is never sealed while it is being populated.
 //
 // Thread-safety: Start, Wait and destruction from one thread;
