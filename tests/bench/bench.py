@@ -1242,8 +1242,8 @@ def _peer_seed(self):
                        "loopback TCP, into memfds whose pages exist, vs the same TCP stream",
                        f"{x:.2f} GB/s", f"{t:.2f} GB/s", f"{x / t:.2f}", ">= 0.8",
                        at_least(x / t, 0.8, f"UCX's send and receive each run in one helper process per lane on "
-                                f"{cores} shared cores, and every page of the destinations is mapped by a "
-                                "fault in the helper"))
+                                f"{cores} shared cores (the seed's one helper sends for every lane), and each "
+                                "receiving helper maps every 4 KiB page of its destinations"))
     for lanes in LANES:
         x = median([r["gbps"] for r in lane_runs[lanes]])
         self.table.add(f"peer seeding ({label}), {lanes} lane(s), 4 KiB pages, vs the same TCP stream",
