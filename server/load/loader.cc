@@ -762,6 +762,7 @@ absl::StatusOr<std::unique_ptr<ModelGeneration>> LoadGeneration(const Catalog& c
     from_source.emplace(*options.host_source, FreshHostSegments(alloc), SegmentTensors(catalog, plan, reuse, block_hashes),
                         block_hashes);
     for (HostSegment* segment : FreshHostSegments(alloc)) WEIGHTD_RETURN_IF_ERROR(segment->SealSize());
+    from_source->set_cancel(options.cancel);
     from_source->Start(cores);
   }
   HostFill fill(*reader, options.huge_fill_budget);

@@ -76,6 +76,7 @@ void SourceFill::Finish(absl::Status status) {
 
 // In the source's thread: the seal is the check that the source let go.
 absl::Status SourceFill::Filled(uint32_t segment) {
+  if (cancel_ != nullptr && cancel_->load()) return absl::UnavailableError("load cancelled: weightd is shutting down");
   {
     absl::MutexLock lock(&mu_);
     if (segment >= segments_.size() || stage_[segment] == Stage::kReported) {

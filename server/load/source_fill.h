@@ -58,6 +58,9 @@ class SourceFill {
              std::vector<std::vector<uint64_t>>& block_hashes);
   ~SourceFill();  // waits for the threads (Wait() was called, or is now)
 
+  // When set and true, the next segment reported filled is refused with
+  // UNAVAILABLE (daemon shutdown), which stops the source. Not owned.
+  void set_cancel(const std::atomic<bool>* cancel) { cancel_ = cancel; }
   // Starts the source's Fill on a thread of its own and `threads` hashers.
   void Start(int threads);
   // Waits for the fill and every hash: OK when every segment is sealed and
@@ -78,6 +81,7 @@ class SourceFill {
   const std::vector<std::vector<SegmentTensor>> tensors_;
   std::vector<std::vector<uint64_t>>& block_hashes_;
   std::atomic<uint64_t> hashed_{0};
+  const std::atomic<bool>* cancel_ = nullptr;
   std::vector<std::thread> threads_;
   absl::Mutex mu_;
   std::deque<uint32_t> queue_ ABSL_GUARDED_BY(mu_);

@@ -62,9 +62,10 @@ class SourceFillTest : public ::testing::Test {
     tensors_ = {{{0, 0, 100}, {1, 128, 3872}}, {{2, 0, (20ull << 20) - 1}}};
     hashes_ = {{0}, {0}, {0, 0}};
   }
-  absl::Status Run(ScriptedSource& source) {
+  absl::Status Run(ScriptedSource& source, const std::atomic<bool>* cancel = nullptr) {
     std::vector<HostSegment*> raw = {segments_[0].get(), segments_[1].get()};
     SourceFill fill(source, raw, tensors_, hashes_);
+    fill.set_cancel(cancel);
     fill.Start(2);
     absl::Status st = fill.Wait();
     bytes_hashed_ = fill.bytes_hashed();
@@ -107,6 +108,13 @@ TEST_F(SourceFillTest, ASourceThatStillMapsASegmentFailsItsSeal) {
   source.keep_mapping = true;
   EXPECT_THAT(Run(source), StatusIs(absl::StatusCode::kFailedPrecondition,
                                     "sealing host segment 0 after its transfer: the memfd is still mapped writable"));
+  EXPECT_FALSE(segments_[0]->sealed());
+}
+
+TEST_F(SourceFillTest, ACancelledLoadRefusesTheNextSegmentAndStopsTheSource) {
+  ScriptedSource source;
+  std::atomic<bool> cancel{true};
+  EXPECT_THAT(Run(source, &cancel), StatusIs(absl::StatusCode::kUnavailable, "load cancelled: weightd is shutting down"));
   EXPECT_FALSE(segments_[0]->sealed());
 }
 
