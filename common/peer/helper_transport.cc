@@ -4,8 +4,8 @@
 // a SOCK_SEQPACKET control socket. weightd itself links no UCX.
 //
 // Joiner side: each lane's helper maps the destinations (the new
-// generation's segments) writable and UCX receives straight into them: one
-// copy from the socket. Nothing here trusts those bytes: the caller seals
+// generation's segments) writable and UCX receives into them: weightd
+// copies nothing. Nothing here trusts those bytes: the caller seals
 // each destination after Release() (F_SEAL_WRITE fails while any process
 // maps it writable) and hashes it after the seal (peer_transport.h).
 #include <fcntl.h>

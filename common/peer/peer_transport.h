@@ -75,8 +75,8 @@ class PeerExport {
 // truncate memory the caller maps. The fd is borrowed: the transport takes
 // its own reference and gives it up in Release().
 //
-// Why a transport may write the caller's segments directly (issue 28, one
-// copy instead of two): the caller never trusts what it wrote. It seals a
+// Why a transport may write the caller's segments directly (issue 28: no
+// staging copy in the caller): the caller never trusts what it wrote. It seals a
 // destination (F_SEAL_WRITE, which the kernel refuses with EBUSY while any
 // process still maps the file writable) only after Release(), and hashes it
 // only after the seal; a transport process that kept a mapping fails the
