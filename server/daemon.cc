@@ -402,6 +402,7 @@ class DaemonImpl final : public Daemon {
     PeerJoinOptions join;
     join.peers = config_.peers;
     join.deadline = std::chrono::milliseconds(static_cast<int64_t>(config_.peer_deadline_seconds * 1000));
+    join.lanes = static_cast<uint32_t>(config_.peer_lanes);
     join.transport = [this]() -> absl::StatusOr<PeerTransport*> { return PeerTransportOnce(); };
     if (!config_.peer_tls_cert.empty()) {
       grpc::SslCredentialsOptions tls;
@@ -425,6 +426,9 @@ class DaemonImpl final : public Daemon {
       helper.helper_path = config_.peer_helper.empty() ? DefaultPeerHelperPath() : config_.peer_helper;
       helper.user = config_.peer_helper_user;
       helper.sandbox = config_.peer_helper_sandbox;
+      if (config_.peer_test_fault == "helper-keeps-mapping") helper.test_fault = "keep-mapping";
+      if (config_.peer_test_fault == "helper-writes-late") helper.test_fault = "late-write";
+      if (!helper.test_fault.empty()) LogWarning(absl::StrCat("TEST FAULT '", config_.peer_test_fault, "' in joiner helpers"));
       if (!helper.sandbox) LogWarning("--peer-helper-sandbox false: transfer helpers run without Landlock and seccomp");
       WEIGHTD_ASSIGN_OR_RETURN(peer_transport_, MakeUcxHelperTransport(helper));
       LogInfo(absl::StrCat("peer transport: UCX, one ", helper.helper_path, " process per transfer",

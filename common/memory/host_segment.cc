@@ -105,6 +105,15 @@ absl::StatusOr<uint64_t> HostSegment::Populate(uint64_t offset, uint64_t n) {
   return ErrnoToStatus(absl::StrCat("madvise(MADV_POPULATE_WRITE) of ", end - start, " bytes"), errno);
 }
 
+absl::Status HostSegment::Preallocate() {
+  if (sealed_) return absl::FailedPreconditionError("segment already sealed");
+  if (size_ == 0) return absl::OkStatus();
+  while (fallocate(fd_, 0, 0, static_cast<off_t>(size_)) != 0) {
+    if (errno != EINTR) return ErrnoToStatus(absl::StrCat("fallocate of a ", size_, "-byte segment"), errno);
+  }
+  return absl::OkStatus();
+}
+
 void HostSegment::AvoidHugePages() {
   if (!sealed_ && base_ != nullptr && kind_ == PageKind::kShmemThp) madvise(base_, size_, MADV_NOHUGEPAGE);
 }

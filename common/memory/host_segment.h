@@ -74,6 +74,14 @@ class HostSegment {
   // RESOURCE_EXHAUSTED on ENOMEM (or a hugetlb pool run dry: EFAULT).
   // Returns the bytes of the whole pages it covered.
   absl::StatusOr<uint64_t> Populate(uint64_t offset, uint64_t n);
+  // Before Seal(): allocates (and the kernel zeroes) every page of the
+  // segment without mapping any (fallocate(2)), for a segment that another
+  // process fills through its own mapping (peer seeding,
+  // server/load/source_fill.h): the pages' creation then costs this thread,
+  // not the filler, and this process tears down no page table entries at
+  // Seal(). Not for kShmemThp (no mapping advises the allocation: the pages
+  // would be 4 KiB). Errors keep errno (ENOSPC, ENOMEM: RESOURCE_EXHAUSTED).
+  absl::Status Preallocate();
   // Before Seal(): asks that pages not allocated yet be 4 KiB
   // (madvise(MADV_NOHUGEPAGE)), after a compaction stall. Best effort.
   void AvoidHugePages();

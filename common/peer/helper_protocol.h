@@ -9,8 +9,9 @@
 // software RMA does the same for GETs). So weightd never runs UCX itself.
 // Each transfer gets a helper process that
 //   - maps only the bytes of that transfer: a seed's helper the sealed
-//     segments of one generation, read-only; a joiner's helper one staging
-//     buffer, never the segments being filled;
+//     segments of one generation, read-only; a joiner's helper the fresh
+//     segments being filled (size-sealed memfds of the new generation),
+//     writable, until weightd asks it to release them;
 //   - switches to an unprivileged user (UcxHelperOptions::user) and sets
 //     no_new_privs before UCX starts, and once UCX is up (a joiner: once
 //     connected) sandboxes itself: Landlock without file system rights,
@@ -19,7 +20,12 @@
 //   - dies with its transfer (the daemon closes the control socket, then
 //     SIGKILLs and reaps it).
 // A peer that takes over a helper therefore gets the bytes it could read
-// anyway, or can write only bytes that the daemon copies out and hashes.
+// anyway, or can write only bytes of a generation that is not served yet
+// and never will be unless they pass the seal and the hashes: weightd seals
+// each destination (F_SEAL_WRITE, refused with EBUSY while any process maps
+// it writable, so a helper, or a child it forked, that kept a mapping fails
+// the transfer) and only then hashes every tensor against the seed's
+// hashes (docs/operations.md "Transfer helpers").
 //
 // Control socket: a SOCK_SEQPACKET socketpair at fd 3 of the helper; one
 // message per struct below, native byte order (same host, same binary
@@ -30,10 +36,14 @@
 //          helper -> daemon: Ready (token + worker address) or Error
 //          daemon -> helper: Count; helper -> daemon: Count with the bytes
 //          of the regions it has sent (replies UCX completed)
-//   join:  weightd-peer-helper join SLOT_BYTES SLOTS [--user NAME] [--no-sandbox]
-//          fd 4: the staging memfd, SLOT_BYTES * SLOTS bytes
-//          daemon -> helper: Connect, then Read ...
-//          helper -> daemon: Ready (connected) or Error, then one Done per Read
+//   join:  weightd-peer-helper join N PIECE_BYTES PIECES [--user NAME] [--no-sandbox]
+//          [--advise-huge] [--test-fault keep-mapping|late-write]
+//          fds 4 .. 4+N-1: the destinations (their whole st_size, mapped
+//          writable before UCX starts, the fds closed)
+//          daemon -> helper: Connect, then Read and Release ...
+//          helper -> daemon: Ready (connected) or Error, then one Done per
+//          Read (at most PIECES in flight) and one Released per Release
+//          (the destination is unmapped)
 //
 // Seed <-> joiner (UCX active messages, ucp_am_send_nbx): the joiner sends
 // AmRequest (header only, with UCP_AM_SEND_FLAG_REPLY); the seed checks the
@@ -53,10 +63,12 @@ inline constexpr int kFirstDataFd = 4;
 inline constexpr uint32_t kTokenBytes = kPeerTokenBytes;
 inline constexpr uint32_t kMaxAddressBytes = kMaxPeerWorkerAddressBytes;
 inline constexpr uint64_t kMaxPieceBytes = 64ull << 20;  // one AmRequest
-inline constexpr uint32_t kMaxSlots = 256;
+inline constexpr uint32_t kMaxSlots = 256;                // pieces in flight per joiner helper
 inline constexpr uint32_t kMaxTextBytes = 480;
 
-enum class Kind : uint32_t { kReady = 1, kError = 2, kConnect = 3, kRead = 4, kDone = 5, kCount = 6 };
+enum class Kind : uint32_t {
+  kReady = 1, kError = 2, kConnect = 3, kRead = 4, kDone = 5, kCount = 6, kRelease = 7, kReleased = 8
+};
 
 // Ready, Error, Connect: a fixed head, then `length` bytes (address or text).
 struct Head {
@@ -69,17 +81,25 @@ struct Head {
 
 struct Read {
   Kind kind = Kind::kRead;
-  uint32_t slot;    // staging slot to fill
-  uint64_t id;      // echoed in Done
+  uint32_t destination;  // fd 4 + destination
+  uint64_t id;           // echoed in Done
   uint32_t region;
   uint32_t reserved = 0;
   uint64_t offset;  // bytes into the region
-  uint64_t n;       // <= the slot size
+  uint64_t n;       // <= PIECE_BYTES
+  uint64_t at;      // bytes into the destination
+};
+
+// Release (weightd asks) and Released (the helper's answer, sent after
+// munmap of the destination returned).
+struct Release {
+  Kind kind = Kind::kRelease;
+  uint32_t destination = 0;
 };
 
 struct Done {
   Kind kind = Kind::kDone;
-  int32_t code;     // absl::StatusCode; 0 = the slot holds the bytes
+  int32_t code;     // absl::StatusCode; 0 = the destination holds the bytes (the helper's claim)
   uint64_t id;
   char text[kMaxTextBytes];  // NUL-terminated reason when code != 0
 };

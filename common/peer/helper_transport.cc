@@ -3,10 +3,11 @@
 // started from the executable's descriptor opened once, and spoken to over
 // a SOCK_SEQPACKET control socket. weightd itself links no UCX.
 //
-// Joiner side: bytes arrive in slots of a staging memfd that only the
-// helper writes; a Read copies each finished slot into the caller's memory
-// and gives the slot back. The caller's memory is never mapped by the
-// helper, so once a Read returns nothing can change what it copied.
+// Joiner side: each lane's helper maps the destinations (the new
+// generation's segments) writable and UCX receives into them: weightd
+// copies nothing. Nothing here trusts those bytes: the caller seals
+// each destination after Release() (F_SEAL_WRITE fails while any process
+// maps it writable) and hashes it after the seal (peer_transport.h).
 #include <fcntl.h>
 #include <poll.h>
 #include <pwd.h>
@@ -255,109 +256,140 @@ class HelperExport final : public PeerExport {
   PeerOffer offer_;
 };
 
+// A joiner's connection: one helper per lane, each with its own UCX worker
+// and endpoint to the seed and its own mappings of every destination. One
+// lock covers the bookkeeping of all lanes (a few operations per piece of
+// megabytes); each lane has a thread that receives its helper's messages.
 class HelperConnection final : public PeerConnection {
  public:
-  HelperConnection(std::unique_ptr<Helper> helper, char* staging, const UcxHelperOptions& options,
-                   std::vector<uint64_t> sizes)
-      : helper_(std::move(helper)), staging_(staging), slot_bytes_(options.slot_bytes), slots_(options.slots),
-        sizes_(std::move(sizes)) {
-    for (uint32_t s = 0; s < slots_; ++s) free_.push_back(s);
-    receiver_ = std::thread([this] { ReceiveLoop(); });
+  HelperConnection(std::vector<std::unique_ptr<Helper>> lanes, const UcxHelperOptions& options,
+                   std::vector<uint64_t> sizes, std::vector<uint64_t> destination_sizes)
+      : lanes_(std::move(lanes)), piece_bytes_(options.piece_bytes), pieces_(options.pieces),
+        sizes_(std::move(sizes)), destination_sizes_(std::move(destination_sizes)) {
+    absl::MutexLock lock(&mu_);
+    in_flight_.assign(lanes_.size(), 0);
+    released_.assign(destination_sizes_.size(), 0);
+    for (size_t l = 0; l < lanes_.size(); ++l) receivers_.emplace_back([this, l] { ReceiveLoop(l); });
   }
 
   ~HelperConnection() override {
-    helper_->Stop();
-    receiver_.join();
-    helper_.reset();  // the helper is dead before its staging memory goes
-    munmap(staging_, slot_bytes_ * slots_);
+    for (auto& lane : lanes_) lane->Stop();
+    for (std::thread& t : receivers_) t.join();
+    lanes_.clear();  // each helper is dead (reaped) before this returns
   }
+
+  uint32_t lanes() const override { return static_cast<uint32_t>(lanes_.size()); }
 
   absl::Status Read(const std::vector<PeerRead>& reads, Clock::time_point deadline) override {
     struct Piece {
-      uint32_t region;
-      uint64_t offset, n;
-      char* dst;
+      ph::Read msg;
+      uint32_t lane = 0;
     };
     std::deque<Piece> todo;
-    for (const PeerRead& r : reads) {
-      if (r.region >= sizes_.size() || r.offset > sizes_[r.region] || r.n > sizes_[r.region] - r.offset) {
-        return absl::InvalidArgumentError(absl::StrCat("read of ", r.n, " bytes at ", r.offset, " of region ",
-                                                       r.region, " is outside the peer's regions"));
-      }
-      for (uint64_t at = 0; at < r.n; at += slot_bytes_) {
-        todo.push_back({r.region, r.offset + at, std::min(slot_bytes_, r.n - at), r.dst + at});
+    {
+      absl::MutexLock lock(&mu_);
+      for (const PeerRead& r : reads) {
+        WEIGHTD_RETURN_IF_ERROR(CheckRead(r));
+        for (uint64_t at = 0; at < r.n; at += piece_bytes_) {
+          Piece p;
+          p.msg.destination = r.destination;
+          p.msg.region = r.region;
+          p.msg.offset = r.offset + at;
+          p.msg.n = std::min(piece_bytes_, r.n - at);
+          p.msg.at = r.at + at;
+          todo.push_back(p);
+        }
       }
     }
-    struct Flying {
-      Piece piece;
-      uint32_t slot;
-      uint64_t id;
-    };
-    std::vector<Flying> flying;
+    std::vector<Piece> flying;
     absl::MutexLock lock(&mu_);
     while (!todo.empty() || !flying.empty()) {
       if (!broken_.ok()) return Abandon(flying);
-      std::vector<ph::Read> asks;
-      while (!todo.empty() && !free_.empty()) {
-        Flying f{todo.front(), free_.back(), next_id_++};
+      std::vector<Piece> asks;
+      for (uint32_t lane; !todo.empty() && (lane = FreestLane()) < lanes_.size();) {
+        Piece p = todo.front();
         todo.pop_front();
-        free_.pop_back();
-        ph::Read msg;
-        msg.slot = f.slot;
-        msg.id = f.id;
-        msg.region = f.piece.region;
-        msg.offset = f.piece.offset;
-        msg.n = f.piece.n;
-        asks.push_back(msg);
-        done_.emplace(f.id, Outcome{});
-        flying.push_back(f);
+        p.lane = lane;
+        p.msg.id = next_id_++;
+        ++in_flight_[lane];
+        done_.emplace(p.msg.id, Outcome{});
+        asks.push_back(p);
+        flying.push_back(p);
       }
       if (!asks.empty()) {
         // Outside the lock: a helper that stops reading its socket blocks
         // this call until its deadline, not every other one.
         mu_.Unlock();
         absl::Status sent;
-        for (const ph::Read& msg : asks) {
-          if (sent = helper_->Send(&msg, sizeof msg, deadline); !sent.ok()) break;
+        uint32_t lane = 0;
+        for (const Piece& p : asks) {
+          lane = p.lane;
+          if (sent = lanes_[lane]->Send(&p.msg, sizeof p.msg, deadline); !sent.ok()) break;
         }
         mu_.Lock();
         if (!sent.ok()) {
           Break(sent);
-          if (sent.code() == absl::StatusCode::kDeadlineExceeded) helper_->Kill();
+          if (sent.code() == absl::StatusCode::kDeadlineExceeded) lanes_[lane]->Kill();
           return Abandon(flying);
         }
       }
       auto progress = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
         if (!broken_.ok()) return true;
-        for (const Flying& f : flying) {
-          auto it = done_.find(f.id);
+        for (const Piece& p : flying) {
+          auto it = done_.find(p.msg.id);
           if (it != done_.end() && it->second.done) return true;
         }
-        return flying.empty() && !free_.empty();
+        return !todo.empty() && FreestLane() < lanes_.size();
       };
       if (!mu_.AwaitWithDeadline(absl::Condition(&progress), ToAbsl(deadline))) {
         Break(absl::DeadlineExceededError("peer reads did not finish before the deadline"));
-        helper_->Kill();
+        for (auto& l : lanes_) l->Kill();
         return Abandon(flying);
       }
       for (size_t i = 0; i < flying.size();) {
-        Outcome outcome = done_[flying[i].id];
-        if (!outcome.done) {
+        auto it = done_.find(flying[i].msg.id);
+        if (it == done_.end() || !it->second.done) {
           ++i;
           continue;
         }
-        done_.erase(flying[i].id);
-        if (!outcome.status.ok()) {
-          Break(outcome.status);
+        absl::Status status = it->second.status;
+        done_.erase(it);
+        if (!status.ok()) {
+          Break(status);
           return Abandon(flying);
         }
-        Flying f = flying[i];
         flying.erase(flying.begin() + static_cast<ptrdiff_t>(i));
-        mu_.Unlock();  // the slot is this call's until it is given back
-        std::memcpy(f.piece.dst, staging_ + f.slot * slot_bytes_, f.piece.n);
-        mu_.Lock();
-        free_.push_back(f.slot);
       }
+    }
+    return broken_;
+  }
+
+  absl::Status Release(uint32_t destination, Clock::time_point deadline) override {
+    ph::Release ask;
+    ask.destination = destination;
+    {
+      absl::MutexLock lock(&mu_);
+      if (!broken_.ok()) return broken_;
+      if (destination >= destination_sizes_.size() || released_[destination] != 0) {
+        return absl::InvalidArgumentError(absl::StrCat("destination ", destination, " is unknown or released"));
+      }
+      released_[destination] = kAsked;
+    }
+    for (auto& lane : lanes_) {
+      absl::Status sent = lane->Send(&ask, sizeof ask, deadline);
+      if (!sent.ok()) {
+        absl::MutexLock lock(&mu_);
+        Break(sent);
+        return broken_;
+      }
+    }
+    absl::MutexLock lock(&mu_);
+    auto answered = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return !broken_.ok() || released_[destination] == kAsked + lanes_.size();
+    };
+    if (!mu_.AwaitWithDeadline(absl::Condition(&answered), ToAbsl(deadline))) {
+      Break(absl::DeadlineExceededError("the peer helpers did not release a destination before the deadline"));
+      for (auto& l : lanes_) l->Kill();
     }
     return broken_;
   }
@@ -367,29 +399,67 @@ class HelperConnection final : public PeerConnection {
     bool done = false;
     absl::Status status;
   };
+  // released_[d]: 0 until Release(d); then kAsked plus one per lane that answered.
+  static constexpr uint32_t kAsked = 1;
+
+  absl::Status CheckRead(const PeerRead& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (r.region >= sizes_.size() || r.offset > sizes_[r.region] || r.n > sizes_[r.region] - r.offset) {
+      return absl::InvalidArgumentError(absl::StrCat("read of ", r.n, " bytes at ", r.offset, " of region ", r.region,
+                                                     " is outside the peer's regions"));
+    }
+    if (r.destination >= destination_sizes_.size() || r.at > destination_sizes_[r.destination] ||
+        r.n > destination_sizes_[r.destination] - r.at || released_[r.destination] != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("read of ", r.n, " bytes into byte ", r.at, " of destination ",
+                                                     r.destination, " is outside it, or it was released"));
+    }
+    return absl::OkStatus();
+  }
+
+  // The lane with the fewest pieces in flight, or lanes_.size() when all are full.
+  uint32_t FreestLane() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    uint32_t best = static_cast<uint32_t>(lanes_.size());
+    for (uint32_t l = 0; l < lanes_.size(); ++l) {
+      if (in_flight_[l] < pieces_ && (best == lanes_.size() || in_flight_[l] < in_flight_[best])) best = l;
+    }
+    return best;
+  }
 
   void Break(absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (broken_.ok()) broken_ = std::move(status);
   }
 
-  // After an error: this call's slots are never used again (the connection
-  // is broken), and their outcomes are forgotten.
-  template <typename Flying>
-  absl::Status Abandon(const std::vector<Flying>& flying) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    for (const Flying& f : flying) done_.erase(f.id);
+  // After an error: this call's outcomes are forgotten (the connection is
+  // broken; its helpers are killed when it is destroyed).
+  template <typename Piece>
+  absl::Status Abandon(const std::vector<Piece>& flying) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    for (const Piece& p : flying) done_.erase(p.msg.id);
     return broken_;
   }
 
-  void ReceiveLoop() {
+  void ReceiveLoop(size_t lane) {
     for (;;) {
-      absl::StatusOr<std::string> msg = helper_->Receive(Clock::time_point::max());
+      absl::StatusOr<std::string> msg = lanes_[lane]->Receive(Clock::time_point::max());
       absl::MutexLock lock(&mu_);
       if (!msg.ok()) return Break(msg.status());
+      ph::Kind kind{};
+      if (msg->size() >= sizeof kind) std::memcpy(&kind, msg->data(), sizeof kind);
+      if (kind == ph::Kind::kReleased && msg->size() == sizeof(ph::Release)) {
+        ph::Release r;
+        std::memcpy(&r, msg->data(), sizeof r);
+        if (r.destination >= released_.size() || released_[r.destination] == 0 ||
+            released_[r.destination] >= kAsked + lanes_.size()) {
+          return Break(absl::InternalError("the peer helper released a destination it was not asked to"));
+        }
+        ++released_[r.destination];
+        continue;
+      }
       ph::Done done;
-      if (msg->size() != sizeof done) return Break(absl::InternalError("the peer helper sent a malformed message"));
+      if (kind != ph::Kind::kDone || msg->size() != sizeof done || in_flight_[lane] == 0) {
+        return Break(absl::InternalError("the peer helper sent an unexpected message"));
+      }
       std::memcpy(&done, msg->data(), sizeof done);
+      --in_flight_[lane];
       auto it = done_.find(done.id);
-      if (done.kind != ph::Kind::kDone) return Break(absl::InternalError("the peer helper sent an unexpected message"));
       if (it == done_.end()) continue;  // a read of a call that already gave up
       it->second.done = true;
       if (done.code != 0) {
@@ -404,17 +474,18 @@ class HelperConnection final : public PeerConnection {
     }
   }
 
-  std::unique_ptr<Helper> helper_;
-  char* staging_;
-  const uint64_t slot_bytes_;
-  const uint32_t slots_;
+  std::vector<std::unique_ptr<Helper>> lanes_;
+  const uint64_t piece_bytes_;
+  const uint32_t pieces_;
   const std::vector<uint64_t> sizes_;
+  const std::vector<uint64_t> destination_sizes_;
   absl::Mutex mu_;
-  std::vector<uint32_t> free_ ABSL_GUARDED_BY(mu_);
+  std::vector<uint32_t> in_flight_ ABSL_GUARDED_BY(mu_);
+  std::vector<size_t> released_ ABSL_GUARDED_BY(mu_);
   std::map<uint64_t, Outcome> done_ ABSL_GUARDED_BY(mu_);
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   absl::Status broken_ ABSL_GUARDED_BY(mu_);
-  std::thread receiver_;
+  std::vector<std::thread> receivers_;
 };
 
 class UcxHelperTransport final : public PeerTransport {
@@ -456,7 +527,8 @@ class UcxHelperTransport final : public PeerTransport {
     return std::unique_ptr<PeerExport>(new HelperExport(std::move(helper), std::move(offer)));
   }
 
-  absl::StatusOr<std::unique_ptr<PeerConnection>> Connect(const PeerOffer& offer, Clock::time_point deadline) override {
+  absl::StatusOr<std::unique_ptr<PeerConnection>> Connect(const PeerOffer& offer, Clock::time_point deadline,
+                                                          const PeerConnectOptions& options) override {
     if (offer.worker_address.empty() || offer.worker_address.size() > kMaxPeerWorkerAddressBytes) {
       return absl::InvalidArgumentError(absl::StrCat("peer worker address of ", offer.worker_address.size(),
                                                      " bytes (must be 1..", kMaxPeerWorkerAddressBytes, ")"));
@@ -469,46 +541,66 @@ class UcxHelperTransport final : public PeerTransport {
       return absl::InvalidArgumentError(absl::StrCat("the peer offers ", offer.region_sizes.size(),
                                                      " regions, at most ", kMaxPeerRegions));
     }
-    const uint64_t staging_bytes = options_.slot_bytes * options_.slots;
-    ScopedFd staging(static_cast<int>(memfd_create("wd-peer-staging", MFD_CLOEXEC | MFD_ALLOW_SEALING)));
-    if (!staging.valid()) return ErrnoToStatus("memfd_create for peer staging", errno);
-    if (ftruncate(staging.get(), static_cast<off_t>(staging_bytes)) != 0) {
-      return ErrnoToStatus("ftruncate of peer staging", errno);
-    }
-    // The helper writes it; it must not shrink it under weightd's copy
-    // (SIGBUS), nor unseal it.
-    if (fcntl(staging.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
-      return ErrnoToStatus("sealing peer staging", errno);
-    }
-    void* map = mmap(nullptr, staging_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, staging.get(), 0);
-    if (map == MAP_FAILED) return ErrnoToStatus("mmap of peer staging", errno);
-    struct Unmap {
-      void* p;
-      uint64_t n;
-      ~Unmap() {
-        if (p != nullptr) munmap(p, n);
-      }
-    } unmap{map, staging_bytes};
-    std::vector<std::string> args = {"join", std::to_string(options_.slot_bytes), std::to_string(options_.slots)};
+    WEIGHTD_ASSIGN_OR_RETURN(std::vector<uint64_t> destination_sizes, CheckDestinations(options));
+    std::vector<int> fds;
+    for (const PeerDestination& d : options.destinations) fds.push_back(d.fd);
+    std::vector<std::string> args = {"join", std::to_string(fds.size()), std::to_string(options_.piece_bytes),
+                                     std::to_string(options_.pieces)};
     AddUser(args);
-    WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<Helper> helper, Helper::Start(binary_.get(), args, {staging.get()}));
-    ph::Head head{ph::Kind::kConnect, static_cast<uint32_t>(offer.worker_address.size()), {}};
-    std::memcpy(head.token, offer.token.data(), sizeof head.token);
-    WEIGHTD_RETURN_IF_ERROR(
-        helper->Send(&head, sizeof head, deadline, offer.worker_address.data(), offer.worker_address.size()));
-    WEIGHTD_ASSIGN_OR_RETURN(std::string ready,
-                             helper->Receive(std::min(deadline, Clock::now() + options_.start_timeout)));
-    ph::Head head_back{};
-    if (ready.size() != sizeof head_back) return absl::InternalError("the peer helper sent an unexpected message");
-    std::memcpy(&head_back, ready.data(), sizeof head_back);
-    if (head_back.kind != ph::Kind::kReady) return absl::InternalError("the peer helper sent an unexpected message");
-    NoteLandlock(head_back.landlock);
-    unmap.p = nullptr;
+    if (options.advise_huge_pages) args.push_back("--advise-huge");
+    if (!options_.test_fault.empty()) {
+      args.push_back("--test-fault");
+      args.push_back(options_.test_fault);
+    }
+    std::vector<std::unique_ptr<Helper>> lanes;
+    for (uint32_t l = 0; l < options.lanes; ++l) {
+      WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<Helper> helper, Helper::Start(binary_.get(), args, fds));
+      ph::Head head{ph::Kind::kConnect, static_cast<uint32_t>(offer.worker_address.size()), {}};
+      std::memcpy(head.token, offer.token.data(), sizeof head.token);
+      WEIGHTD_RETURN_IF_ERROR(
+          helper->Send(&head, sizeof head, deadline, offer.worker_address.data(), offer.worker_address.size()));
+      lanes.push_back(std::move(helper));
+    }
+    for (auto& helper : lanes) {  // the helpers start UCX and connect at once
+      WEIGHTD_ASSIGN_OR_RETURN(std::string ready,
+                               helper->Receive(std::min(deadline, Clock::now() + options_.start_timeout)));
+      ph::Head head_back{};
+      if (ready.size() != sizeof head_back) return absl::InternalError("the peer helper sent an unexpected message");
+      std::memcpy(&head_back, ready.data(), sizeof head_back);
+      if (head_back.kind != ph::Kind::kReady) return absl::InternalError("the peer helper sent an unexpected message");
+      NoteLandlock(head_back.landlock);
+    }
     return std::unique_ptr<PeerConnection>(
-        new HelperConnection(std::move(helper), static_cast<char*>(map), options_, offer.region_sizes));
+        new HelperConnection(std::move(lanes), options_, offer.region_sizes, std::move(destination_sizes)));
   }
 
  private:
+  // The destinations' sizes, each checked: a file of its promised size
+  // whose size is sealed (a helper must not be able to truncate memory
+  // weightd maps: a read past the end is SIGBUS).
+  static absl::StatusOr<std::vector<uint64_t>> CheckDestinations(const PeerConnectOptions& options) {
+    if (options.lanes == 0 || options.lanes > kMaxPeerLanes) {
+      return absl::InvalidArgumentError(absl::StrCat(options.lanes, " peer lanes (must be 1..", kMaxPeerLanes, ")"));
+    }
+    if (options.destinations.size() > kMaxPeerRegions) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(options.destinations.size(), " destinations, at most ", kMaxPeerRegions));
+    }
+    std::vector<uint64_t> sizes;
+    for (size_t i = 0; i < options.destinations.size(); ++i) {
+      const PeerDestination& d = options.destinations[i];
+      struct stat st {};
+      int seals = fcntl(d.fd, F_GET_SEALS);
+      if (fstat(d.fd, &st) != 0 || !S_ISREG(st.st_mode) || static_cast<uint64_t>(st.st_size) != d.size ||
+          seals < 0 || (seals & (F_SEAL_SHRINK | F_SEAL_GROW)) != (F_SEAL_SHRINK | F_SEAL_GROW)) {
+        return absl::InvalidArgumentError(absl::StrCat("peer destination ", i, " (fd ", d.fd,
+                                                       ") is not a size-sealed memfd of ", d.size, " bytes"));
+      }
+      sizes.push_back(d.size);
+    }
+    return sizes;
+  }
+
   // Says once per transport when helpers run without Landlock.
   void NoteLandlock(int abi) {
     if (options_.sandbox && abi == 0 && !warned_.exchange(true)) {
@@ -542,9 +634,14 @@ std::string DefaultPeerHelperPath() {
 }
 
 absl::StatusOr<std::unique_ptr<PeerTransport>> MakeUcxHelperTransport(UcxHelperOptions options) {
-  if (options.slot_bytes == 0 || options.slot_bytes > ph::kMaxPieceBytes || options.slots == 0 ||
-      options.slots > ph::kMaxSlots) {
-    return absl::InvalidArgumentError("peer staging slots out of range");
+  if (options.piece_bytes == 0 || options.piece_bytes > ph::kMaxPieceBytes || options.pieces == 0 ||
+      options.pieces > ph::kMaxSlots) {
+    return absl::InvalidArgumentError(absl::StrCat("peer pieces out of range: ", options.pieces, " of ",
+                                                   options.piece_bytes, " bytes (at most ", ph::kMaxSlots, " of ",
+                                                   ph::kMaxPieceBytes, ")"));
+  }
+  if (!options.test_fault.empty() && options.test_fault != "keep-mapping" && options.test_fault != "late-write") {
+    return absl::InvalidArgumentError(absl::StrCat("unknown peer helper test fault '", options.test_fault, "'"));
   }
   if (geteuid() == 0 && !options.user.empty()) {
     passwd pw{}, *found = nullptr;

@@ -69,28 +69,71 @@ class PeerExport {
   virtual absl::StatusOr<uint64_t> BytesSent(std::chrono::steady_clock::time_point deadline) = 0;
 };
 
+// Where a connection receives: one of the joiner's fresh host segments, a
+// memfd (or hugetlbfs file) of `size` bytes whose size is already sealed
+// (F_SEAL_SHRINK | F_SEAL_GROW), so that nothing the transport runs can
+// truncate memory the caller maps. The fd is borrowed: the transport takes
+// its own reference and gives it up in Release().
+//
+// Why a transport may write the caller's segments directly (issue 28: no
+// staging copy in the caller): the caller never trusts what it wrote. It seals a
+// destination (F_SEAL_WRITE, which the kernel refuses with EBUSY while any
+// process still maps the file writable) only after Release(), and hashes it
+// only after the seal; a transport process that kept a mapping fails the
+// seal, and one that wrote anything else fails the hashes.
+struct PeerDestination {
+  int fd = -1;
+  uint64_t size = 0;
+};
+
+inline constexpr uint32_t kMaxPeerLanes = 8;
+
+struct PeerConnectOptions {
+  std::vector<PeerDestination> destinations;  // at most kMaxPeerRegions
+  // Parallel endpoints (for UCX: helper processes, each with its own
+  // worker and endpoint) that one Read() spreads its pieces over,
+  // 1..kMaxPeerLanes.
+  uint32_t lanes = 1;
+  // The destinations are shmem THP segments under shmem_enabled "advise":
+  // mappings the transport makes get madvise(MADV_HUGEPAGE), since a page is
+  // made huge or not by the mapping that faults it.
+  bool advise_huge_pages = false;
+};
+
 // One read: bytes [offset, offset + n) of region `region` (an index into the
-// offer's regions) into `dst` (caller-owned, n bytes).
+// offer's regions) into bytes [at, at + n) of destination `destination`.
 struct PeerRead {
   uint32_t region = 0;
   uint64_t offset = 0;
   uint64_t n = 0;
-  char* dst = nullptr;
+  uint32_t destination = 0;
+  uint64_t at = 0;
 };
 
 // A connection to one export. Read() may be called from several threads at
-// once; the connection must outlive every call.
+// once, and Release() of a destination no Read() in progress uses; the
+// connection must outlive every call. Destruction stops every process of
+// the transport and waits until they are gone (UCX: SIGKILL after 1 s, then
+// reaped).
 class PeerConnection {
  public:
   virtual ~PeerConnection() = default;
-  // Issues the reads (the transport pipelines them) and returns when all are
-  // done, or the first error: INVALID_ARGUMENT for a read outside its region
-  // (checked here, and again by the seed), UNAVAILABLE when the peer went
-  // away or failed, PERMISSION_DENIED when the seed refused the token,
-  // DEADLINE_EXCEEDED past `deadline`. On return nothing the transport does
-  // later writes into any `dst`, whatever the result. After an error the
-  // connection is broken: later reads fail at once with the same error.
+  // Issues the reads (the transport pipelines them over its lanes) and
+  // returns when all are done, or the first error: INVALID_ARGUMENT for a
+  // read outside its region or destination, or into a released destination
+  // (checked here, and the region again by the seed), UNAVAILABLE when the
+  // peer went away or failed, PERMISSION_DENIED when the seed refused the
+  // token, DEADLINE_EXCEEDED past `deadline`. What the destinations hold
+  // is the transport's claim until the caller has sealed and hashed them.
+  // After an error the connection is broken: later calls fail at once
+  // with the same error.
   virtual absl::Status Read(const std::vector<PeerRead>& reads, std::chrono::steady_clock::time_point deadline) = 0;
+  // The transport's processes unmap `destination` and close their fds of
+  // it, and say so; then, unless one of them misbehaves, the caller's seal
+  // succeeds. Errors as for Read(); a broken connection releases nothing
+  // (its destruction kills the processes, which releases everything).
+  virtual absl::Status Release(uint32_t destination, std::chrono::steady_clock::time_point deadline) = 0;
+  virtual uint32_t lanes() const = 0;
 };
 
 // Thread-safety: every method may be called from any thread.
@@ -104,11 +147,13 @@ class PeerTransport {
   // for a bad fd or size.
   virtual absl::StatusOr<std::unique_ptr<PeerExport>> Export(const std::vector<PeerExportRegion>& regions,
                                                              const PeerExportOptions& options) = 0;
-  // Connects to `offer`, which the caller took from an untrusted peer: the
-  // transport checks its bounds (INVALID_ARGUMENT). UNAVAILABLE when the peer
+  // Connects to `offer`, which the caller took from an untrusted peer, to
+  // receive into `options.destinations`: the transport checks the offer's
+  // bounds and the options' (INVALID_ARGUMENT). UNAVAILABLE when the peer
   // cannot be reached, DEADLINE_EXCEEDED past `deadline`.
   virtual absl::StatusOr<std::unique_ptr<PeerConnection>> Connect(const PeerOffer& offer,
-                                                                  std::chrono::steady_clock::time_point deadline) = 0;
+                                                                  std::chrono::steady_clock::time_point deadline,
+                                                                  const PeerConnectOptions& options) = 0;
 };
 
 // The UCX (UCP) transport through helper processes; see helper_transport.h.
@@ -119,11 +164,16 @@ struct UcxHelperOptions {
   // When the daemon runs as root, helpers switch to this user before UCX
   // starts; "" keeps root (not recommended).
   std::string user = "nobody";
-  // Joiner side: each connection stages received bytes in `slots` buffers
-  // of `slot_bytes` (a read is cut into pieces of at most slot_bytes, up
-  // to `slots` in flight) before they are copied into the caller's memory.
-  uint64_t slot_bytes = 4ull << 20;
-  uint32_t slots = 16;
+  // Joiner side: a read is cut into pieces of at most `piece_bytes`, each
+  // one UCX request whose reply lands in the destination's mapping in the
+  // lane's helper; each lane keeps at most `pieces` in flight.
+  uint64_t piece_bytes = 4ull << 20;
+  uint32_t pieces = 16;
+  // Test-only fault of joiner helpers (--peer-test-fault): "keep-mapping"
+  // (on Release a child process keeps a writable mapping and the helper
+  // says it released), "late-write" (on Release the helper flips a byte it
+  // reported done). "" in production.
+  std::string test_fault;
   // How long a helper may take to start and report its address.
   std::chrono::milliseconds start_timeout{20000};
   // Landlock and seccomp in the helpers (helper_protocol.h); false only

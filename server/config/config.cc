@@ -75,6 +75,7 @@ void ForEachField(Config& c, F&& f) {
   f("peers", c.peers);
   f("peer_max_joiners", c.peer_max_joiners);
   f("peer_deadline_seconds", c.peer_deadline_seconds);
+  f("peer_lanes", c.peer_lanes);
   f("peer_test_fault", c.peer_test_fault);
   f("peer_helper", c.peer_helper);
   f("peer_helper_user", c.peer_helper_user);
@@ -226,9 +227,14 @@ absl::Status ValidatePeers(const DaemonConfig& c) {
     return absl::InvalidArgumentError(
         absl::StrCat("--peer-helper-user must be a user name ([A-Za-z0-9._-], at most 32), got '", c.peer_helper_user, "'"));
   }
-  if (!c.peer_test_fault.empty() && c.peer_test_fault != "corrupt" && c.peer_test_fault != "stall") {
+  if (c.peer_lanes < 0 || c.peer_lanes > static_cast<int>(kMaxPeerLanes)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("--peer-test-fault must be corrupt or stall (tests only), got '", c.peer_test_fault, "'"));
+        absl::StrCat("--peer-lanes must be in [0, ", kMaxPeerLanes, "] (0: by size and cores), got ", c.peer_lanes));
+  }
+  if (!c.peer_test_fault.empty() && c.peer_test_fault != "corrupt" && c.peer_test_fault != "stall" &&
+      c.peer_test_fault != "helper-keeps-mapping" && c.peer_test_fault != "helper-writes-late") {
+    return absl::InvalidArgumentError(absl::StrCat("--peer-test-fault must be corrupt, stall, helper-keeps-mapping or "
+                                                   "helper-writes-late (tests only), got '", c.peer_test_fault, "'"));
   }
   return absl::OkStatus();
 }
@@ -352,7 +358,7 @@ std::string DaemonUsage() {
          "               [--self-check-interval-seconds S] [--max-watchers N] [--watch-queue-events N]\n"
          "               [--peer-address HOST:PORT] [--peers HOST:PORT ...] [--peer-max-joiners N]\n"
          "               [--peer-deadline-seconds S] [--peer-helper PATH] [--peer-helper-user USER]\n"
-         "               [--peer-helper-sandbox true|false]\n"
+         "               [--peer-helper-sandbox true|false] [--peer-lanes N]\n"
          "               [--peer-tls-cert PEM --peer-tls-key PEM --peer-tls-ca PEM [--peer-tls-server-name NAME]]\n"
          "               [--print-config] [--version]\n";
 }

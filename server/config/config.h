@@ -66,7 +66,11 @@ struct DaemonConfig {
   std::vector<std::string> peers;                    // HOST:PORT peers every load asks before storage
   int peer_max_joiners = 4;                          // transfer sessions a seed serves at once; more get UNAVAILABLE
   double peer_deadline_seconds = 600;                // joiner: per peer, ask to READY; seed: session limit
-  std::string peer_test_fault;                       // tests only: "corrupt" or "stall" (server/peer/peer_seed.h)
+  int peer_lanes = 0;                                // joiner: UCX endpoints (helpers) per transfer; 0 = by size and cores
+  // Tests only: a seed's "corrupt" or "stall" (server/peer/peer_seed.h), a
+  // joiner helper's "helper-keeps-mapping" or "helper-writes-late"
+  // (UcxHelperOptions::test_fault).
+  std::string peer_test_fault;
   std::string peer_helper;                           // weightd-peer-helper path; "" = beside this executable
   std::string peer_helper_user = "nobody";           // when root, helpers run as this user; "" = stay root
   bool peer_helper_sandbox = true;                   // Landlock + seccomp in helpers (common/peer/helper_protocol.h)

@@ -6,7 +6,9 @@
 //         presents the session token, over UCX active messages; every
 //         request is checked against the token and the region's size.
 //   join: connects to a seed's worker and fetches the ranges weightd asks
-//         for into slots of the staging memfd at fd 4.
+//         for straight into the destination memfds at fds 4.. (the new
+//         generation's segments, which weightd seals and hashes after this
+//         process has let go of them).
 //
 // Single-threaded: one UCP worker (UCS_THREAD_MODE_SINGLE), woken through
 // its event fd (UCP_FEATURE_WAKEUP) and the control socket. Any protocol
@@ -34,6 +36,7 @@
 #include <ucp/api/ucp.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -415,18 +418,29 @@ struct Join {
   Ucx ucx;
   bool sandbox = true;
   ucp_ep_h ep = nullptr;
-  char* staging = nullptr;
-  uint64_t slot_bytes = 0;
-  uint32_t slots = 0;
+  struct Destination {
+    char* base = nullptr;  // writable mapping; null once released
+    uint64_t size = 0;
+    uint32_t receiving = 0;  // replies still landing in it
+    uint64_t last_at = 0;    // test fault "late-write": a byte reported done
+    uint64_t page = 4096;    // 2 MiB for hugetlb and advised THP destinations
+  };
+  std::vector<Destination> destinations;
+  uint64_t piece_bytes = 0;
+  uint32_t pieces = 0;
+  std::string test_fault;
   // A request lives until both its send has completed (UCX reads the
   // header until then) and its reply has arrived.
   struct Pending {
     AmRequest request;
-    uint32_t slot;
+    uint32_t destination;
+    uint64_t at;
     bool sent = false, replied = false;
   };
   std::unordered_map<uint64_t, Pending*> pending;  // asked, not answered
 };
+
+Join* g_join = nullptr;  // for OnDataReceived, which gets only the request id
 
 void ReportDone(uint64_t id, int code, const std::string& text) {
   Done done{};
@@ -434,6 +448,22 @@ void ReportDone(uint64_t id, int code, const std::string& text) {
   done.id = id;
   std::snprintf(done.text, sizeof done.text, "%s", text.c_str());
   SendControl(&done, sizeof done);
+}
+
+// MADV_POPULATE_WRITE (Linux 5.14) for C libraries that predate it.
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+
+// Makes the pages of bytes [at, at + n) of a destination before the bytes
+// arrive: one call allocates, zeroes and maps them (whole 2 MiB pages for
+// huge destinations) instead of a page fault per 4 KiB page inside the
+// socket receive, the costliest part of filling fresh memory on a VM
+// (docs/performance.md). Best effort: without it pages fault in.
+void Populate(const Join::Destination& d, uint64_t at, uint64_t n) {
+  uint64_t start = at / d.page * d.page;
+  uint64_t end = std::min((at + n + d.page - 1) / d.page * d.page, (d.size + 4095) / 4096 * 4096);
+  if (end > start) (void)madvise(d.base + start, end - start, MADV_POPULATE_WRITE);
 }
 
 void OnEndpointError(void*, ucp_ep_h, ucs_status_t status) { Fail(UcxWhy("the connection to the seed failed", status)); }
@@ -446,10 +476,22 @@ void OnRequestSent(void* request, ucs_status_t status, void* user_data) {
   ucp_request_free(request);
 }
 
-void OnDataReceived(void* request, ucs_status_t status, size_t, void* user_data) {
-  auto id = reinterpret_cast<uintptr_t>(user_data);
-  if (status != UCS_OK) Fail(UcxWhy("receiving bytes from the seed", status));
+// A reply's bytes are in its destination: the destination may be released.
+void Landed(uint32_t destination, uint64_t id) {
+  --g_join->destinations[destination].receiving;
   ReportDone(id, 0, "");
+}
+
+struct Receiving {
+  uint64_t id;
+  uint32_t destination;
+};
+
+void OnDataReceived(void* request, ucs_status_t status, size_t, void* user_data) {
+  auto* r = static_cast<Receiving*>(user_data);
+  if (status != UCS_OK) Fail(UcxWhy("receiving bytes from the seed", status));
+  Landed(r->destination, r->id);
+  delete r;
   ucp_request_free(request);
 }
 
@@ -464,10 +506,15 @@ ucs_status_t OnReply(void* arg, const void* header, size_t header_length, void* 
   Join::Pending* p = it->second;
   join.pending.erase(it);
   const uint64_t n = p->request.n;
-  char* dst = join.staging + p->slot * join.slot_bytes;
+  const uint32_t destination = p->destination;
+  Join::Destination& d = join.destinations[destination];
+  char* dst = d.base + p->at;
+  Populate(d, p->at, n);
+  d.last_at = p->at;
   p->replied = true;
   if (p->sent) delete p;
   if (reply.code != 0) {
+    --d.receiving;
     // Only the codes a seed sends; anything else is the seed misbehaving.
     if (reply.code == kPermissionDenied) {
       ReportDone(reply.id, kPermissionDenied, "the seed refused the session token");
@@ -483,13 +530,17 @@ ucs_status_t OnReply(void* arg, const void* header, size_t header_length, void* 
     ucp_request_param_t rp{};
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     rp.cb.recv_am = &OnDataReceived;
-    rp.user_data = reinterpret_cast<void*>(static_cast<uintptr_t>(reply.id));
+    auto* receiving = new Receiving{reply.id, destination};
+    rp.user_data = receiving;
     ucs_status_ptr_t sp = ucp_am_recv_data_nbx(join.ucx.worker, data, dst, length, &rp);
     if (UCS_PTR_IS_ERR(sp)) Fail(UcxWhy("ucp_am_recv_data_nbx", UCS_PTR_STATUS(sp)));
-    if (sp == nullptr) ReportDone(reply.id, 0, "");
+    if (sp == nullptr) {
+      delete receiving;
+      Landed(destination, reply.id);
+    }
   } else {
     std::memcpy(dst, data, length);
-    ReportDone(reply.id, 0, "");
+    Landed(destination, reply.id);
   }
   return UCS_OK;
 }
@@ -511,10 +562,14 @@ void Connect(Join& join, const Head& head, const char* address, int landlock) {
 }
 
 void Ask(Join& join, const uint8_t* token, const Read& r) {
-  if (r.slot >= join.slots || r.n == 0 || r.n > join.slot_bytes || join.pending.count(r.id)) {
+  if (r.destination >= join.destinations.size() || r.n == 0 || r.n > join.piece_bytes ||
+      join.pending.size() >= join.pieces || join.pending.count(r.id)) {
     Fail("weightd sent a bad read");
   }
-  auto* p = new Join::Pending{{}, r.slot};
+  Join::Destination& d = join.destinations[r.destination];
+  if (d.base == nullptr || r.at > d.size || r.n > d.size - r.at) Fail("weightd sent a read outside its destination");
+  ++d.receiving;
+  auto* p = new Join::Pending{{}, r.destination, r.at};
   std::memcpy(p->request.token, token, kTokenBytes);
   p->request.id = r.id;
   p->request.region = r.region;
@@ -531,19 +586,60 @@ void Ask(Join& join, const uint8_t* token, const Read& r) {
   if (sp == nullptr) p->sent = true;  // done at once: no callback comes (a reply cannot have come yet)
 }
 
-[[noreturn]] void RunJoin(uint64_t slot_bytes, uint32_t slots, const std::string& user, bool sandbox) {
-  Join join;
-  join.sandbox = sandbox;
-  join.slot_bytes = slot_bytes;
-  join.slots = slots;
-  struct stat st {};
-  if (fstat(kFirstDataFd, &st) != 0 || static_cast<uint64_t>(st.st_size) != slot_bytes * slots) {
-    Fail("the staging memfd is missing or of the wrong size");
+// Test faults of a joiner's helper (--peer-test-fault, weightd's tests):
+// what a helper taken over by its peer could do on Release.
+//   keep-mapping  a forked child keeps a writable mapping for 10 s while
+//                 the helper answers Released (weightd's seal must fail);
+//   late-write    flips a byte it already reported done, then unmaps
+//                 (weightd's hashes must catch it).
+void ReleaseWithFault(Join::Destination& d, const std::string& fault) {
+  if (fault == "late-write" && d.size > 0) d.base[d.last_at] ^= 0x5a;
+  if (fault == "keep-mapping" && fork() == 0) {
+    close_range(0, ~0u, 0);  // only the mapping stays (no pipe of a test waits for this process)
+    sleep(10);
+    _exit(0);
   }
-  void* p = mmap(nullptr, slot_bytes * slots, PROT_READ | PROT_WRITE, MAP_SHARED, kFirstDataFd, 0);
-  if (p == MAP_FAILED) Fail(absl::StrCat("mmap of the staging memfd: ", std::strerror(errno)));
-  close(kFirstDataFd);
-  join.staging = static_cast<char*>(p);
+}
+
+// Unmaps a destination once no reply is landing in it, and says so.
+void Release(Join& join, uint32_t destination) {
+  if (destination >= join.destinations.size()) Fail("weightd released an unknown destination");
+  Join::Destination& d = join.destinations[destination];
+  if (d.receiving > 0) Fail("weightd released a destination with reads in flight");
+  if (d.base != nullptr) {
+    ReleaseWithFault(d, join.test_fault);
+    munmap(d.base, d.size);
+    d.base = nullptr;
+  }
+  struct Release done{Kind::kReleased, destination};
+  SendControl(&done, sizeof done);
+}
+
+[[noreturn]] void RunJoin(uint32_t count, uint64_t piece_bytes, uint32_t pieces, const std::string& user, bool sandbox,
+                          bool advise_huge, const std::string& test_fault) {
+  Join join;
+  g_join = &join;
+  join.sandbox = sandbox;
+  join.piece_bytes = piece_bytes;
+  join.pieces = pieces;
+  join.test_fault = test_fault;
+  for (uint32_t i = 0; i < count; ++i) {
+    const int fd = kFirstDataFd + static_cast<int>(i);
+    struct stat st {};
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) Fail(absl::StrCat("destination fd ", fd, " is not a file"));
+    Join::Destination d;
+    d.size = static_cast<uint64_t>(st.st_size);
+    if (d.size > 0) {
+      void* p = mmap(nullptr, d.size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+      if (p == MAP_FAILED) Fail(absl::StrCat("mmap of destination ", i, ": ", std::strerror(errno)));
+      // A shmem page is huge or not by the mapping that faults it in.
+      if (advise_huge) madvise(p, d.size, MADV_HUGEPAGE);
+      d.base = static_cast<char*>(p);
+      if (advise_huge || st.st_blksize == (2 << 20)) d.page = 2 << 20;
+    }
+    close(fd);
+    join.destinations.push_back(d);
+  }
   DropPrivileges(user);
   const int landlock = sandbox ? RestrictFiles() : 0;
   join.ucx = StartUcx();
@@ -566,6 +662,10 @@ void Ask(Join& join, const uint8_t* token, const Read& r) {
         Read r;
         std::memcpy(&r, buf.data(), sizeof r);
         Ask(join, token, r);
+      } else if (kind == Kind::kRelease && n == sizeof(struct Release)) {
+        struct Release r;
+        std::memcpy(&r, buf.data(), sizeof r);
+        Release(join, r.destination);
       } else {
         Fail("unexpected control message");
       }
@@ -624,9 +724,10 @@ int Main(int argc, char** argv) {
   // weightd starts it through /proc/self/fd/N, which would name it "N" in ps.
   prctl(PR_SET_NAME, "wd-peer-helper", 0, 0, 0);
   std::vector<std::string> args(argv + 1, argv + argc);
-  std::string user;
+  std::string user, test_fault;
   bool stall = false;
   bool sandbox = true;
+  bool advise_huge = false;
   std::vector<std::string> positional;
   for (size_t i = 0; i < args.size(); ++i) {
     if (args[i] == "--user" && i + 1 < args.size()) {
@@ -635,6 +736,10 @@ int Main(int argc, char** argv) {
       stall = true;
     } else if (args[i] == "--no-sandbox") {
       sandbox = false;
+    } else if (args[i] == "--advise-huge") {
+      advise_huge = true;
+    } else if (args[i] == "--test-fault" && i + 1 < args.size()) {
+      test_fault = args[++i];
     } else {
       positional.push_back(args[i]);
     }
@@ -646,20 +751,22 @@ int Main(int argc, char** argv) {
     return 2;
   }
   uint32_t regions = 0;
-  uint64_t slot_bytes = 0;
-  uint32_t slots = 0;
+  uint64_t piece_bytes = 0;
+  uint32_t pieces = 0;
   if (positional.size() == 2 && positional[0] == "seed" && absl::SimpleAtoi(positional[1], &regions) &&
       regions <= (1u << 16)) {
     close_range(kFirstDataFd + regions, ~0u, 0);  // the executable's fd, and anything else inherited
     RunSeed(static_cast<int>(regions), user, stall, sandbox);
   }
-  if (positional.size() == 3 && positional[0] == "join" && absl::SimpleAtoi(positional[1], &slot_bytes) &&
-      absl::SimpleAtoi(positional[2], &slots) && slot_bytes > 0 && slot_bytes <= kMaxPieceBytes && slots > 0 &&
-      slots <= kMaxSlots) {
-    close_range(kFirstDataFd + 1, ~0u, 0);
-    RunJoin(slot_bytes, slots, user, sandbox);
+  if (positional.size() == 4 && positional[0] == "join" && absl::SimpleAtoi(positional[1], &regions) &&
+      regions <= (1u << 16) && absl::SimpleAtoi(positional[2], &piece_bytes) &&
+      absl::SimpleAtoi(positional[3], &pieces) && piece_bytes > 0 && piece_bytes <= kMaxPieceBytes && pieces > 0 &&
+      pieces <= kMaxSlots) {
+    close_range(kFirstDataFd + regions, ~0u, 0);
+    RunJoin(regions, piece_bytes, pieces, user, sandbox, advise_huge, test_fault);
   }
-  Fail("usage: weightd-peer-helper seed N | join SLOT_BYTES SLOTS [--user NAME] [--stall] [--no-sandbox]");
+  Fail("usage: weightd-peer-helper seed N | join N PIECE_BYTES PIECES [--user NAME] [--stall] [--no-sandbox] "
+       "[--advise-huge] [--test-fault keep-mapping|late-write]");
 }
 
 }  // namespace

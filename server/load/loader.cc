@@ -21,6 +21,7 @@
 #include "server/load/host_fill.h"
 #include "server/load/reader.h"
 #include "server/load/shared_segments.h"
+#include "server/load/source_fill.h"
 
 namespace weightd {
 namespace {
@@ -356,7 +357,6 @@ class ReadJob {
   }
 
   void set_cancel(const std::atomic<bool>* cancel) { cancel_ = cancel; }
-  void set_source(HostSource* source) { source_ = source; }
 
  private:
   // A worker returned `status`; the first error is the job's.
@@ -392,9 +392,7 @@ class ReadJob {
         const TensorPlan& tp = plan_.tensors[task.tensor];
         auto where = [&] { return absl::StrCat(ElideName(catalog_.files[t.file].name), ": tensor ", QuoteName(t.name)); };
         absl::StatusOr<uint64_t> hash;
-        if (tp.placement == Placement::kHost && source_ != nullptr) {
-          hash = FillFromSource(task, tp, *alloc_.host[tp.host_segment].fresh, thread);
-        } else if (tp.placement == Placement::kHost) {
+        if (tp.placement == Placement::kHost) {
           hash = fill_.FillBlock(t.file, t.offset + task.start, task.n, *alloc_.host[tp.host_segment].fresh,
                                  tp.host_offset + task.start, thread);
         } else {
@@ -420,21 +418,6 @@ class ReadJob {
     return absl::OkStatus();
   }
 
-  // Fills one block of a host tensor from the HostSource and returns the
-  // XXH3-64 of what arrived: on 4 KiB pages through the thread's bounce
-  // buffer and pwrite(2) (as storage reads), on huge pages straight into
-  // the segment's mapping.
-  absl::StatusOr<uint64_t> FillFromSource(const ReadTask& task, const TensorPlan& tp, HostSegment& host,
-                                          FillThread& thread) {
-    uint64_t offset = tp.host_offset + task.start;
-    bool small = host.page_kind() == PageKind::kSmall;
-    char* dst = small ? thread.scratch.Get(task.n, 64) : host.writable() + offset;
-    WEIGHTD_RETURN_IF_ERROR(source_->Read(tp.host_segment, offset, task.n, dst));
-    uint64_t hash = XXH3_64bits(dst, task.n);
-    if (small) WEIGHTD_RETURN_IF_ERROR(host.Write(offset, dst, task.n));
-    return hash;
-  }
-
   void Done(const ReadTask& task, const CatalogTensor& t) {
     bytes_done_.fetch_add(task.n);
     if (file_remaining_[t.file].fetch_sub(task.n) == task.n) files_done_.fetch_add(1);
@@ -457,13 +440,36 @@ class ReadJob {
   std::atomic<uint64_t> bytes_done_{0};
   std::atomic<uint32_t> files_done_{0};
   const std::atomic<bool>* cancel_ = nullptr;
-  HostSource* source_ = nullptr;
   std::atomic<bool> failed_{false};
   int threads_ = 0;  // set before the workers start
   absl::Mutex mu_;
   int finished_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Status error_ ABSL_GUARDED_BY(mu_);
 };
+
+// The fresh host segments of `alloc`, in plan order: what a HostSource fills
+// (a load from one shares nothing, so that is every host segment).
+std::vector<HostSegment*> FreshHostSegments(Allocation& alloc) {
+  std::vector<HostSegment*> out;
+  for (HostSlot& slot : alloc.host) {
+    if (slot.fresh) out.push_back(slot.fresh.get());
+  }
+  return out;
+}
+
+// For each host segment, the tensors it holds; sizes `block_hashes` for them.
+std::vector<std::vector<SegmentTensor>> SegmentTensors(const Catalog& catalog, const LoadPlan& plan, const Reuse& reuse,
+                                                       std::vector<std::vector<uint64_t>>& block_hashes) {
+  std::vector<std::vector<SegmentTensor>> out(plan.host_segments.size());
+  for (uint32_t i = 0; i < catalog.tensors.size(); ++i) {
+    const TensorPlan& tp = plan.tensors[i];
+    if (tp.placement != Placement::kHost || !reuse.read[i]) continue;
+    uint64_t nbytes = catalog.tensors[i].nbytes;
+    out[tp.host_segment].push_back({i, tp.host_offset, nbytes});
+    block_hashes[i].assign((nbytes + kHashBlockBytes - 1) / kHashBlockBytes, 0);
+  }
+  return out;
+}
 
 // The page choice of a load: what the kernel offers now (or the test's
 // probe) for the fresh host segments of `plan`.
@@ -491,8 +497,9 @@ void MeasureThp(Allocation& alloc) {
   if (!smaps.ok()) return;
   std::map<uint64_t, uint64_t> pmd = ParseSmapsField(*smaps, "ShmemPmdMapped");
   for (HostSlot& slot : alloc.host) {
-    if (!slot.fresh || slot.fresh->page_kind() != PageKind::kShmemThp || slot.fresh->writable() == nullptr) continue;
-    auto it = pmd.find(reinterpret_cast<uint64_t>(slot.fresh->writable()));
+    if (!slot.fresh || slot.fresh->page_kind() != PageKind::kShmemThp || slot.fresh->data() == nullptr) continue;
+    // Sealed already (filled from a HostSource, then hashed): its read-only mapping.
+    auto it = pmd.find(reinterpret_cast<uint64_t>(slot.fresh->data()));
     if (it != pmd.end()) slot.fresh->set_huge_bytes(std::min(it->second, slot.fresh->size()));
   }
 }
@@ -542,7 +549,9 @@ absl::StatusOr<std::vector<std::vector<std::shared_ptr<const HostSegment>>>> Mak
         const size_t k = j / per_copy + 1, i = j % per_copy;
         const HostSlot& slot = alloc.host[i];
         const HostSegment& source = slot.fresh ? *slot.fresh : *slot.reused;
-        const char* from = slot.fresh ? slot.fresh->writable() : slot.reused->data();
+        const char* from = slot.fresh && !slot.fresh->sealed() ? slot.fresh->writable()
+                           : slot.fresh                          ? slot.fresh->data()
+                                                                 : slot.reused->data();
         WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<HostSegment> copy,
                                  HostSegment::Create(absl::StrCat(name, ":host", i, ":node", nodes[k].id),
                                                      source.size(), pages));
@@ -574,7 +583,8 @@ absl::Status Publish(const Catalog& catalog, const LoadPlan& plan, Allocation& a
   for (size_t i = 0; i < alloc.host.size(); ++i) {
     HostSlot& slot = alloc.host[i];
     if (slot.fresh != nullptr) {
-      WEIGHTD_RETURN_IF_ERROR(slot.fresh->Seal(/*lock=*/false));  // pinned after publishing: ModelRegistry
+      // Pinned after publishing (ModelRegistry); filled from a HostSource: sealed already.
+      if (!slot.fresh->sealed()) WEIGHTD_RETURN_IF_ERROR(slot.fresh->Seal(/*lock=*/false));
       slot.reused = std::move(slot.fresh);
     } else {
       gen.bytes_reused += slot.reused->size();
@@ -737,21 +747,39 @@ absl::StatusOr<std::unique_ptr<ModelGeneration>> LoadGeneration(const Catalog& c
                            CheckpointReader::Open(catalog, {options.direct_io}));
 
   report(LoadProgress::Phase::kRead);
-  std::vector<ReadTask> tasks = MakeTasks(catalog, reuse.read);
+  std::vector<bool> from_files = reuse.read;
+  for (size_t i = 0; i < from_files.size() && options.host_source != nullptr; ++i) {
+    from_files[i] = from_files[i] && plan.tensors[i].placement != Placement::kHost;
+  }
+  std::vector<ReadTask> tasks = MakeTasks(catalog, from_files);
   std::vector<WorkUnit> units = MakeUnits(plan, tasks);
   std::vector<std::vector<uint64_t>> block_hashes(catalog.tensors.size());
   for (const ReadTask& t : tasks) block_hashes[t.tensor].resize(std::max<size_t>(block_hashes[t.tensor].size(), t.block + 1));
-  int threads = options.threads > 0 ? options.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  threads = static_cast<int>(std::min<size_t>(threads, std::max<size_t>(units.size(), 1)));
+  const int cores = options.threads > 0 ? options.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  int threads = static_cast<int>(std::min<size_t>(cores, std::max<size_t>(units.size(), 1)));
+  std::optional<SourceFill> from_source;
+  if (options.host_source != nullptr) {
+    from_source.emplace(*options.host_source, FreshHostSegments(alloc), SegmentTensors(catalog, plan, reuse, block_hashes),
+                        block_hashes);
+    for (HostSegment* segment : FreshHostSegments(alloc)) WEIGHTD_RETURN_IF_ERROR(segment->SealSize());
+    from_source->set_cancel(options.cancel);
+    from_source->Start(cores);
+  }
   HostFill fill(*reader, options.huge_fill_budget);
   ReadJob job(catalog, plan, tasks, units, fill, alloc, block_hashes);
   job.set_cancel(options.cancel);
-  job.set_source(options.host_source);
-  WEIGHTD_RETURN_IF_ERROR(job.Run(threads, options.device_backend, [&](uint64_t bytes, uint32_t files_done) {
-    p.bytes_done = bytes;
+  absl::Status read = job.Run(threads, options.device_backend, [&](uint64_t bytes, uint32_t files_done) {
+    p.bytes_done = bytes + (from_source ? from_source->bytes_hashed() : 0);
     p.files_done = files_done;
     report(LoadProgress::Phase::kRead);
-  }));
+  });
+  if (from_source) {
+    absl::Status filled = from_source->Wait();
+    if (read.ok()) read = filled;
+    p.bytes_done += from_source->bytes_hashed();
+    report(LoadProgress::Phase::kRead);
+  }
+  WEIGHTD_RETURN_IF_ERROR(read);
 
   report(LoadProgress::Phase::kSeal);
   MeasureThp(alloc);

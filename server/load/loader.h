@@ -62,15 +62,28 @@ struct LoadProgress {
 using ProgressFn = std::function<void(const LoadProgress&)>;
 
 // Where a load's host-resident tensor bytes come from instead of the
-// checkpoint's files (peer seeding, server/peer/peer_join.h). Read() fills bytes
-// [offset, offset + n) of the plan's host segment `segment` (an index into
-// LoadPlan::host_segments; n <= kReadBlockBytes) into `dst`, which the
-// caller owns; it is called from every load thread at once. The loader
-// hashes what it returns exactly as it hashes bytes read from storage.
+// checkpoint's files (peer seeding, server/peer/peer_join.h). Fill() gets
+// the plan's fresh host segments (writable and size-sealed, so their fds
+// may go to another process: HostSegment::SealSize) and, for each, the byte
+// ranges its tensors cover; it writes those ranges by any means, and calls
+// `filled(i)` once segment i is complete and nothing of the source maps it
+// writable any more. The loader takes none of that on trust
+// (server/load/source_fill.h): `filled` seals the segment, returning
+// FAILED_PRECONDITION when the kernel refuses because some process still
+// maps it writable (Fill then stops and returns that error), and the
+// segment is hashed only after its seal, as storage reads are hashed.
+// Fill returns OK once every segment was reported, or the first error.
+// Called once per load, from one thread; `filled` may be called from any
+// thread, at most once per segment.
 class HostSource {
  public:
+  struct Range {
+    uint64_t offset = 0;
+    uint64_t n = 0;
+  };
   virtual ~HostSource() = default;
-  virtual absl::Status Read(uint32_t segment, uint64_t offset, uint64_t n, char* dst) = 0;
+  virtual absl::Status Fill(const std::vector<HostSegment*>& segments, const std::vector<std::vector<Range>>& ranges,
+                            const std::function<absl::Status(uint32_t)>& filled) = 0;
 };
 
 struct LoaderOptions;
@@ -116,7 +129,7 @@ struct LoaderOptions {
   // (daemon shutdown). Not owned.
   const std::atomic<bool>* cancel = nullptr;
   // When set, host tensors are filled from it, device tensors still from
-  // storage; `shared` must then be null. Not owned.
+  // storage in the same load; `shared` must then be null. Not owned.
   HostSource* host_source = nullptr;
   // The NUMA topology and page binding (LoadRequest::numa_copies) come
   // from it; null: Env::Default(). Not owned.

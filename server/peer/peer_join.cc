@@ -95,15 +95,17 @@ absl::StatusOr<std::unique_ptr<ModelGeneration>> PeerJoiner::Load(const Catalog&
   absl::Status last = absl::NotFoundError("no peers");
   for (const std::string& peer : peers) {
     auto start = std::chrono::steady_clock::now();
+    uint32_t lanes = 0;
     absl::StatusOr<std::unique_ptr<ModelGeneration>> gen =
-        LoadFrom(peer, catalog, request, *planned, loader, progress);
+        LoadFrom(peer, catalog, request, *planned, loader, progress, &lanes);
     if (gen.ok()) {
       double seconds = SecondsSince(start);
       uint64_t bytes = (*gen)->host_bytes;
       if (options_.metrics) options_.metrics->PeerSeeded(peer, bytes, seconds);
-      LogInfo(absl::StrFormat("seeded '%s' from peer %s: %d host bytes in %.3f s (%.2f GB/s), fingerprint %s",
+      LogInfo(absl::StrFormat("seeded '%s' from peer %s: %d host bytes in %.3f s (%.2f GB/s) over %d lane(s), "
+                              "received into the segments, %d MiB on 2 MiB pages, fingerprint %s",
                               request.name, peer, bytes, seconds, seconds > 0 ? bytes / seconds / 1e9 : 0.0,
-                              (*gen)->fingerprint));
+                              lanes, (*gen)->huge_page_bytes >> 20, (*gen)->fingerprint));
       return gen;
     }
     std::string reason = PeerFallbackReason(gen.status());
@@ -124,7 +126,8 @@ absl::StatusOr<std::unique_ptr<ModelGeneration>> PeerJoiner::LoadFrom(const std:
                                                                        const LoadRequest& request,
                                                                        const PlannedLoad& planned,
                                                                        const LoaderOptions& loader,
-                                                                       const ProgressFn& progress) {
+                                                                       const ProgressFn& progress,
+                                                                       uint32_t* lanes) {
   auto deadline = std::chrono::steady_clock::now() + options_.deadline;
   absl::StatusOr<PeerTransport*> transport = options_.transport ? options_.transport()
                                                                 : absl::UnavailableError("no peer transport");
@@ -166,9 +169,10 @@ absl::StatusOr<std::unique_ptr<ModelGeneration>> PeerJoiner::LoadFrom(const std:
                              : st.code() == absl::StatusCode::kDeadlineExceeded ? "deadline" : "other";
     return WithPeerReason(st, reason);
   }
-  PeerPull pull{peer, **transport, deadline, options_.metrics};
+  PeerPull pull{peer, **transport, deadline, options_.metrics, options_.lanes};
   absl::StatusOr<std::unique_ptr<ModelGeneration>> gen =
       SeedFromDescription(reply, catalog, request, planned, loader, progress, pull);
+  *lanes = pull.lanes_used();
   v1::PeerTransferRequest done;
   done.set_done(true);
   done.set_bytes_read(pull.bytes_read());

@@ -5,9 +5,11 @@
 // generation has the same checkpoint identity and plan: the same files
 // (name, size, header hash), tensors (name, dtype, shape) and host segment
 // layout. The host segments are then filled from the peer's memory over the
-// PeerTransport (several reads in flight per load thread) while
-// device-placed tensors are read from local storage in the same load; every
-// tensor is hashed from the bytes received and must equal the seed's hash,
+// PeerTransport, received straight into them by the transport's helpers
+// over one or more lanes, while device-placed tensors are read from local
+// storage in the same load; each segment is sealed once the helpers have
+// unmapped it (a helper that kept a mapping fails the seal), then every
+// tensor is hashed from the sealed bytes and must equal the seed's hash,
 // and the model fingerprint must equal the seed's. Only then is the
 // generation returned, with source "peer HOST:PORT".
 //
@@ -53,6 +55,7 @@ inline constexpr const char* kPeerFallbackReasons[] = {
     "transfer_failed",       // the transport failed (seed died, connection reset)
     "deadline",              // --peer-deadline-seconds passed
     "hash_mismatch",         // received bytes or fingerprint differ from the seed's
+    "seal_refused",          // a transfer helper still mapped a received segment writable (F_SEAL_WRITE: EBUSY)
     "local",                 // this node's peer transport cannot start (helper, user): no peer is tried
     "other"};
 
@@ -73,6 +76,7 @@ struct PeerJoinOptions {
   std::shared_ptr<grpc::ChannelCredentials> credentials;
   std::string tls_server_name;
   std::chrono::milliseconds deadline{600000};  // per peer: from asking it to READY
+  uint32_t lanes = 0;  // --peer-lanes: parallel UCX endpoints (helpers) per transfer; 0: ChoosePeerLanes
   // The transport, created on first use; errors are the transport's.
   std::function<absl::StatusOr<PeerTransport*>()> transport;
   Metrics* metrics = nullptr;  // may be null
@@ -103,7 +107,8 @@ class PeerJoiner final : public GenerationSource {
  private:
   absl::StatusOr<std::unique_ptr<ModelGeneration>> LoadFrom(const std::string& peer, const Catalog& catalog,
                                                             const LoadRequest& request, const PlannedLoad& planned,
-                                                            const LoaderOptions& loader, const ProgressFn& progress);
+                                                            const LoaderOptions& loader, const ProgressFn& progress,
+                                                            uint32_t* lanes);
   PeerJoinOptions options_;
 };
 

@@ -5,6 +5,8 @@
 #include "absl/strings/str_join.h"
 #include "common/base/status.h"
 #include "common/format/content_hash.h"
+#include "common/base/parallel.h"
+#include <thread>
 
 namespace weightd {
 namespace {
@@ -55,19 +57,54 @@ uint64_t DeviceBytes(const Catalog& catalog, const LoadPlan& plan) {
   return bytes;
 }
 
-// Host bytes come from the peer connection.
+// Host bytes come from the peer straight into the new segments: the
+// transport's helpers map them writable and UCX receives into them (one
+// copy). Each segment is released once its ranges are in (the helpers
+// unmap it) and then reported filled, which seals it (refused while any
+// process still maps it writable) before the loader hashes it
+// (server/load/source_fill.h). Segments go in plan order, `lanes + 1` at a
+// time, so the lanes stay busy across the end of a segment.
 class PullSource final : public HostSource {
  public:
-  PullSource(PeerConnection& connection, PeerPull& pull) : connection_(connection), pull_(pull) {}
-  absl::Status Read(uint32_t segment, uint64_t offset, uint64_t n, char* dst) override {
-    WEIGHTD_RETURN_IF_ERROR(connection_.Read({{segment, offset, n, dst}}, pull_.deadline()));
-    pull_.Received(n);
-    return absl::OkStatus();
+  PullSource(PeerPull& pull, PeerOffer offer, uint32_t lanes) : pull_(pull), offer_(std::move(offer)), lanes_(lanes) {}
+
+  absl::Status Fill(const std::vector<HostSegment*>& segments, const std::vector<std::vector<Range>>& ranges,
+                    const std::function<absl::Status(uint32_t)>& filled) override {
+    PeerConnectOptions options;
+    options.lanes = lanes_;
+    for (HostSegment* s : segments) {
+      options.destinations.push_back({s->fd(), s->size()});
+      options.advise_huge_pages |= s->page_kind() == PageKind::kShmemThp;
+    }
+    absl::StatusOr<std::unique_ptr<PeerConnection>> connection =
+        pull_.transport().Connect(offer_, pull_.deadline(), options);
+    if (!connection.ok()) return WithPeerReason(connection.status(), "transfer_failed");
+    pull_.set_lanes_used((*connection)->lanes());
+    absl::Status status = ParallelFor(
+        segments.size(),
+        [&](size_t i) -> absl::Status {
+          std::vector<PeerRead> reads;
+          uint64_t bytes = 0;
+          for (const Range& r : ranges[i]) {
+            if (r.n == 0) continue;
+            reads.push_back({static_cast<uint32_t>(i), r.offset, r.n, static_cast<uint32_t>(i), r.offset});
+            bytes += r.n;
+          }
+          WEIGHTD_RETURN_IF_ERROR((*connection)->Read(reads, pull_.deadline()));
+          pull_.Received(bytes);
+          WEIGHTD_RETURN_IF_ERROR((*connection)->Release(static_cast<uint32_t>(i), pull_.deadline()));
+          absl::Status sealed = filled(static_cast<uint32_t>(i));
+          return sealed.ok() ? sealed : WithPeerReason(sealed, "seal_refused");
+        },
+        lanes_ + 1);
+    connection->reset();  // every helper is gone (reaped) before this returns
+    return status;
   }
 
  private:
-  PeerConnection& connection_;
   PeerPull& pull_;
+  const PeerOffer offer_;
+  const uint32_t lanes_;
 };
 
 absl::Status Verify(const ModelGeneration& gen, const v1::PeerTransferReply& reply) {
@@ -102,6 +139,13 @@ std::string PeerReasonOf(const absl::Status& status) {
     case absl::StatusCode::kDataLoss: return "hash_mismatch";
     default: return "other";
   }
+}
+
+uint32_t ChoosePeerLanes(uint64_t host_bytes, uint32_t configured, unsigned cores) {
+  if (configured > 0) return std::min(configured, kMaxPeerLanes);
+  uint64_t by_size = std::max<uint64_t>(1, host_bytes / kPeerBytesPerLane);
+  uint64_t by_cores = std::max(1u, cores);
+  return static_cast<uint32_t>(std::min<uint64_t>({by_size, by_cores, kMaxAutoPeerLanes}));
 }
 
 absl::Status CheckSameCheckpoint(const v1::PeerTransferReply& reply, const Catalog& catalog, const LoadPlan& plan) {
@@ -144,9 +188,7 @@ absl::StatusOr<std::unique_ptr<ModelGeneration>> SeedFromDescription(const v1::P
   }
   PeerOffer offer{reply.worker_address(), reply.session_token(), {}};
   for (const v1::PeerSegment& s : reply.host_segments()) offer.region_sizes.push_back(s.size());
-  absl::StatusOr<std::unique_ptr<PeerConnection>> connection = pull.transport().Connect(offer, pull.deadline());
-  if (!connection.ok()) return WithPeerReason(connection.status(), "transfer_failed");
-  PullSource source(**connection, pull);
+  PullSource source(pull, std::move(offer), ChoosePeerLanes(plan.host_bytes, pull.lanes()));
   LoaderOptions options = loader;
   options.host_source = &source;
   absl::StatusOr<std::unique_ptr<ModelGeneration>> gen = LoadGeneration(catalog, request, options, progress, nullptr, &planned);

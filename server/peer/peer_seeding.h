@@ -13,6 +13,8 @@
 #include <chrono>
 #include <memory>
 #include <string>
+#include <thread>
+#include <algorithm>
 
 #include "absl/status/statusor.h"
 #include "common/format/catalog.h"
@@ -31,12 +33,27 @@ namespace weightd {
 absl::Status WithPeerReason(absl::Status status, absl::string_view reason);
 std::string PeerReasonOf(const absl::Status& status);
 
+// Lanes of a transfer (PeerConnectOptions::lanes): `configured` when not 0
+// (--peer-lanes, at most kMaxPeerLanes); else one per kPeerBytesPerLane
+// of host bytes and per core, at least 1, at most kMaxAutoPeerLanes. Per
+// core, not fewer: a receiving helper spends most of its time creating the
+// fresh pages it receives into, which parallelises across helpers (2 lanes
+// beat 1 on 2 shared cores, 4 did not beat 2: docs/performance.md).
+inline constexpr uint64_t kPeerBytesPerLane = 256ull << 20;
+inline constexpr uint32_t kMaxAutoPeerLanes = 4;
+uint32_t ChoosePeerLanes(uint64_t host_bytes, uint32_t configured,
+                         unsigned cores = std::max(1u, std::thread::hardware_concurrency()));
+
 // One load's pull from one peer.
 class PeerPull {
  public:
   PeerPull(std::string peer, PeerTransport& transport, std::chrono::steady_clock::time_point deadline,
-           Metrics* metrics)
-      : peer_(std::move(peer)), transport_(transport), deadline_(deadline), metrics_(metrics) {}
+           Metrics* metrics, uint32_t lanes = 0)
+      : peer_(std::move(peer)), transport_(transport), deadline_(deadline), metrics_(metrics), lanes_(lanes) {}
+  uint32_t lanes() const { return lanes_; }  // as configured; 0: chosen per transfer (ChoosePeerLanes)
+  // The lanes the transfer used (0 before it connected).
+  uint32_t lanes_used() const { return lanes_used_.load(); }
+  void set_lanes_used(uint32_t lanes) { lanes_used_ = lanes; }
   const std::string& peer() const { return peer_; }
   PeerTransport& transport() { return transport_; }
   std::chrono::steady_clock::time_point deadline() const { return deadline_; }
@@ -51,6 +68,8 @@ class PeerPull {
   PeerTransport& transport_;
   std::chrono::steady_clock::time_point deadline_;
   Metrics* metrics_;
+  uint32_t lanes_;
+  std::atomic<uint32_t> lanes_used_{0};
   std::atomic<uint64_t> bytes_read_{0};
 };
 

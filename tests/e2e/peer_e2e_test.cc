@@ -173,6 +173,56 @@ TEST_F(PeerE2e, CorruptedByteIsCaughtByTheHashAndRefused) {
   EXPECT_NE(a->process().Stderr().find("NOT verified"), std::string::npos) << a->process().Stderr();
 }
 
+// The joiner's own transfer helper, taken over (test faults of
+// weightd-peer-helper): one that leaves a writable mapping of a received
+// segment in a child it forked cannot get past the seal; one that writes a
+// byte after reporting its reads done cannot get past the hashes taken
+// after the seal. Either way the node ends READY from storage, verified.
+TEST_F(PeerE2e, JoinerHelperThatKeepsAWritableMappingFailsTheSealAndStorageServes) {
+  auto a = Node(), b = Node({"--peer-test-fault", "helper-keeps-mapping"});
+  ASSERT_EQ(a->Ctl({"load", kModel, "demo"}).code, 0);
+  std::string peer = PeerOf(*a);
+  CommandResult load = b->Ctl({"load", kModel, "demo", "--peer", peer});
+  ASSERT_EQ(load.code, 0) << load.err << b->process().Stderr();
+  EXPECT_EQ(Ls(*b)["state"], "READY");
+  EXPECT_EQ(Ls(*b)["source"], "storage");
+  EXPECT_EQ(Ls(*b)["fingerprint"], Ls(*a)["fingerprint"]);
+  ExpectVerifies(*b);
+  EXPECT_NE(b->process().Stderr().find("peer " + peer + " did not seed 'm' (seal_refused): "), std::string::npos)
+      << b->process().Stderr();
+  EXPECT_NE(b->process().Stderr().find("F_SEAL_WRITE refused with EBUSY"), std::string::npos) << b->process().Stderr();
+  EXPECT_EQ(Metric(*b, "weightd_peer_fallbacks_total{reason=\"seal_refused\"}"), 1);
+}
+
+TEST_F(PeerE2e, JoinerHelperThatWritesAfterItsReadsFailsTheHashAndStorageServes) {
+  auto a = Node(), b = Node({"--peer-test-fault", "helper-writes-late"});
+  ASSERT_EQ(a->Ctl({"load", kModel, "demo"}).code, 0);
+  std::string peer = PeerOf(*a);
+  CommandResult load = b->Ctl({"load", kModel, "demo", "--peer", peer});
+  ASSERT_EQ(load.code, 0) << load.err << b->process().Stderr();
+  EXPECT_EQ(Ls(*b)["state"], "READY");
+  EXPECT_EQ(Ls(*b)["source"], "storage");
+  EXPECT_EQ(Ls(*b)["fingerprint"], Ls(*a)["fingerprint"]);
+  ExpectVerifies(*b);
+  EXPECT_NE(b->process().Stderr().find("peer " + peer + " did not seed 'm' (hash_mismatch): "), std::string::npos)
+      << b->process().Stderr();
+  EXPECT_EQ(Metric(*b, "weightd_peer_fallbacks_total{reason=\"hash_mismatch\"}"), 1);
+}
+
+TEST_F(PeerE2e, SeedsOverSeveralLanesAndSaysHowInTheLog) {
+  auto a = Node(), b = Node({"--peer-lanes", "2"});
+  ASSERT_EQ(a->Ctl({"load", kModel, "demo"}).code, 0);
+  std::string peer = PeerOf(*a);
+  CommandResult load = b->Ctl({"load", kModel, "demo", "--peer", peer});
+  ASSERT_EQ(load.code, 0) << load.err << b->process().Stderr();
+  EXPECT_EQ(Ls(*b)["source"], "peer " + peer);
+  EXPECT_EQ(Ls(*b)["fingerprint"], Ls(*a)["fingerprint"]);
+  ExpectVerifies(*b);
+  EXPECT_NE(b->process().Stderr().find("over 2 lane(s), received into the segments, "),
+            std::string::npos)
+      << b->process().Stderr();
+}
+
 TEST_F(PeerE2e, SeedAtItsJoinerLimitSendsTheJoinerToTheNextPeer) {
   auto full = Node({"--peer-max-joiners", "1"}), other = Node(), b = Node();
   ASSERT_EQ(full->Ctl({"load", kModel, "demo"}).code, 0);

@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/peer/peer_transport.h"
 #include "gtest/gtest.h"
+#include "tests/testing/peer_destinations.h"
 #include "tests/testing/process.h"
 #include "tests/testing/shared_inputs.h"
 #include "tests/testing/status_matchers.h"
@@ -88,8 +89,8 @@ class HostilePeerTest : public ::testing::Test {
     setenv("UCX_NET_DEVICES", "lo", 1);
     UcxHelperOptions options;
     options.helper_path = WEIGHTD_PEER_HELPER_PATH;
-    options.slot_bytes = 1 << 20;
-    options.slots = 8;
+    options.piece_bytes = 1 << 20;
+    options.pieces = 8;
     WEIGHTD_ASSERT_OK_AND_ASSIGN(transport_, MakeUcxHelperTransport(options));
   }
 
@@ -115,14 +116,14 @@ TEST_P(HostileSeedTest, FailsTheReadWithUnavailableAndNothingElse) {
   ASSERT_FALSE(address.empty()) << seed.Stderr();
   PeerOffer offer{address, std::string("0123456789abcdef"), {kRegionBytes}};
   {
+    testing::PeerDestinations dest({kRegionBytes});
     WEIGHTD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<PeerConnection> c,
-                                 transport_->Connect(offer, steady_clock::now() + seconds(10)));
-    std::string buf(kRegionBytes, '\0');
-    absl::Status st = c->Read({{0, 0, buf.size(), buf.data()}}, steady_clock::now() + seconds(10));
+                                 transport_->Connect(offer, steady_clock::now() + seconds(10), dest.Options()));
+    absl::Status st = c->Read({{0, 0, kRegionBytes, 0, 0}}, steady_clock::now() + seconds(10));
     EXPECT_EQ(st.code(), absl::StatusCode::kUnavailable) << st;
     EXPECT_TRUE(absl::StartsWith(st.message(), GetParam().prefix)) << st;
     // The connection is broken from then on; this process carries on.
-    EXPECT_EQ(c->Read({{0, 0, 16, buf.data()}}, steady_clock::now() + seconds(2)), st);
+    EXPECT_EQ(c->Read({{0, 0, 16, 0, 0}}, steady_clock::now() + seconds(2)), st);
     if (GetParam().join_helper_exits) {
       std::vector<pid_t> join = HelperChildren();
       ASSERT_EQ(join.size(), 1u);
@@ -188,9 +189,8 @@ class HostileJoinerTest : public HostilePeerTest {
 
   // The whole region, read through `c`.
   void ExpectWholeRegion(PeerConnection& c) {
-    std::string whole(data_.size(), '\0');
-    WEIGHTD_ASSERT_OK(c.Read({{0, 0, whole.size(), whole.data()}}, steady_clock::now() + seconds(10)));
-    EXPECT_TRUE(whole == data_);
+    WEIGHTD_ASSERT_OK(c.Read({{0, 0, data_.size(), 0, 0}}, steady_clock::now() + seconds(10)));
+    EXPECT_TRUE(dest_.Bytes(0, 0, data_.size()) == data_);
   }
 
   // The seed helper is alive, did not grow past kMaxSeedGrowthKb, and
@@ -206,12 +206,13 @@ class HostileJoinerTest : public HostilePeerTest {
                      << " kB after the attack";
     ExpectWholeRegion(before);
     WEIGHTD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<PeerConnection> after,
-                                 transport_->Connect(export_->offer(), steady_clock::now() + seconds(10)));
+                                 transport_->Connect(export_->offer(), steady_clock::now() + seconds(10), dest_.Options()));
     ExpectWholeRegion(*after);
   }
 
   std::string data_;
   int fd_ = -1;
+  testing::PeerDestinations dest_{{10 << 20}};
   std::unique_ptr<PeerExport> export_;
   pid_t seed_pid_ = -1;
   int64_t exported_kb_ = -1;
@@ -219,7 +220,7 @@ class HostileJoinerTest : public HostilePeerTest {
 
 TEST_F(HostileJoinerTest, SeedOutlivesAFloodOfRequestsWithAWrongToken) {
   WEIGHTD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<PeerConnection> before,
-                               transport_->Connect(export_->offer(), steady_clock::now() + seconds(10)));
+                               transport_->Connect(export_->offer(), steady_clock::now() + seconds(10), dest_.Options()));
   std::string forged = export_->offer().token;
   forged[0] ^= 1;
   testing::CommandResult r = Flood(forged, {"--requests", "200000"});
@@ -230,7 +231,7 @@ TEST_F(HostileJoinerTest, SeedOutlivesAFloodOfRequestsWithAWrongToken) {
 
 TEST_F(HostileJoinerTest, SeedOutlivesAJoinerThatVanishesWithRepliesInFlight) {
   WEIGHTD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<PeerConnection> before,
-                               transport_->Connect(export_->offer(), steady_clock::now() + seconds(10)));
+                               transport_->Connect(export_->offer(), steady_clock::now() + seconds(10), dest_.Options()));
   // The whole region in 1 MiB pieces, again and again; rendezvous replies
   // are never fetched, so the seed holds as many replies in flight as it
   // allows when the joiner's sockets go.
@@ -242,7 +243,7 @@ TEST_F(HostileJoinerTest, SeedOutlivesAJoinerThatVanishesWithRepliesInFlight) {
 
 TEST_F(HostileJoinerTest, SeedDropsMalformedRequestsSilently) {
   WEIGHTD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<PeerConnection> before,
-                               transport_->Connect(export_->offer(), steady_clock::now() + seconds(10)));
+                               transport_->Connect(export_->offer(), steady_clock::now() + seconds(10), dest_.Options()));
   // With the right token, but one byte short of an AmRequest, or with data.
   testing::CommandResult r = Flood(export_->offer().token, {"--requests", "20000", "--malformed"});
   EXPECT_EQ(r.code, 0) << r.out << r.err;

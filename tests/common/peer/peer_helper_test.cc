@@ -18,6 +18,7 @@
 #include "absl/strings/str_split.h"
 #include "common/peer/peer_transport.h"
 #include "gtest/gtest.h"
+#include "tests/testing/peer_destinations.h"
 #include "tests/testing/process.h"
 #include "tests/testing/status_matchers.h"
 
@@ -48,11 +49,17 @@ class PeerHelperTest : public ::testing::Test {
     fd_ = memfd_create("peer-helper-test", MFD_CLOEXEC);
     ASSERT_GE(fd_, 0);
     ASSERT_EQ(pwrite(fd_, data_.data(), data_.size(), 0), static_cast<ssize_t>(data_.size()));
+    // Two of the region's size, one small.
+    dest_ = std::make_unique<testing::PeerDestinations>(std::vector<uint64_t>{data_.size(), data_.size(), 1 << 20});
+    WEIGHTD_ASSERT_OK_AND_ASSIGN(transport_, MakeUcxHelperTransport(Options()));
+  }
+  static UcxHelperOptions Options(const std::string& test_fault = "") {
     UcxHelperOptions options;
     options.helper_path = WEIGHTD_PEER_HELPER_PATH;
-    options.slot_bytes = 1 << 20;  // a 10 MiB read is ten pieces in flight
-    options.slots = 8;
-    WEIGHTD_ASSERT_OK_AND_ASSIGN(transport_, MakeUcxHelperTransport(options));
+    options.piece_bytes = 1 << 20;  // a 10 MiB read is ten pieces, eight in flight
+    options.pieces = 8;
+    options.test_fault = test_fault;
+    return options;
   }
   void TearDown() override { close(fd_); }
 
@@ -63,14 +70,16 @@ class PeerHelperTest : public ::testing::Test {
     EXPECT_TRUE(e.ok()) << e.status();
     return e.ok() ? std::move(*e) : nullptr;
   }
-  std::unique_ptr<PeerConnection> Connect(const PeerOffer& offer) {
-    absl::StatusOr<std::unique_ptr<PeerConnection>> c = transport_->Connect(offer, steady_clock::now() + seconds(30));
+  std::unique_ptr<PeerConnection> Connect(const PeerOffer& offer, uint32_t lanes = 1) {
+    absl::StatusOr<std::unique_ptr<PeerConnection>> c =
+        transport_->Connect(offer, steady_clock::now() + seconds(30), dest_->Options(lanes));
     EXPECT_TRUE(c.ok()) << c.status();
     return c.ok() ? std::move(*c) : nullptr;
   }
 
   std::string data_;
   int fd_ = -1;
+  std::unique_ptr<testing::PeerDestinations> dest_;
   std::unique_ptr<PeerTransport> transport_;
 };
 
@@ -82,26 +91,104 @@ TEST_F(PeerHelperTest, ReadsRangesOfAnExportFromSeveralThreads) {
   EXPECT_EQ(e->offer().token.size(), kPeerTokenBytes);
   std::unique_ptr<PeerConnection> c = Connect(e->offer());
   ASSERT_NE(c, nullptr);
-  std::string whole(data_.size(), '\0'), middle(4097, '\0');
-  WEIGHTD_ASSERT_OK(c->Read({{0, 0, whole.size(), whole.data()}, {0, 12345, middle.size(), middle.data()}},
-                            steady_clock::now() + seconds(30)));
-  EXPECT_TRUE(whole == data_);
-  EXPECT_TRUE(middle == data_.substr(12345, 4097));
-  // Four threads at once share the eight staging slots.
-  std::vector<std::string> parts(4, std::string(data_.size() / 4, '\0'));
+  WEIGHTD_ASSERT_OK(c->Read({{0, 0, data_.size(), 0, 0}, {0, 12345, 4097, 2, 100}}, steady_clock::now() + seconds(30)));
+  EXPECT_TRUE(dest_->Bytes(0, 0, data_.size()) == data_);
+  EXPECT_TRUE(dest_->Bytes(2, 100, 4097) == data_.substr(12345, 4097));
+  EXPECT_EQ(dest_->Bytes(2, 0, 100), std::string(100, '\0'));  // nothing outside the range asked
+  // Four threads at once share the eight pieces in flight.
+  const uint64_t part = data_.size() / 4;
   std::vector<absl::Status> results(4);
   std::vector<std::thread> threads;
   for (int t = 0; t < 4; ++t) {
     threads.emplace_back([&, t] {
-      results[t] = c->Read({{0, t * parts[t].size(), parts[t].size(), parts[t].data()}},
-                           steady_clock::now() + seconds(30));
+      results[t] = c->Read({{0, t * part, part, 1, t * part}}, steady_clock::now() + seconds(30));
     });
   }
   for (std::thread& t : threads) t.join();
-  for (int t = 0; t < 4; ++t) {
-    WEIGHTD_EXPECT_OK(results[t]);
-    EXPECT_TRUE(parts[t] == data_.substr(t * parts[t].size(), parts[t].size())) << "part " << t;
-  }
+  for (int t = 0; t < 4; ++t) WEIGHTD_EXPECT_OK(results[t]);
+  EXPECT_TRUE(dest_->Bytes(1, 0, data_.size()) == data_);
+}
+
+TEST_F(PeerHelperTest, TwoLanesAreTwoHelpersThatShareOneRead) {
+  std::unique_ptr<PeerExport> e = Export();
+  ASSERT_NE(e, nullptr);
+  std::unique_ptr<PeerConnection> c = Connect(e->offer(), /*lanes=*/2);
+  ASSERT_NE(c, nullptr);
+  EXPECT_EQ(c->lanes(), 2u);
+  EXPECT_EQ(HelperChildren().size(), 3u);  // the seed's and two joiner lanes
+  WEIGHTD_ASSERT_OK(c->Read({{0, 0, data_.size(), 0, 0}}, steady_clock::now() + seconds(30)));
+  EXPECT_TRUE(dest_->Bytes(0, 0, data_.size()) == data_);
+  c.reset();
+  EXPECT_EQ(HelperChildren().size(), 1u);  // both lanes reaped
+}
+
+// The rule the loader relies on: while a helper maps a destination, the
+// kernel refuses to seal it; once released, the seal takes and no read
+// into it is sent any more.
+TEST_F(PeerHelperTest, DestinationSealsOnlyOnceEveryLaneReleasedIt) {
+  std::unique_ptr<PeerExport> e = Export();
+  ASSERT_NE(e, nullptr);
+  std::unique_ptr<PeerConnection> c = Connect(e->offer(), /*lanes=*/2);
+  ASSERT_NE(c, nullptr);
+  WEIGHTD_ASSERT_OK(c->Read({{0, 0, data_.size(), 0, 0}}, steady_clock::now() + seconds(30)));
+  EXPECT_THAT(dest_->SealWrite(0), StatusIs(absl::StatusCode::kFailedPrecondition, "busy"));
+  WEIGHTD_ASSERT_OK(c->Release(0, steady_clock::now() + seconds(10)));
+  WEIGHTD_EXPECT_OK(dest_->SealWrite(0));
+  EXPECT_TRUE(dest_->Bytes(0, 0, data_.size()) == data_);
+  EXPECT_THAT(c->Read({{0, 0, 16, 0, 0}}, steady_clock::now() + seconds(5)),
+              StatusIs(absl::StatusCode::kInvalidArgument, "released"));
+  EXPECT_THAT(c->Release(0, steady_clock::now() + seconds(5)),
+              StatusIs(absl::StatusCode::kInvalidArgument, "destination 0 is unknown or released"));
+  EXPECT_THAT(dest_->SealWrite(1), StatusIs(absl::StatusCode::kFailedPrecondition, "busy"));  // still mapped
+}
+
+// Hostile helpers (test faults): a helper that keeps a writable mapping in
+// a child it forked, and says it released, cannot get past the seal; one
+// that writes a byte after reporting it done leaves bytes that only a hash
+// taken after the seal can catch.
+TEST_F(PeerHelperTest, HelperThatKeepsAMappingInAChildFailsTheSeal) {
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(transport_, MakeUcxHelperTransport(Options("keep-mapping")));
+  std::unique_ptr<PeerExport> e = Export();
+  ASSERT_NE(e, nullptr);
+  std::unique_ptr<PeerConnection> c = Connect(e->offer());
+  ASSERT_NE(c, nullptr);
+  WEIGHTD_ASSERT_OK(c->Read({{0, 0, data_.size(), 0, 0}}, steady_clock::now() + seconds(30)));
+  WEIGHTD_ASSERT_OK(c->Release(0, steady_clock::now() + seconds(10)));  // a lie
+  c.reset();  // the helper is killed and reaped; its child is not ours to reap
+  EXPECT_THAT(dest_->SealWrite(0), StatusIs(absl::StatusCode::kFailedPrecondition, "busy"));
+}
+
+TEST_F(PeerHelperTest, HelperThatWritesAfterReportingDoneChangesExactlyOneByte) {
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(transport_, MakeUcxHelperTransport(Options("late-write")));
+  std::unique_ptr<PeerExport> e = Export();
+  ASSERT_NE(e, nullptr);
+  std::unique_ptr<PeerConnection> c = Connect(e->offer());
+  ASSERT_NE(c, nullptr);
+  WEIGHTD_ASSERT_OK(c->Read({{0, 0, data_.size(), 0, 0}}, steady_clock::now() + seconds(30)));
+  EXPECT_TRUE(dest_->Bytes(0, 0, data_.size()) == data_);  // as reported
+  WEIGHTD_ASSERT_OK(c->Release(0, steady_clock::now() + seconds(10)));
+  WEIGHTD_ASSERT_OK(dest_->SealWrite(0));  // the mapping is gone: the seal takes, the bytes are fixed now
+  std::string got = dest_->Bytes(0, 0, data_.size());
+  size_t differ = 0;
+  for (size_t i = 0; i < got.size(); ++i) differ += got[i] != data_[i];
+  EXPECT_EQ(differ, 1u);
+}
+
+TEST_F(PeerHelperTest, DestinationsThatCanBeResizedAreRefused) {
+  std::unique_ptr<PeerExport> e = Export();
+  ASSERT_NE(e, nullptr);
+  int fd = memfd_create("unsealed", MFD_CLOEXEC);
+  ASSERT_EQ(ftruncate(fd, 4096), 0);
+  PeerConnectOptions options;
+  options.destinations.push_back({fd, 4096});
+  EXPECT_THAT(transport_->Connect(e->offer(), steady_clock::now() + seconds(5), options),
+              StatusIs(absl::StatusCode::kInvalidArgument, "peer destination 0 (fd"));
+  options = dest_->Options();
+  options.lanes = kMaxPeerLanes + 1;
+  EXPECT_THAT(transport_->Connect(e->offer(), steady_clock::now() + seconds(5), options),
+              StatusIs(absl::StatusCode::kInvalidArgument, "9 peer lanes (must be 1..8)"));
+  close(fd);
+  EXPECT_EQ(HelperChildren().size(), 1u);  // only the seed's
 }
 
 // Without UCX_TLS, the helpers leave out UCX's shared-memory transports
@@ -112,28 +199,30 @@ TEST_F(PeerHelperTest, WorksWithoutUcxTlsSet) {
   ASSERT_NE(e, nullptr);
   std::unique_ptr<PeerConnection> c = Connect(e->offer());
   ASSERT_NE(c, nullptr);
-  std::string buf(1 << 20, '\0');
-  WEIGHTD_ASSERT_OK(c->Read({{0, 4096, buf.size(), buf.data()}}, steady_clock::now() + seconds(30)));
-  EXPECT_TRUE(buf == data_.substr(4096, buf.size()));
+  WEIGHTD_ASSERT_OK(c->Read({{0, 4096, 1 << 20, 2, 0}}, steady_clock::now() + seconds(30)));
+  EXPECT_TRUE(dest_->Bytes(2, 0, 1 << 20) == data_.substr(4096, 1 << 20));
 }
 
 TEST_F(PeerHelperTest, ReadsOutsideTheRegionAreRefusedHereAndByTheSeed) {
   std::unique_ptr<PeerExport> e = Export();
   ASSERT_NE(e, nullptr);
-  std::string buf(16, '\0');
   {
     std::unique_ptr<PeerConnection> c = Connect(e->offer());
-    EXPECT_THAT(c->Read({{0, data_.size() - 8, 16, buf.data()}}, steady_clock::now() + seconds(5)),
+    EXPECT_THAT(c->Read({{0, data_.size() - 8, 16, 2, 0}}, steady_clock::now() + seconds(5)),
                 StatusIs(absl::StatusCode::kInvalidArgument, "outside the peer's regions"));
-    EXPECT_THAT(c->Read({{1, 0, 16, buf.data()}}, steady_clock::now() + seconds(5)),
+    EXPECT_THAT(c->Read({{1, 0, 16, 2, 0}}, steady_clock::now() + seconds(5)),
                 StatusIs(absl::StatusCode::kInvalidArgument, "region 1"));
+    EXPECT_THAT(c->Read({{0, 0, 16, 2, (1 << 20) - 8}}, steady_clock::now() + seconds(5)),
+                StatusIs(absl::StatusCode::kInvalidArgument, "of destination 2 is outside it"));
+    EXPECT_THAT(c->Read({{0, 0, 16, 3, 0}}, steady_clock::now() + seconds(5)),
+                StatusIs(absl::StatusCode::kInvalidArgument, "of destination 3"));
   }
   // An offer that claims more than the seed exports passes the joiner's own
   // check; the seed's helper refuses the read.
   PeerOffer lie = e->offer();
   lie.region_sizes[0] += 1 << 20;
   std::unique_ptr<PeerConnection> c = Connect(lie);
-  EXPECT_THAT(c->Read({{0, data_.size() - 8, 16, buf.data()}}, steady_clock::now() + seconds(10)),
+  EXPECT_THAT(c->Read({{0, data_.size() - 8, 16, 2, 0}}, steady_clock::now() + seconds(10)),
               StatusIs(absl::StatusCode::kInvalidArgument, "the seed refused a read outside its regions"));
 }
 
@@ -143,46 +232,44 @@ TEST_F(PeerHelperTest, ReadsWithoutTheSessionTokenAreRefused) {
   PeerOffer forged = e->offer();
   forged.token[0] ^= 1;
   std::unique_ptr<PeerConnection> c = Connect(forged);
-  std::string buf(64, '\0');
-  EXPECT_THAT(c->Read({{0, 0, buf.size(), buf.data()}}, steady_clock::now() + seconds(10)),
+  EXPECT_THAT(c->Read({{0, 0, 64, 2, 0}}, steady_clock::now() + seconds(10)),
               StatusIs(absl::StatusCode::kPermissionDenied, "the seed refused the session token"));
-  EXPECT_EQ(buf, std::string(64, '\0'));
+  EXPECT_EQ(dest_->Bytes(2, 0, 64), std::string(64, '\0'));
 }
 
 TEST_F(PeerHelperTest, StalledSeedEndsTheReadAtTheDeadline) {
   std::unique_ptr<PeerExport> e = Export(/*stall=*/true);
   ASSERT_NE(e, nullptr);
   std::unique_ptr<PeerConnection> c = Connect(e->offer());
-  std::string buf(data_.size(), '\0');
-  EXPECT_THAT(c->Read({{0, 0, buf.size(), buf.data()}}, steady_clock::now() + milliseconds(500)),
+  EXPECT_THAT(c->Read({{0, 0, data_.size(), 0, 0}}, steady_clock::now() + milliseconds(500)),
               StatusIs(absl::StatusCode::kDeadlineExceeded, "deadline"));
   // The connection is broken from then on.
-  EXPECT_THAT(c->Read({{0, 0, 16, buf.data()}}, steady_clock::now() + seconds(5)),
+  EXPECT_THAT(c->Read({{0, 0, 16, 0, 0}}, steady_clock::now() + seconds(5)),
               StatusIs(absl::StatusCode::kDeadlineExceeded, "deadline"));
+  EXPECT_THAT(c->Release(0, steady_clock::now() + seconds(5)), StatusIs(absl::StatusCode::kDeadlineExceeded, "deadline"));
 }
 
 TEST_F(PeerHelperTest, SeedThatGoesAwayFailsTheRead) {
   std::unique_ptr<PeerExport> e = Export();
   ASSERT_NE(e, nullptr);
   std::unique_ptr<PeerConnection> c = Connect(e->offer());
-  std::string buf(64, '\0');
-  WEIGHTD_ASSERT_OK(c->Read({{0, 0, buf.size(), buf.data()}}, steady_clock::now() + seconds(30)));
+  WEIGHTD_ASSERT_OK(c->Read({{0, 0, 64, 2, 0}}, steady_clock::now() + seconds(30)));
   e.reset();  // the seed's helper is killed and reaped
-  absl::Status st = c->Read({{0, 0, buf.size(), buf.data()}}, steady_clock::now() + seconds(30));
+  absl::Status st = c->Read({{0, 0, 64, 2, 0}}, steady_clock::now() + seconds(30));
   EXPECT_EQ(st.code(), absl::StatusCode::kUnavailable) << st;
 }
 
 TEST_F(PeerHelperTest, MalformedOffersAreRefusedBeforeAnyHelperStarts) {
   PeerOffer offer{std::string(kMaxPeerWorkerAddressBytes + 1, 'x'), std::string(kPeerTokenBytes, 't'), {16}};
-  EXPECT_THAT(transport_->Connect(offer, steady_clock::now() + seconds(5)),
+  EXPECT_THAT(transport_->Connect(offer, steady_clock::now() + seconds(5), dest_->Options()),
               StatusIs(absl::StatusCode::kInvalidArgument, "worker address"));
   offer.worker_address = "x";
   offer.token = "short";
-  EXPECT_THAT(transport_->Connect(offer, steady_clock::now() + seconds(5)),
+  EXPECT_THAT(transport_->Connect(offer, steady_clock::now() + seconds(5), dest_->Options()),
               StatusIs(absl::StatusCode::kInvalidArgument, "session token of 5 bytes"));
   offer.token = std::string(kPeerTokenBytes, 't');
   offer.region_sizes.assign(kMaxPeerRegions + 1, 1);
-  EXPECT_THAT(transport_->Connect(offer, steady_clock::now() + seconds(5)),
+  EXPECT_THAT(transport_->Connect(offer, steady_clock::now() + seconds(5), dest_->Options()),
               StatusIs(absl::StatusCode::kInvalidArgument, "regions, at most"));
   EXPECT_TRUE(HelperChildren().empty());
 }
@@ -191,7 +278,7 @@ TEST_F(PeerHelperTest, GarbageWorkerAddressFailsInTheHelperNotHere) {
   // UCX aborts on an address it cannot unpack (ucp_address_unpack): that
   // kills the joiner's helper, not this process.
   PeerOffer offer{std::string(300, '\x7f'), std::string(kPeerTokenBytes, 't'), {16}};
-  EXPECT_THAT(transport_->Connect(offer, steady_clock::now() + seconds(10)),
+  EXPECT_THAT(transport_->Connect(offer, steady_clock::now() + seconds(10), dest_->Options()),
               StatusIs(absl::StatusCode::kUnavailable, "the peer helper ended (killed by signal 6"));
   EXPECT_TRUE(HelperChildren().empty());
 }

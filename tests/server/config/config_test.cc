@@ -256,7 +256,15 @@ TEST(DaemonConfig, PeerKeysDefaultParseAndRefuseBadValues) {
   EXPECT_THAT(ParseDaemonArgs({"--peer-deadline-seconds", "0"}),
               StatusIs(Code::kInvalidArgument, "--peer-deadline-seconds must be in (0, 86400], got 0"));
   EXPECT_THAT(ParseDaemonArgs({"--peer-test-fault", "explode"}),
-              StatusIs(Code::kInvalidArgument, "--peer-test-fault must be corrupt or stall (tests only), got 'explode'"));
+              StatusIs(Code::kInvalidArgument, "--peer-test-fault must be corrupt, stall, helper-keeps-mapping or "
+                                               "helper-writes-late (tests only), got 'explode'"));
+  EXPECT_EQ(defaults.config.peer_lanes, 0);
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(ParsedArgs lanes, ParseDaemonArgs({"--peer-lanes", "3"}));
+  EXPECT_EQ(lanes.config.peer_lanes, 3);
+  EXPECT_THAT(ParseDaemonArgs({"--peer-lanes", "9"}),
+              StatusIs(Code::kInvalidArgument, "--peer-lanes must be in [0, 8] (0: by size and cores), got 9"));
+  EXPECT_THAT(ParseDaemonArgs({"--peer-lanes", "-1"}),
+              StatusIs(Code::kInvalidArgument, "--peer-lanes must be in [0, 8] (0: by size and cores), got -1"));
   EXPECT_NE(DaemonUsage().find("[--peer-address HOST:PORT]"), std::string::npos);
   EXPECT_EQ(defaults.config.peer_helper, "");
   EXPECT_EQ(defaults.config.peer_helper_user, "nobody");
@@ -359,7 +367,7 @@ TEST(DaemonConfig, ConfigToJsonRoundTripsThroughConfigFile) {
   EXPECT_TRUE(reread.config.grpc_tcp_admin);
   EXPECT_EQ(reread.config.grpc_tls_client_ca, "/t/ca.pem");
   EXPECT_FALSE(reread.config.huge_pages);
-  EXPECT_EQ(json.size(), 39u);  // every DaemonConfig field, so a new one cannot be forgotten silently
+  EXPECT_EQ(json.size(), 40u);  // every DaemonConfig field, so a new one cannot be forgotten silently
 }
 
 }  // namespace

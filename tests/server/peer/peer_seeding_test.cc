@@ -124,6 +124,36 @@ TEST_F(PeerSeedingTest, CorruptedByteFailsTheHashCheck) {
   EXPECT_EQ(PeerFallbackReason(gen.status()), "hash_mismatch");
 }
 
+// A transfer helper is no more trusted than its peer: one that says it let
+// go of a segment but still maps it fails the seal; one that writes after
+// its reads were done fails the hashes taken after the seal.
+TEST_F(PeerSeedingTest, HelperThatKeepsAMappingFailsTheSeal) {
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto session, seed_->Open("m", "10.0.0.2"));
+  transport_.keep_mappings = true;
+  absl::StatusOr<std::unique_ptr<ModelGeneration>> gen = Join(Describe(*session));
+  EXPECT_THAT(gen, StatusIs(absl::StatusCode::kFailedPrecondition,
+                            "after its transfer: the memfd is still mapped writable"));
+  EXPECT_EQ(PeerFallbackReason(gen.status()), "seal_refused");
+}
+
+TEST_F(PeerSeedingTest, HelperThatWritesAfterItsReadsFailsTheHashCheck) {
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto session, seed_->Open("m", "10.0.0.2"));
+  transport_.write_on_release = true;
+  absl::StatusOr<std::unique_ptr<ModelGeneration>> gen = Join(Describe(*session));
+  EXPECT_THAT(gen, StatusIs(absl::StatusCode::kDataLoss, "the bytes received hash to"));
+  EXPECT_EQ(PeerFallbackReason(gen.status()), "hash_mismatch");
+}
+
+TEST_F(PeerSeedingTest, LanesFollowTheConfigElseSizeAndCores) {
+  EXPECT_EQ(ChoosePeerLanes(10ull << 30, 3, 2), 3u);
+  EXPECT_EQ(ChoosePeerLanes(10ull << 30, 100, 2), kMaxPeerLanes);
+  EXPECT_EQ(ChoosePeerLanes(100 << 20, 0, 64), 1u);        // small: one lane
+  EXPECT_EQ(ChoosePeerLanes(2500ull << 20, 0, 1), 1u);     // one core: one lane
+  EXPECT_EQ(ChoosePeerLanes(2500ull << 20, 0, 2), 2u);     // one per core
+  EXPECT_EQ(ChoosePeerLanes(2500ull << 20, 0, 64), 4u);    // at most kMaxAutoPeerLanes
+  EXPECT_EQ(ChoosePeerLanes(600ull << 20, 0, 64), 2u);     // one per 256 MiB
+}
+
 TEST_F(PeerSeedingTest, SeedHashThatLiesIsCaught) {
   WEIGHTD_ASSERT_OK_AND_ASSIGN(auto session, seed_->Open("m", "10.0.0.2"));
   v1::PeerTransferReply reply = Describe(*session);
