@@ -59,7 +59,8 @@ def _device_arch() -> str:
     if torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()
         return f"sm_{major}{minor}"
-    return str(torch.backends.cpu.get_cpu_capability())
+    cpu: Any = getattr(torch.backends, "cpu")  # torch 2.0+
+    return str(cpu.get_cpu_capability())
 
 
 def key_of(identity: Dict[str, str]) -> str:
@@ -146,11 +147,12 @@ def _bind(weights: Any, vllm_config: VllmConfig, model_config: ModelConfig, pref
     from vllm.platforms import current_platform
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    with set_default_torch_dtype(model_config.dtype), torch.device("meta"):
-        model = initialize_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
+    meta: Any = torch.device("meta")  # a context manager in torch 2.0+
+    with set_default_torch_dtype(model_config.dtype), meta:
+        model: nn.Module = initialize_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
     weightd.torch.load_into(model, weights, strict=True)
     if current_platform.is_cpu():  # what CPU post-processing sets besides tensors, for plain state
         for module in model.modules():
             if hasattr(module, "quant_method"):
-                module.cpu_linear = torch.nn.functional.linear
+                setattr(module, "cpu_linear", torch.nn.functional.linear)
     return model.eval()

@@ -21,7 +21,7 @@ in vLLM's log (docs/integration.md, "vLLM").
 from __future__ import annotations
 
 import time
-from typing import Any, Optional, Set
+from typing import Any, Optional, Set, cast
 
 import grpc
 from torch import nn
@@ -42,7 +42,7 @@ LOAD_FORMAT = "weightd"
 logger = init_logger("vllm.weightd")
 
 
-class WeightdModelLoader(BaseModelLoader):
+class WeightdModelLoader(BaseModelLoader):  # type: ignore[misc]
     """vLLM's BaseModelLoader over weightd: one instance per worker process's load."""
 
     def __init__(self, load_config: LoadConfig) -> None:
@@ -80,8 +80,9 @@ class WeightdModelLoader(BaseModelLoader):
         start = time.perf_counter()
         with _attach(session, rank) as weights:
             tracked = TrackedNames(weights.weights_iterator())
+            load: Any = getattr(model, "load_weights")
             try:
-                loaded = model.load_weights(tracked)
+                loaded = load(tracked)
             except Exception as e:  # the model's loader refused a name or a shape
                 raise mismatch_error(session.name, rank, type(model).__name__, refused=tracked.last or "?",
                                      cause=e) from e
@@ -97,12 +98,12 @@ class WeightdModelLoader(BaseModelLoader):
         rank = session.rank_for(_tp_rank(), _tp_size())
         start = time.perf_counter()
         layouts = _vllm_layouts.Layouts.for_start(self.options, session, rank, vllm_config, logger)
-        model = layouts.attach(self, vllm_config, model_config, prefix) if layouts else None
-        if model is not None:
+        model = layouts.attach(self, vllm_config, model_config, prefix) if layouts is not None else None
+        if layouts is not None and model is not None:
             logger.info("weightd: start of model %r rank %d: attached runtime layout %r in %.2f s "
                         "(no load, no post-processing)", session.name, rank, layouts.key, time.perf_counter() - start)
             return model
-        model = super().load_model(vllm_config, model_config, prefix)
+        model = cast(nn.Module, super().load_model(vllm_config, model_config, prefix))
         logger.info("weightd: start of model %r rank %d: loaded and post-processed in %.2f s", session.name, rank,
                     time.perf_counter() - start)
         if layouts:
