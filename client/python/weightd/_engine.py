@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
@@ -22,6 +23,7 @@ from ._types import LoadProgress, ModelInfo, ModelState
 
 # The keys of --model-loader-extra-config (vLLM) / model_loader_extra_config (SGLang).
 OPTION_KEYS = ("socket", "model", "load", "host_resident", "tp_rules", "layouts")
+LOAD_WAIT_SECONDS = 3600.0  # how long a rank waits for a load that another rank started
 
 
 class LoadFormatError(RuntimeError):
@@ -164,12 +166,30 @@ class Session:
             result = self.client.load(self.name, path, host_resident=self.options.host_resident, tp_size=split,
                                       tp_rules=self.options.tp_rules, progress=self._progress)
         except WeightdError as e:
+            if e.code == grpc.StatusCode.ALREADY_EXISTS:  # another rank of this engine (or another engine) loads it
+                return self._wait_loaded(path)
             raise LoadFormatError(f"weightd at {self.client.target} refused to load {path} as model "
                                   f"{self.name!r}: {_one_line(e)}") from None
         info = result.model
         self.logger.info("weightd: model %r generation %d loaded: %d tensors, %.2f s", self.name, info.generation,
                          info.tensor_count, info.load_seconds)
         return info
+
+    def _wait_loaded(self, path: str, timeout: float = LOAD_WAIT_SECONDS) -> ModelInfo:
+        """The READY ModelInfo once the load another process started ends; LoadFormatError when it fails."""
+        self.logger.info("weightd: another process is loading model %r; waiting for it", self.name)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            states = {m.state: m for m in self.client.list() if m.name == self.name}
+            if ModelState.READY in states:
+                return states[ModelState.READY]
+            if ModelState.LOADING not in states:
+                failed = states.get(ModelState.FAILED)
+                raise LoadFormatError(f"the load of {path} as model {self.name!r} by another process failed: "
+                                      f"{failed.error if failed else 'the model is gone'}")
+            time.sleep(0.2)
+        raise LoadFormatError(f"model {self.name!r} was still loading in weightd at {self.client.target} after "
+                              f"{timeout:.0f} s")
 
     def _progress(self, progress: LoadProgress) -> None:
         if self._last_phase.get("phase") != progress.phase:

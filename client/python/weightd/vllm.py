@@ -20,6 +20,7 @@ in vLLM's log (docs/integration.md, "vLLM").
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, Optional, Set, cast
 
@@ -32,7 +33,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
-from . import _vllm_layouts
+from . import _vllm_layouts, _vllm_tp
 from ._engine import LoadFormatError, Options, Session, TrackedNames, mismatch_error
 from ._errors import WeightdError
 
@@ -79,17 +80,21 @@ class WeightdModelLoader(BaseModelLoader):  # type: ignore[misc]
         rank = session.rank_for(_tp_rank(), _tp_size())
         start = time.perf_counter()
         with _attach(session, rank) as weights:
-            tracked = TrackedNames(weights.weights_iterator())
+            split = {t.name for t in weights.manifest.tensors if t.split_dim >= 0}
+            tracked = TrackedNames(_vllm_tp.mark_split(weights.weights_iterator(), split))
             load: Any = getattr(model, "load_weights")
             try:
-                loaded = load(tracked)
+                with _vllm_tp.shard_aware(model) if split else contextlib.nullcontext():
+                    loaded = load(tracked)
+            except LoadFormatError:
+                raise
             except Exception as e:  # the model's loader refused a name or a shape
                 raise mismatch_error(session.name, rank, type(model).__name__, refused=tracked.last or "?",
                                      cause=e) from e
         _check_complete(session.name, rank, model, model_config, loaded)
-        logger.info("weightd: fed %d tensors of model %r (generation %d, rank %d) through %s.load_weights in %.2f s",
-                    tracked.count, session.name, weights.generation, rank, type(model).__name__,
-                    time.perf_counter() - start)
+        logger.info("weightd: fed %d tensors of model %r (generation %d, rank %d) through %s.load_weights for TP rank "
+                    "%d of %d in %.2f s", tracked.count, session.name, weights.generation, rank, type(model).__name__,
+                    _tp_rank(), _tp_size(), time.perf_counter() - start)
 
     def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
         """A runtime layout of this configuration when weightd has one (no load, no

@@ -63,9 +63,10 @@ ATTACHES = 'weightd_rpc_requests_total{code="OK",method="weightd.v1.Weightd/Atta
 LOADS = 'weightd_rpc_requests_total{code="OK",method="weightd.v1.Weightd/LoadModel"}'
 
 
-def start_vllm(folder, extra, load_format="weightd", timeout=300):
+def start_vllm(folder, extra, load_format="weightd", timeout=300, tp_size=1, env=None):
     """(RESULT dict or None, combined output) of one LLM() start and generation."""
-    done = subprocess.run([sys.executable, str(RUNNER), str(folder), load_format, json.dumps(extra)], env=ENV,
+    argv = [sys.executable, str(RUNNER), str(folder), load_format, json.dumps(extra), str(tp_size)]
+    done = subprocess.run(argv, env={**ENV, **(env or {})},
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
     results = [line[len("RESULT "):] for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     return (json.loads(results[0]) if results else None), done.stdout
@@ -99,7 +100,7 @@ def test_second_start_reports_how_it_got_its_weights(served):
     assert "weightd: model 'tiny' generation 1 is READY in weightd" in output
     after = metrics(served)
     assert after.get(LOADS, 0) == before.get(LOADS, 0)
-    assert after[ATTACHES] - before[ATTACHES] == 1
+    assert after[ATTACHES] - before.get(ATTACHES, 0) == 1
     started = re.findall(r"weightd: start of model 'tiny' rank 0: (.*)", output)
     assert len(started) == 1, output
     layouts = re.findall(r"weightd: runtime layout(?:s)? ([^\n]*)", output)
@@ -111,6 +112,23 @@ def test_second_start_reports_how_it_got_its_weights(served):
         _report["second_start"] = "loaded and post-processed: " + layouts[0]
     _report["second_start_seconds"] = result["start_seconds"]
     _report["disk_start_seconds"] = result0["start_seconds"]
+
+
+def test_tensor_parallel_ranks_share_the_one_host_copy(served):
+    """vLLM with TP 2 (one CPU each): both ranks attach weightd's rank 0 of the whole model (one host copy on
+    the node) and take their slices as from disk; one load however many ranks ask for it."""
+    before = metrics(served)
+    result, output = start_vllm(served.folder, {"socket": served.socket, "model": "tiny-tp"}, tp_size=2,
+                                env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    assert result is not None, output
+    assert result["tokens"] == served.expected
+    generations = [m.generation for m in served.client.list() if m.name == "tiny-tp"]
+    assert len(generations) == 1  # one load, whichever rank asked first
+    fed = re.findall(rf"weightd: fed 21 tensors of model 'tiny-tp' \(generation {generations[0]}, rank 0\) through "
+                     r"LlamaForCausalLM.load_weights for TP rank (\d) of 2", output)
+    assert sorted(fed) == ["0", "1"], [line for line in output.splitlines() if "weightd:" in line]
+    after = metrics(served)
+    assert after[ATTACHES] - before.get(ATTACHES, 0) == 2
 
 
 def test_a_changed_tensor_in_weightd_changes_the_tokens(served, tmp_path):
