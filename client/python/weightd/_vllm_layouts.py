@@ -18,8 +18,8 @@ loads and post-processes as without layouts, with one log line saying why.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
+import re
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import torch
@@ -64,9 +64,12 @@ def _device_arch() -> str:
 
 
 def key_of(identity: Dict[str, str]) -> str:
-    """The layout key: readable prefix, then a digest of the whole identity."""
-    digest = hashlib.sha256(repr(sorted(identity.items())).encode()).hexdigest()[:16]
-    return f"vllm-r{identity['rank']}-{digest}"
+    """The layout key: the slot of one rank of one model shape (architecture, dtype, parallel sizes, rank).
+    The rest of the identity (vLLM version, layout ABI, quantization, device) is checked by attach, so a
+    start whose engine or device changed is refused (LayoutMismatch) instead of silently getting another slot."""
+    slot = "-".join([identity["architecture"], identity["dtype"], identity["parallel"].replace(" ", "-"),
+                     "r" + identity["rank"]])
+    return "vllm-" + re.sub(r"[^A-Za-z0-9._-]", "_", slot)
 
 
 def not_plain_reason(model: nn.Module, model_config: ModelConfig) -> Optional[str]:
@@ -122,7 +125,8 @@ class Layouts:
             return None
         except weightd.LayoutMismatch as e:  # type: ignore[attr-defined]
             raise LoadFormatError(f"runtime layout {self.key!r} of model {self.session.name!r} has another "
-                                  f"identity than this vLLM start: {e}") from None
+                                  f"identity than this vLLM start ({e}): start with the option 'layouts' false, or "
+                                  "reload the model in weightd to drop its layouts") from None
         return _bind(weights, vllm_config, model_config, prefix)
 
     def publish(self, model: nn.Module, model_config: ModelConfig) -> None:

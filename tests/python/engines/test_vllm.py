@@ -256,8 +256,21 @@ def test_checkpoint_with_a_missing_tensor(served):
 
 
 def test_layout_identity_mismatch(served):
+    """A layout published under this start's key by another vLLM (here: another engine version in the
+    identity) is refused with one line, not bound. Written against the runtime-layout client API."""
     import weightd
     if not hasattr(weightd.Client, "publish_layout"):
         pytest.skip("runtime layouts (issue 25) are not in this weightd client yet")
-    pytest.fail("write this test with the runtime-layout API: publish a layout under the start's key with "
-                "another identity, then expect the 'has another identity' line")
+    from vllm.engine.arg_utils import EngineArgs
+
+    from weightd._vllm_layouts import identity_of, key_of
+    config = EngineArgs(model=str(served.folder), dtype="float32", enforce_eager=True,
+                        max_model_len=128).create_engine_config()
+    identity = identity_of(config, 0)
+    key = key_of(identity)
+    with served.client.publish_layout("tiny", key, {"x": ("F32", (1,))}, rank=0,
+                                      identity={**identity, "engine": "vllm 0.0.0"}):
+        pass
+    lines, output = _failed_line(served.folder, {"socket": served.socket, "model": "tiny"})
+    prefix = f"weightd: runtime layout {key!r} of model 'tiny' has another identity than this vLLM start ("
+    assert [line for line in lines if line.startswith(prefix)], output
