@@ -30,8 +30,6 @@ from ._engine import LoadFormatError, Options, Session
 if TYPE_CHECKING:
     from vllm.config import ModelConfig, VllmConfig
 
-    from .vllm import WeightdModelLoader
-
 LAYOUT_ABI = "weightd-vllm-layout-1"  # bump when what is published or how it is bound changes
 
 
@@ -110,8 +108,7 @@ class Layouts:
             return None
         return cls(session, rank, identity_of(vllm_config, rank), logger)
 
-    def attach(self, loader: WeightdModelLoader, vllm_config: VllmConfig, model_config: ModelConfig,
-               prefix: str) -> Optional[nn.Module]:
+    def attach(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str) -> Optional[nn.Module]:
         """The model bound to the published layout, or None when there is none yet (LayoutNotFound)."""
         import weightd
         import weightd.torch

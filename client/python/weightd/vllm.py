@@ -103,7 +103,7 @@ class WeightdModelLoader(BaseModelLoader):  # type: ignore[misc]
         rank = session.rank_for(_tp_rank(), _tp_size())
         start = time.perf_counter()
         layouts = _vllm_layouts.Layouts.for_start(self.options, session, rank, vllm_config, logger)
-        model = layouts.attach(self, vllm_config, model_config, prefix) if layouts is not None else None
+        model = layouts.attach(vllm_config, model_config, prefix) if layouts is not None else None
         if layouts is not None and model is not None:
             logger.info("weightd: start of model %r rank %d: attached runtime layout %r in %.2f s "
                         "(no load, no post-processing)", session.name, rank, layouts.key, time.perf_counter() - start)
