@@ -62,12 +62,12 @@ def _device_arch() -> str:
 
 
 def key_of(identity: Dict[str, str]) -> str:
-    """The layout key: the slot of one rank of one model shape (architecture, dtype, parallel sizes, rank).
-    The rest of the identity (vLLM version, layout ABI, quantization, device) is checked by attach, so a
-    start whose engine or device changed is refused (LayoutMismatch) instead of silently getting another slot."""
-    slot = "-".join([identity["architecture"], identity["dtype"], identity["parallel"].replace(" ", "-"),
-                     "r" + identity["rank"]])
-    return "vllm-" + re.sub(r"[^A-Za-z0-9._-]", "_", slot)
+    """The layout key, e.g. "vllm/LlamaForCausalLM/bfloat16/tp1-pp1-dp1": the slot of one model shape
+    (the rank is the layout's own field). The rest of the identity (vLLM's version, the layout ABI,
+    quantization, device) is checked by attach, so a start whose engine or device changed is refused
+    (LayoutMismatch) instead of silently publishing into another slot. Keys are [A-Za-z0-9._:/+=-]."""
+    parts = [identity["architecture"], identity["dtype"], identity["parallel"].replace(" ", "-")]
+    return "vllm/" + "/".join(re.sub(r"[^A-Za-z0-9._:+=-]", "_", p) for p in parts)
 
 
 def not_plain_reason(model: nn.Module, model_config: ModelConfig) -> Optional[str]:
@@ -122,8 +122,8 @@ class Layouts:
             return None
         except weightd.LayoutMismatch as e:  # type: ignore[attr-defined]
             raise LoadFormatError(f"runtime layout {self.key!r} of model {self.session.name!r} has another "
-                                  f"identity than this vLLM start ({e}): start with the option 'layouts' false, or "
-                                  "reload the model in weightd to drop its layouts") from None
+                                  f"identity than this vLLM start ({e}): drop it (weightctl drop-layout "
+                                  f"{self.session.name} {self.key}) or start with the option 'layouts' false") from None
         return _bind(weights, vllm_config, model_config, prefix)
 
     def publish(self, model: nn.Module, model_config: ModelConfig) -> None:

@@ -27,6 +27,8 @@ if os.environ.get("WEIGHTD_REQUIRE_ENGINES") != "1":  # scripts/test-engines.sh 
 import tiny_llama  # noqa: E402
 from conftest import Daemon, DaemonStartError, read_safetensors, write_safetensors  # noqa: E402
 
+import weightd  # noqa: E402
+
 HERE = Path(__file__).parent
 RUNNER = HERE / "run_vllm.py"
 ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
@@ -101,6 +103,11 @@ def test_second_start_reports_how_it_got_its_weights(served):
     after = metrics(served)
     assert after.get(LOADS, 0) == before.get(LOADS, 0)
     assert after[ATTACHES] - before.get(ATTACHES, 0) == 1
+    # With runtime layouts in the daemon (issue 25), the start asked for its layout once: hit or not_found.
+    layout_attaches = {k: v - before.get(k, 0) for k, v in after.items() if k.startswith("weightd_layout_attaches_total")}
+    if hasattr(weightd.Client, "publish_layout"):
+        assert sum(layout_attaches.values()) == 1, layout_attaches
+    _report["second_start_layout_attaches"] = {k: v for k, v in layout_attaches.items() if v}
     started = re.findall(r"weightd: start of model 'tiny' rank 0: (.*)", output)
     assert len(started) == 1, output
     layouts = re.findall(r"weightd: runtime layout(?:s)? ([^\n]*)", output)
@@ -258,7 +265,6 @@ def test_checkpoint_with_a_missing_tensor(served):
 def test_layout_identity_mismatch(served):
     """A layout published under this start's key by another vLLM (here: another engine version in the
     identity) is refused with one line, not bound. Written against the runtime-layout client API."""
-    import weightd
     if not hasattr(weightd.Client, "publish_layout"):
         pytest.skip("runtime layouts (issue 25) are not in this weightd client yet")
     from vllm.engine.arg_utils import EngineArgs
