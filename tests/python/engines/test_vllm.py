@@ -94,6 +94,7 @@ def test_tokens_equal_transformers_and_the_attach_shows_in_metrics(served):
 def test_second_start_reports_how_it_got_its_weights(served):
     """A second LLM() against the same daemon: no load, one attach, and the log says whether a runtime
     layout was attached or the weights were loaded and post-processed (and why)."""
+    served.client.load("tiny", served.folder)  # loaded by the test before (reused), or now when run alone
     result0, _ = start_vllm(served.folder, {}, load_format="auto")
     before = metrics(served)
     result, output = start_vllm(served.folder, {"socket": served.socket, "model": "tiny"})
