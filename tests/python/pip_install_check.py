@@ -1,8 +1,9 @@
 """The pip-installed package in a bare venv (scripts/check-pip-install.sh): standard library only.
 
 Imports weightd without torch and checks that its type information (py.typed,
-_native.pyi) was installed, then against a daemon it starts (WEIGHTD_BINARY,
-WEIGHTCTL_BINARY): loads `make-demo tiny`, attaches, and compares every
+_native.pyi) and the engine plugins' entry points (vllm.general_plugins,
+sglang.srt.plugins) were installed, with no engine in the venv, then
+against a daemon it starts (WEIGHTD_BINARY, WEIGHTCTL_BINARY): loads `make-demo tiny`, attaches, and compares every
 tensor's bytes with the files through ctypes; then writes through a
 private=True attach and checks that a second attach still reads the file.
 Prints one line per check; exits non-zero on the first failure.
@@ -30,6 +31,25 @@ print(f"import weightd without torch: ok ({weightd.__file__})")
 _missing = [f for f in ("py.typed", "_native.pyi") if not (Path(weightd.__file__).parent / f).is_file()]
 assert not _missing, f"the wheel lacks {_missing}: type checkers would not see the package's types"
 print("py.typed and _native.pyi installed: ok")
+
+
+def check_engine_entry_points():
+    """The load formats' entry points are in the installed metadata, found the way vLLM and SGLang look
+    them up, in a venv without either engine; reading them imports neither engine nor weightd's plugins."""
+    from importlib.metadata import entry_points
+    from importlib.util import find_spec
+
+    for engine in ("vllm", "sglang", "torch"):
+        assert find_spec(engine) is None, f"{engine} is importable: this venv must have no engine"
+    expected = {"vllm.general_plugins": "weightd.vllm:register", "sglang.srt.plugins": "weightd.sglang:register"}
+    for group, value in expected.items():
+        found = [(ep.name, ep.value, ep.dist.name if ep.dist else None) for ep in entry_points(group=group)]
+        assert found == [("weightd", value, "weightd")], f"entry points of {group}: {found}"
+    assert not [m for m in sys.modules if m.startswith(("weightd.vllm", "weightd.sglang", "vllm", "sglang"))]
+    print("entry points vllm.general_plugins and sglang.srt.plugins -> weightd, no engine installed: ok")
+
+
+check_engine_entry_points()
 
 
 def file_tensors(folder):

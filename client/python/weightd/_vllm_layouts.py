@@ -1,0 +1,159 @@
+"""Runtime layouts for the vLLM load format (docs/integration.md, "vLLM": "Restarts and runtime layouts").
+
+After vLLM post-processed the weights (process_weights_after_loading: fused,
+re-quantized, repacked), the first start publishes the model's parameters and
+buffers as a layout of its weightd model, keyed by everything that decides
+them (identity below); a later start with the same identity attaches that
+layout and binds it into a model built on the meta device, skipping both the
+load and the post-processing.
+
+Written against the client API of runtime layouts (Client.publish_layout,
+Client.attach(..., layout=, identity=), weightd.torch.publish_module /
+load_into, weightd.LayoutNotFound / LayoutMismatch). A client without
+publish_layout skips this path with one log line. Only plain tensors can be
+published: where post-processing leaves state that is not (vLLM's CPU backend
+packs linear weights into oneDNN handles held by closures) or a quantized
+model whose post-processed state this module does not bind back, the start
+loads and post-processes as without layouts, with one log line saying why.
+"""
+from __future__ import annotations
+
+import logging
+import re
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
+
+import torch
+from torch import nn
+
+from ._engine import LoadFormatError, Options, Session
+
+if TYPE_CHECKING:
+    from vllm.config import ModelConfig, VllmConfig
+
+LAYOUT_ABI = "weightd-vllm-layout-1"  # bump when what is published or how it is bound changes
+
+
+def identity_of(vllm_config: VllmConfig, rank: int) -> Dict[str, str]:
+    """The strings that decide the post-processed tensors of one rank."""
+    import vllm
+    from vllm.platforms import current_platform
+
+    model_config = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    return {
+        "engine": f"vllm {vllm.__version__}",
+        "layout_abi": LAYOUT_ABI,
+        "architecture": ",".join(getattr(model_config.hf_config, "architectures", None) or ["?"]),
+        "dtype": str(model_config.dtype).replace("torch.", ""),
+        "quantization": str(model_config.quantization or "none"),
+        "parallel": f"tp{parallel.tensor_parallel_size} pp{parallel.pipeline_parallel_size} "
+                    f"dp{parallel.data_parallel_size}",
+        "rank": str(rank),
+        "device": f"{current_platform.device_type} {_device_arch()}",
+    }
+
+
+def _device_arch() -> str:
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        return f"sm_{major}{minor}"
+    cpu: Any = getattr(torch.backends, "cpu")  # torch 2.0+
+    return str(cpu.get_cpu_capability())
+
+
+def key_of(identity: Dict[str, str]) -> str:
+    """The layout key, e.g. "vllm/LlamaForCausalLM/bfloat16/tp1-pp1-dp1": the slot of one model shape
+    (the rank is the layout's own field). The rest of the identity (vLLM's version, the layout ABI,
+    quantization, device) is checked by attach, so a start whose engine or device changed is refused
+    (LayoutMismatch) instead of silently publishing into another slot. Keys are [A-Za-z0-9._:/+=-]."""
+    parts = [identity["architecture"], identity["dtype"], identity["parallel"].replace(" ", "-")]
+    return "vllm/" + "/".join(re.sub(r"[^A-Za-z0-9._:+=-]", "_", p) for p in parts)
+
+
+def not_plain_reason(model: nn.Module, model_config: ModelConfig) -> Optional[str]:
+    """Why the post-processed state of `model` cannot be a layout, or None when it is plain tensors."""
+    if model_config.quantization is not None:
+        return f"the post-processed state of quantization {model_config.quantization!r} is not bound back yet"
+    packed: List[str] = [name for name, module in model.named_modules()
+                         if getattr(module, "cpu_linear", torch.nn.functional.linear) is not torch.nn.functional.linear]
+    if packed:
+        return (f"vLLM's CPU backend packed {len(packed)} linear weights into oneDNN handles, which are not tensors "
+                f"(first: {packed[0]})")
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        if type(tensor) not in (torch.Tensor, nn.Parameter):
+            return f"{name} is a {type(tensor).__name__}, not a plain tensor"
+    return None
+
+
+class Layouts:
+    """The layout of one start (one rank): attach it, or publish it after post-processing."""
+
+    def __init__(self, session: Session, rank: int, identity: Dict[str, str], logger: logging.Logger) -> None:
+        self.session = session
+        self.rank = rank
+        self.identity = identity
+        self.key = key_of(identity)
+        self.logger = logger
+
+    @classmethod
+    def for_start(cls, options: Options, session: Session, rank: int, vllm_config: VllmConfig,
+                  logger: logging.Logger) -> Optional[Layouts]:
+        """Layouts for this start, or None (with one log line) when the path is off or unavailable."""
+        if not options.layouts:
+            logger.info("weightd: runtime layouts off (option 'layouts' is false)")
+            return None
+        if not hasattr(session.client, "publish_layout"):
+            logger.info("weightd: runtime layouts skipped: this weightd client has no publish_layout "
+                        "(runtime layouts not in this version)")
+            return None
+        return cls(session, rank, identity_of(vllm_config, rank), logger)
+
+    def attach(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str) -> Optional[nn.Module]:
+        """The model bound to the published layout, or None when there is none yet (LayoutNotFound)."""
+        import weightd
+        import weightd.torch
+
+        client: Any = self.session.client
+        try:
+            weights = client.attach(self.session.name, self.rank, layout=self.key, identity=self.identity)
+        except weightd.LayoutNotFound:  # type: ignore[attr-defined]
+            self.logger.info("weightd: no runtime layout %r of model %r yet: loading and post-processing",
+                             self.key, self.session.name)
+            return None
+        except weightd.LayoutMismatch as e:  # type: ignore[attr-defined]
+            raise LoadFormatError(f"runtime layout {self.key!r} of model {self.session.name!r} has another "
+                                  f"identity than this vLLM start ({e}): drop it (weightctl drop-layout "
+                                  f"{self.session.name} {self.key}) or start with the option 'layouts' false") from None
+        return _bind(weights, vllm_config, model_config, prefix)
+
+    def publish(self, model: nn.Module, model_config: ModelConfig) -> None:
+        """Publishes the post-processed parameters and buffers; one log line either way."""
+        import weightd.torch
+
+        reason = not_plain_reason(model, model_config)
+        if reason is not None:
+            self.logger.info("weightd: runtime layout not published, the next start loads and post-processes "
+                             "again: %s", reason)
+            return
+        publish: Any = getattr(weightd.torch, "publish_module")
+        publish(self.session.client, self.session.name, self.key, model, rank=self.rank, identity=self.identity)
+        self.logger.info("weightd: published runtime layout %r of model %r rank %d", self.key, self.session.name,
+                         self.rank)
+
+
+def _bind(weights: Any, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str) -> nn.Module:
+    """A model built on the meta device with the layout's tensors as its parameters and buffers."""
+    import weightd.torch
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.platforms import current_platform
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    meta: Any = torch.device("meta")  # a context manager in torch 2.0+
+    with set_default_torch_dtype(model_config.dtype), meta:
+        model: nn.Module = initialize_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
+    weightd.torch.load_into(model, weights, strict=True)
+    if current_platform.is_cpu():  # what CPU post-processing sets besides tensors, for plain state
+        for module in model.modules():
+            if hasattr(module, "quant_method"):
+                setattr(module, "cpu_linear", torch.nn.functional.linear)
+    return model.eval()

