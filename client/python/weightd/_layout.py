@@ -13,16 +13,13 @@ daemon seals only memory no process maps writable).
 """
 from __future__ import annotations
 
-import gc
-import mmap
-import os
-from types import TracebackType
-from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Type, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import grpc
 
 from . import _torch
 from ._errors import WeightdError
+from ._staged import StagedWriter, leaves_writer_open
 from ._types import LayoutInfo, TensorInfo
 from .v1 import weightd_pb2 as pb
 
@@ -37,10 +34,6 @@ TensorSpec = Union[Tuple[Any, Sequence[int]], Tuple[Any, Sequence[int], Sequence
 
 # wait=True: how long BeginLayout waits for another writer of the same layout.
 DEFAULT_WAIT_SECONDS = 600.0
-
-# The daemon's words for a commit refused because a staged memfd is still
-# mapped writable somewhere: the publish stays open then.
-_STILL_MAPPED = "still mapped writable"
 
 
 def safetensors_dtype(dtype: Any) -> str:
@@ -95,7 +88,7 @@ def gpu_uuid(device: Union[str, int]) -> str:
     return f"GPU-{uuid}"
 
 
-class LayoutWriter:
+class LayoutWriter(StagedWriter):
     """One writer's open publish of a runtime layout (from Client.publish_layout).
 
         with client.publish_layout("llama", "myengine/int8/tp1", {"qkv": ("I8", (3072, 1024))}) as w:
@@ -132,18 +125,11 @@ class LayoutWriter:
         self.published_by_other: bool = response.published
         self.bytes_staged: int = response.bytes_staged
         self.result: Optional[LayoutInfo] = None  # what commit() published
-        self._stub = stub
-        self._connection = connection
-        self._fds = list(fds)  # one per staged memfd; closed after the commit or abort
-        self._sizes: List[int] = [s.size for s in response.segments]
-        self._maps: List[Optional[mmap.mmap]] = [None] * len(self._sizes)
-        self._handed_out: List[Set[str]] = [set() for _ in self._sizes]
+        super().__init__(stub, connection, fds, [seg.size for seg in response.segments])
         self._tensors: Dict[str, TensorInfo] = {}
         for t in response.tensors:
             info = TensorInfo.from_proto(t)
-            if info.segment >= len(self._sizes) or info.offset + info.nbytes > self._sizes[info.segment]:
-                self._release()
-                raise WeightdError(grpc.StatusCode.INTERNAL, f"layout tensor {info.name!r} lies outside its staged memfd")
+            self._check_inside(info, "layout tensor")
             self._tensors[info.name] = info
         self._ended = self.published_by_other
 
@@ -194,28 +180,6 @@ class LayoutWriter:
         """`name`'s bytes as a writable 1-D memoryview of unsigned bytes (no copy); release it before commit()."""
         return self._view(self.tensor_info(name))
 
-    def _view(self, info: TensorInfo) -> memoryview:
-        self._check_open()
-        if info.nbytes == 0:
-            return memoryview(bytearray())
-        mapping = self._mapping(info.segment)
-        self._handed_out[info.segment].add(info.name)
-        return memoryview(mapping)[info.offset:info.offset + info.nbytes]
-
-    def _mapping(self, segment: int) -> mmap.mmap:
-        mapping = self._maps[segment]
-        if mapping is None:
-            try:
-                flags: int = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-                mapping = self._maps[segment] = mmap.mmap(self._fds[segment], self._sizes[segment], flags,
-                                                          mmap.PROT_READ | mmap.PROT_WRITE)
-            except OSError as e:
-                # EPERM: an earlier commit attempt sealed this memfd already.
-                raise WeightdError(grpc.StatusCode.FAILED_PRECONDITION,
-                                   f"staged memfd {segment} of layout {self.key!r} cannot be mapped writable: "
-                                   f"{e.strerror or e}") from None
-        return mapping
-
     # ------------------------------------------------------------ commit / abort
 
     def commit(self, expected_hashes: Optional[Mapping[str, str]] = None) -> Optional[LayoutInfo]:
@@ -244,29 +208,12 @@ class LayoutWriter:
             response = self._stub.CommitLayout(request)
         except grpc.RpcError as e:
             error = WeightdError.from_rpc(e)
-            if not _leaves_publish_open(error):
+            if not leaves_writer_open(error):
                 self._end()
             raise error from None
         self._end()
         self.result = LayoutInfo.from_proto(response.layout)
         return self.result
-
-    def abort(self) -> None:
-        """Ends the publish with nothing published. Idempotent.
-
-        Raises WeightdError only for an unreachable daemon; the publish ends
-        anyway, since closing the fd-socket connection aborts it.
-        """
-        if self._ended:
-            return
-        self._unmap(strict=False)
-        try:
-            self._stub.AbortLayout(pb.AbortLayoutRequest(writer_id=self.writer_id))
-        except grpc.RpcError as e:
-            if e.code() != grpc.StatusCode.NOT_FOUND:  # NOT_FOUND: the daemon ended it already
-                raise WeightdError.from_rpc(e) from None
-        finally:
-            self._end()
 
     @property
     def closed(self) -> bool:
@@ -276,26 +223,6 @@ class LayoutWriter:
     def __enter__(self) -> LayoutWriter:
         return self
 
-    def __exit__(self, exc_type: Optional[Type[BaseException]], exc: Optional[BaseException],
-                 traceback: Optional[TracebackType]) -> None:
-        if self._ended:
-            return
-        if exc_type is None:
-            self.commit()
-            return
-        try:
-            self.abort()
-        except WeightdError:
-            pass  # the block's own exception matters more; the connection closed, so the publish ended
-
-    def __del__(self) -> None:
-        if not getattr(self, "_ended", True):
-            try:
-                self._unmap(strict=False)
-                self._end()
-            except Exception:
-                pass  # interpreter shutdown: the kernel closes the connection at exit
-
     def __repr__(self) -> str:
         if self.published_by_other:
             state = "published by another writer"
@@ -304,59 +231,14 @@ class LayoutWriter:
         return f"<weightd.LayoutWriter {self.key!r} of {self.model!r} generation {self.generation} rank {self.rank}: " \
                f"{state}>"
 
-    # ------------------------------------------------------------ internals
+    # ------------------------------------------------------------ what StagedWriter says
 
-    def _check_open(self) -> None:
-        if self._ended:
-            raise WeightdError(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"the publish of layout {self.key!r} of {self.model!r} was already committed or aborted")
+    _segment_word = "staged memfd"
+    _holder_word = "the writer"
+    _kind = "the publish"
 
-    def _unmap(self, strict: bool = True) -> None:
-        busy = self._close_maps()
-        if busy and strict:
-            gc.collect()  # tensors held only by reference cycles
-            busy = self._close_maps()
-            if busy:
-                names = sorted(set().union(*(self._handed_out[i] for i in busy)))
-                raise WeightdError(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"cannot commit layout {self.key!r} of {self.model!r}: {len(busy)} staged memfd(s) are still "
-                    f"mapped by tensors or buffers taken from the writer (among {', '.join(map(repr, names))}); "
-                    f"drop every reference to them and call commit() again. Nothing was sent to the daemon; the "
-                    f"publish is still open")
-        if not strict:
-            self._maps = [None] * len(self._maps)
+    def _what(self) -> str:
+        return f"the publish of layout {self.key!r} of {self.model!r}"
 
-    def _close_maps(self) -> List[int]:
-        busy = []
-        for i, mapping in enumerate(self._maps):
-            if mapping is None:
-                continue
-            try:
-                mapping.close()
-            except BufferError:
-                busy.append(i)
-                continue
-            self._maps[i] = None
-            self._handed_out[i].clear()
-        return busy
-
-    def _end(self) -> None:
-        self._ended = True
-        self._release()
-
-    def _release(self) -> None:
-        for fd in self._fds:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self._fds = []
-        if self._connection is not None:
-            self._connection.close()
-            self._connection = None
-
-
-def _leaves_publish_open(error: WeightdError) -> bool:
-    return error.code == grpc.StatusCode.INVALID_ARGUMENT or (
-        error.code == grpc.StatusCode.FAILED_PRECONDITION and _STILL_MAPPED in error.message)
+    def _abort_rpc(self) -> None:
+        self._stub.AbortLayout(pb.AbortLayoutRequest(writer_id=self.writer_id))

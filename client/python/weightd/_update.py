@@ -11,16 +11,13 @@ and no tensor ever points at memory that was unmapped under it.
 """
 from __future__ import annotations
 
-import gc
-import mmap
-import os
-from types import TracebackType
-from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Type
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import grpc
 
 from . import _torch
 from ._errors import WeightdError
+from ._staged import StagedWriter, leaves_writer_open
 from ._types import CommitResult, ModelInfo, TensorInfo
 from .v1 import weightd_pb2 as pb
 
@@ -29,13 +26,8 @@ if TYPE_CHECKING:
 
     import torch
 
-# The daemon's words for a commit refused because a staged segment is still
-# mapped writable somewhere (common/memory/host_segment.cc): it keeps the
-# update open then, as it does for INVALID_ARGUMENT (a bad label or hash).
-_STILL_MAPPED = "still mapped writable"
 
-
-class Update:
+class Update(StagedWriter):
     """One writer's open update of a model (from Client.update).
 
         with client.update("llama", tensors=["w"]) as up:
@@ -67,22 +59,12 @@ class Update:
         self.bytes_staged: int = response.bytes_staged  # bytes the daemon copied into the staged segments
         self.bytes_shared: int = response.bytes_shared  # bytes of segments shared unchanged with the base
         self.version_label = version_label  # commit()'s label when it is given none
-        self._stub = stub
-        self._connection = connection  # the update's lease: closing it aborts an update not committed
-        self._fds = list(fds)  # one per staged segment, kept to map again after a refused commit
-        self._sizes: List[int] = [s.size for s in response.segments]
-        # mmap.mmap per staged segment, made on first use
-        self._maps: List[Optional[mmap.mmap]] = [None] * len(self._sizes)
-        self._handed_out: List[Set[str]] = [set() for _ in self._sizes]  # tensor names given out, by segment
+        super().__init__(stub, connection, fds, [seg.size for seg in response.segments])
         self._tensors: Dict[Tuple[str, int], TensorInfo] = {}
         for t in response.tensors:
             info = TensorInfo.from_proto(t.entry)
-            if info.segment >= len(self._sizes) or info.offset + info.nbytes > self._sizes[info.segment]:
-                self._release()
-                raise WeightdError(grpc.StatusCode.INTERNAL,
-                                   f"update tensor {info.name!r} lies outside its staged segment")
+            self._check_inside(info, "update tensor")
             self._tensors[(info.name, t.rank)] = info
-        self._ended = False
 
     # ------------------------------------------------------------ tensors
 
@@ -132,31 +114,6 @@ class Update:
         """
         return self._view(self.tensor_info(name, rank))
 
-    def _view(self, info: TensorInfo) -> memoryview:
-        self._check_open()
-        if info.nbytes == 0:
-            return memoryview(bytearray())  # nothing to write, nothing to map
-        mapping = self._mapping(info.segment)
-        self._handed_out[info.segment].add(info.name)
-        return memoryview(mapping)[info.offset:info.offset + info.nbytes]
-
-    def _mapping(self, segment: int) -> mmap.mmap:
-        """The mapping of staged segment `segment` (non-empty), made on first use."""
-        mapping = self._maps[segment]
-        if mapping is None:
-            try:
-                # MAP_POPULATE (Linux, Python 3.10+): the staged pages exist; map them up front
-                # instead of taking one page fault per 4 KiB page while writing.
-                flags: int = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-                mapping = self._maps[segment] = mmap.mmap(self._fds[segment], self._sizes[segment], flags,
-                                                          mmap.PROT_READ | mmap.PROT_WRITE)
-            except OSError as e:
-                # EPERM: an earlier commit attempt sealed this segment already.
-                raise WeightdError(grpc.StatusCode.FAILED_PRECONDITION,
-                                   f"staged segment {segment} of the update of {self.model!r} cannot be mapped "
-                                   f"writable: {e.strerror or e}") from None
-        return mapping
-
     # ------------------------------------------------------------ commit / abort
 
     def commit(self, expected_hashes: Optional[Mapping[str, str]] = None,
@@ -190,117 +147,26 @@ class Update:
             response = self._stub.CommitUpdate(request)
         except grpc.RpcError as e:
             error = WeightdError.from_rpc(e)
-            if not _leaves_update_open(error):
+            if not leaves_writer_open(error):
                 self._end()
             raise error from None
         self._end()
         return CommitResult(ModelInfo.from_proto(response.model), response.tensors_changed, response.bytes_written,
                             response.bytes_shared, response.seconds)
 
-    def abort(self) -> None:
-        """Ends the update; the served generation is untouched. Idempotent.
-
-        Tensors still referenced keep their (now private) memory until dropped.
-        Raises WeightdError only for an unreachable daemon; the update ends
-        anyway, since closing the fd-socket connection aborts it.
-        """
-        if self._ended:
-            return
-        self._unmap(strict=False)
-        try:
-            self._stub.AbortUpdate(pb.AbortUpdateRequest(update_id=self.update_id))
-        except grpc.RpcError as e:
-            if e.code() != grpc.StatusCode.NOT_FOUND:  # NOT_FOUND: the daemon ended it already
-                raise WeightdError.from_rpc(e) from None
-        finally:
-            self._end()
-
-    @property
-    def closed(self) -> bool:
-        """Whether the update was committed or aborted."""
-        return self._ended
-
     def __enter__(self) -> Update:
         return self
-
-    def __exit__(self, exc_type: Optional[Type[BaseException]], exc: Optional[BaseException],
-                 traceback: Optional[TracebackType]) -> None:
-        if self._ended:
-            return
-        if exc_type is None:
-            self.commit()
-            return
-        try:
-            self.abort()
-        except WeightdError:
-            pass  # the block's own exception matters more; the connection closed, so the update ended
-
-    def __del__(self) -> None:
-        # Not committed: closing the connection makes the daemon abort it.
-        if not getattr(self, "_ended", True):
-            try:
-                self._unmap(strict=False)
-                self._end()
-            except Exception:
-                pass  # interpreter shutdown: the kernel closes the connection at exit
 
     def __repr__(self) -> str:
         state = "closed" if self._ended else f"{len(self._tensors)} tensors, open"
         return f"<weightd.Update of {self.model!r} from generation {self.base_generation}: {state}>"
 
-    # ------------------------------------------------------------ internals
+    # ------------------------------------------------------------ what StagedWriter says
 
-    def _check_open(self) -> None:
-        if self._ended:
-            raise WeightdError(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"the update of {self.model!r} was already committed or aborted")
+    _kind = "the update"
 
-    def _unmap(self, strict: bool = True) -> None:
-        """Closes every mapping. strict: raise when one is still in use (after
-        one garbage collection, for tensors held only by reference cycles)."""
-        busy = self._close_maps()
-        if busy and strict:
-            gc.collect()
-            busy = self._close_maps()
-            if busy:
-                names = sorted(set().union(*(self._handed_out[i] for i in busy)))
-                raise WeightdError(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"cannot commit the update of {self.model!r}: {len(busy)} staged segment(s) are still mapped "
-                    f"by tensors or buffers taken from it (among {', '.join(map(repr, names))}); drop every "
-                    f"reference to them (del the tensors, release the memoryviews) and call commit() again. "
-                    f"Nothing was sent to the daemon; the update is still open")
-        if not strict:
-            self._maps = [None] * len(self._maps)  # the last tensor still holding one unmaps it when dropped
+    def _what(self) -> str:
+        return f"the update of {self.model!r}"
 
-    def _close_maps(self) -> List[int]:
-        busy = []
-        for i, mapping in enumerate(self._maps):
-            if mapping is None:
-                continue
-            try:
-                mapping.close()
-            except BufferError:
-                busy.append(i)
-                continue
-            self._maps[i] = None
-            self._handed_out[i].clear()
-        return busy
-
-    def _end(self) -> None:
-        self._ended = True
-        self._release()
-
-    def _release(self) -> None:
-        for fd in self._fds:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self._fds = []
-        self._connection.close()
-
-
-def _leaves_update_open(error: WeightdError) -> bool:
-    return error.code == grpc.StatusCode.INVALID_ARGUMENT or (
-        error.code == grpc.StatusCode.FAILED_PRECONDITION and _STILL_MAPPED in error.message)
+    def _abort_rpc(self) -> None:
+        self._stub.AbortUpdate(pb.AbortUpdateRequest(update_id=self.update_id))

@@ -7,10 +7,9 @@ them (identity below); a later start with the same identity attaches that
 layout and binds it into a model built on the meta device, skipping both the
 load and the post-processing.
 
-Written against the client API of runtime layouts (Client.publish_layout,
-Client.attach(..., layout=, identity=), weightd.torch.publish_module /
-load_into, weightd.LayoutNotFound / LayoutMismatch). A client without
-publish_layout skips this path with one log line. Only plain tensors can be
+Uses the client API of runtime layouts (Client.attach(..., layout=,
+identity=), weightd.torch.publish_module / load_into, weightd.LayoutNotFound
+/ LayoutMismatch; docs/api.md "Runtime layouts"). Only plain tensors can be
 published: where post-processing leaves state that is not (vLLM's CPU backend
 packs linear weights into oneDNN handles held by closures) or a quantized
 model whose post-processed state this module does not bind back, the start
@@ -102,10 +101,6 @@ class Layouts:
         if not options.layouts:
             logger.info("weightd: runtime layouts off (option 'layouts' is false)")
             return None
-        if not hasattr(session.client, "publish_layout"):
-            logger.info("weightd: runtime layouts skipped: this weightd client has no publish_layout "
-                        "(runtime layouts not in this version)")
-            return None
         return cls(session, rank, identity_of(vllm_config, rank), logger)
 
     def attach(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str) -> Optional[nn.Module]:
@@ -116,11 +111,11 @@ class Layouts:
         client: Any = self.session.client
         try:
             weights = client.attach(self.session.name, self.rank, layout=self.key, identity=self.identity)
-        except weightd.LayoutNotFound:  # type: ignore[attr-defined]
+        except weightd.LayoutNotFound:
             self.logger.info("weightd: no runtime layout %r of model %r yet: loading and post-processing",
                              self.key, self.session.name)
             return None
-        except weightd.LayoutMismatch as e:  # type: ignore[attr-defined]
+        except weightd.LayoutMismatch as e:
             raise LoadFormatError(f"runtime layout {self.key!r} of model {self.session.name!r} has another "
                                   f"identity than this vLLM start ({e}): drop it (weightctl drop-layout "
                                   f"{self.session.name} {self.key}) or start with the option 'layouts' false") from None
@@ -135,10 +130,16 @@ class Layouts:
             self.logger.info("weightd: runtime layout not published, the next start loads and post-processes "
                              "again: %s", reason)
             return
-        publish: Any = getattr(weightd.torch, "publish_module")
-        publish(self.session.client, self.session.name, self.key, model, rank=self.rank, identity=self.identity)
-        self.logger.info("weightd: published runtime layout %r of model %r rank %d", self.key, self.session.name,
-                         self.rank)
+        # wait: ranks of two engines starting together publish once; the
+        # later one finds it published and keeps its own post-processed copy.
+        published = weightd.torch.publish_module(self.session.client, self.session.name, self.key, model,
+                                                 rank=self.rank, identity=self.identity, wait=True)
+        if published is None:
+            self.logger.info("weightd: runtime layout %r of model %r rank %d was published by another start meanwhile",
+                             self.key, self.session.name, self.rank)
+            return
+        self.logger.info("weightd: published runtime layout %r of model %r rank %d (%d tensors, %d bytes on the host)",
+                         self.key, self.session.name, self.rank, published.tensor_count, published.host_bytes)
 
 
 def _bind(weights: Any, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str) -> nn.Module:

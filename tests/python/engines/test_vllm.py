@@ -104,17 +104,18 @@ def test_second_start_reports_how_it_got_its_weights(served):
     after = metrics(served)
     assert after.get(LOADS, 0) == before.get(LOADS, 0)
     assert after[ATTACHES] - before.get(ATTACHES, 0) == 1
-    # With runtime layouts in the daemon (issue 25), the start asked for its layout once: hit or not_found.
+    # The start asked for its runtime layout once: a hit, or not_found (then it loaded and post-processed).
     layout_attaches = {k: v - before.get(k, 0) for k, v in after.items() if k.startswith("weightd_layout_attaches_total")}
-    if hasattr(weightd.Client, "publish_layout"):
-        assert sum(layout_attaches.values()) == 1, layout_attaches
+    assert sum(layout_attaches.values()) == 1, layout_attaches
     _report["second_start_layout_attaches"] = {k: v for k, v in layout_attaches.items() if v}
     started = re.findall(r"weightd: start of model 'tiny' rank 0: (.*)", output)
     assert len(started) == 1, output
     layouts = re.findall(r"weightd: runtime layout(?:s)? ([^\n]*)", output)
     if started[0].startswith("attached runtime layout"):
+        assert layout_attaches.get('weightd_layout_attaches_total{result="hit"}') == 1, layout_attaches
         _report["second_start"] = "attached a runtime layout"
     else:
+        assert layout_attaches.get('weightd_layout_attaches_total{result="not_found"}') == 1, layout_attaches
         assert started[0].startswith("loaded and post-processed in ")
         assert layouts, output  # one line says why no layout was attached
         _report["second_start"] = "loaded and post-processed: " + layouts[0]
@@ -266,8 +267,6 @@ def test_checkpoint_with_a_missing_tensor(served):
 def test_layout_identity_mismatch(served):
     """A layout published under this start's key by another vLLM (here: another engine version in the
     identity) is refused with one line, not bound. Written against the runtime-layout client API."""
-    if not hasattr(weightd.Client, "publish_layout"):
-        pytest.skip("runtime layouts (issue 25) are not in this weightd client yet")
     from vllm.engine.arg_utils import EngineArgs
 
     from weightd._vllm_layouts import identity_of, key_of
