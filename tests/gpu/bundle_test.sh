@@ -84,5 +84,9 @@ grep -Eq '^\| attach --pin: register the host table [^|]*\| PASS \| [0-9.]+ s/GB
   "$tmp/table.md" || fail "no passing pinned-table registration of the 21 tiny tensors"
 grep -Eq '^\| GPU read from the pinned table [^|]*\| PASS \| [0-9.]+ GB/s \| 21 tensors,.* equals the host mapping \|' \
   "$tmp/table.md" || fail "no passing GPU read through the pinned tensors' device pointers"
+grep -Eq '^\| runtime layout: publish [^|]*\| PASS \| [0-9.]+ s \([0-9.]+ GB/s\) \| 1024 MiB on the GPU \+ 1 MiB on the host' \
+  "$tmp/table.md" || fail "no passing runtime layout publish with a device tensor"
+grep -Eq '^\| runtime layout: attach, read the device tensor back [^|]*\| PASS \| attach [0-9.]+ ms \| device tensor on GPU-[^ ]+ equals what the writer wrote; host tensor equals it too \|' \
+  "$tmp/table.md" || fail "no passing read-back of the runtime layout's device tensor"
 if grep -q '| FAIL |' "$tmp/table.md"; then fail "a check failed"; fi
 echo "PASS: the bundle ran the GPU checks (fake driver) without the build's libraries"
