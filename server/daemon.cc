@@ -45,6 +45,9 @@
 namespace weightd {
 namespace {
 
+// The largest request the Unix socket's gRPC server reads, in bytes.
+constexpr int kMaxUnixSocketRequestBytes = 256 << 20;
+
 // Health, logs and systemd status follow the registry. Every server's
 // health service mirrors the per-model statuses, also those set before the
 // server was added.
@@ -300,6 +303,10 @@ class DaemonImpl final : public Daemon {
     grpc::ServerBuilder builder;
     builder.RegisterService(service_.get());
     builder.SetMaxSendMessageSize(-1);
+    // A BeginLayout of many tensors (docs/api.md "Runtime layouts": about
+    // 100 bytes a tensor spec) outgrows gRPC's 4 MiB default; 256 MiB holds
+    // well over a million, the request's own bound.
+    builder.SetMaxReceiveMessageSize(kMaxUnixSocketRequestBytes);
     ApplyGrpcLimits(GrpcLimits(), builder);
     CountRpcs(builder, metrics_.get());
     server_ = builder.BuildAndStart();

@@ -294,9 +294,8 @@ absl::StatusOr<std::unique_ptr<StagedLayout>> StageLayout(LayoutRequest request,
     staged->bytes_staged += size;
     if (holds == Placement::kDevice) staged->device_bytes += size;
   }
-  HostMemoryAdmission::Reservation reservation;  // held until the staged memory exists
   if (admission != nullptr) {
-    WEIGHTD_ASSIGN_OR_RETURN(reservation, admission->Reserve(request.model, staged->bytes_staged));
+    WEIGHTD_ASSIGN_OR_RETURN(staged->reservation, admission->Reserve(request.model, staged->bytes_staged));
   }
   for (const auto& [holds, size] : sizes) {
     WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<HostSegment> memory,

@@ -24,6 +24,10 @@
 // the serving: the writer keeps its fds, but write(2) on them fails (EPERM)
 // and a new shared writable mapping is refused.
 //
+// The arena is then served like a checkpoint's: mapped read-only where the
+// driver grants it to every process that attaches it (CUDA has no seal for
+// device memory), so its immutability is a checkpoint arena's, no more.
+//
 // Why device tensors are staged in host memory rather than in an arena the
 // writer maps: a CUDA VMM or IPC mapping in another process cannot be
 // revoked or write-protected once granted (there is no F_SEAL_WRITE for
@@ -131,6 +135,10 @@ struct StagedLayout {
   std::vector<LayoutTensor> tensors;
   uint64_t bytes_staged = 0;  // bytes of the staged memfds
   uint64_t device_bytes = 0;  // of those, the device staging's
+  // The staged bytes promised by host memory admission, held until the
+  // publish ends (the memfds' pages come into being only as the writer
+  // writes, so a promise dropped at staging would let writers overcommit).
+  HostMemoryAdmission::Reservation reservation;
 };
 
 // Stages `request` (ValidateLayoutRequest'ed by the caller) of

@@ -19,15 +19,28 @@ absl::StatusOr<std::string> LayoutWriters::Open(const Slot& slot, Clock::time_po
                                                  QuoteName(slot.model), " generation ", slot.generation,
                                                  " is being published by another writer"));
   }
+  if (by_id_.size() >= kMaxOpenLayoutWriters) {
+    return absl::ResourceExhaustedError(absl::StrCat(kMaxOpenLayoutWriters, " layout writers are open at once, as "
+                                                     "many as weightd allows; commit or abort some first"));
+  }
   id_of_slot_[slot] = id;
   by_id_[id] = Entry{slot, nullptr, false, false, "", deadline};
   return id;
 }
 
-bool LayoutWriters::AwaitFree(const Slot& slot, absl::Time deadline) {
+absl::Status LayoutWriters::AwaitFree(const Slot& slot, absl::Time deadline) {
   absl::MutexLock lock(&mu_);
+  if (waiters_ >= kMaxLayoutWaiters) {
+    return absl::UnavailableError(absl::StrCat(kMaxLayoutWaiters, " publishes already wait for busy layouts; retry "
+                                               "later, or attach the layout once it is published"));
+  }
+  ++waiters_;
   auto free = [this, &slot]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return id_of_slot_.count(slot) == 0; };
-  return mu_.AwaitWithDeadline(absl::Condition(&free), deadline);
+  bool freed = mu_.AwaitWithDeadline(absl::Condition(&free), deadline);
+  --waiters_;
+  if (freed) return absl::OkStatus();
+  return absl::DeadlineExceededError(absl::StrCat("layout ", QuoteName(slot.key), " of rank ", slot.rank, " of model ",
+                                                  QuoteName(slot.model), " is still being published by another writer"));
 }
 
 absl::Status LayoutWriters::SetStaged(const std::string& id, std::shared_ptr<StagedLayout> staged,

@@ -39,6 +39,12 @@
 namespace weightd {
 
 inline constexpr absl::string_view kLayoutWriterIdPrefix = "layout-";
+// Open layout writers at once (every model and slot), and writers waiting
+// for a busy slot at once: each waiter holds one of the gRPC server's
+// handler threads (--grpc-max-threads, 64 by default), so waiters must
+// leave most of them to the commits they wait for.
+inline constexpr size_t kMaxOpenLayoutWriters = 256;
+inline constexpr size_t kMaxLayoutWaiters = 16;
 
 class LayoutWriters {
  public:
@@ -59,10 +65,12 @@ class LayoutWriters {
   };
 
   // Opens a writer of `slot` with a new id, to be staged and then claimed by
-  // `deadline`. ALREADY_EXISTS when the slot has one.
+  // `deadline`. ALREADY_EXISTS when the slot has one; RESOURCE_EXHAUSTED
+  // when kMaxOpenLayoutWriters are open.
   absl::StatusOr<std::string> Open(const Slot& slot, Clock::time_point deadline) ABSL_LOCKS_EXCLUDED(mu_);
-  // Blocks until `slot` has no writer (true) or `deadline` passes (false).
-  bool AwaitFree(const Slot& slot, absl::Time deadline) ABSL_LOCKS_EXCLUDED(mu_);
+  // Blocks until `slot` has no writer (OK) or `deadline` passes
+  // (DEADLINE_EXCEEDED); UNAVAILABLE at once when kMaxLayoutWaiters wait.
+  absl::Status AwaitFree(const Slot& slot, absl::Time deadline) ABSL_LOCKS_EXCLUDED(mu_);
   // Gives open writer `id` what was staged for it. FAILED_PRECONDITION when
   // `id` ended meanwhile: `staged` is left to the caller.
   absl::Status SetStaged(const std::string& id, std::shared_ptr<StagedLayout> staged, Clock::time_point deadline)
@@ -110,6 +118,7 @@ class LayoutWriters {
   mutable absl::Mutex mu_;
   std::map<std::string, Entry> by_id_ ABSL_GUARDED_BY(mu_);
   std::map<Slot, std::string> id_of_slot_ ABSL_GUARDED_BY(mu_);  // one writer per slot
+  size_t waiters_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace weightd

@@ -34,8 +34,8 @@ absl::StatusOr<LeaseTable::Lease> LeaseTable::Claim(const std::string& id) {
 }
 
 LeaseTable::Removed LeaseTable::RemoveLocked(std::map<std::string, Lease>::iterator it) {
-  Removed removed{std::move(it->second.model), 0};
-  if (it->second.layout != nullptr) --it->second.layout->leases;
+  Removed removed{std::move(it->second.model), 0, std::move(it->second.layout)};
+  if (removed.layout != nullptr) --removed.layout->leases;
   leases_.erase(it);
   removed.leases_left = --removed.model->leases;
   return removed;

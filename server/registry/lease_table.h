@@ -60,6 +60,9 @@ class LeaseTable {
   struct Removed {
     std::shared_ptr<ModelGeneration> model;
     int leases_left = 0;
+    // The layout a layout lease held (may be its last reference: the
+    // registry frees it off its locks).
+    std::shared_ptr<const Layout> layout = nullptr;
   };
 
   // A new PENDING lease on `rank` of `model`, attached at `now`, to be

@@ -25,6 +25,10 @@ bool HasHandleExportedArenas(const ModelGeneration& model) {
   return std::any_of(model.arenas.begin(), model.arenas.end(),
                      [](const std::shared_ptr<DeviceArena>& arena) { return arena->export_fd() < 0; });
 }
+bool HasHandleExportedArenas(const Layout& layout) {
+  return std::any_of(layout.arenas.begin(), layout.arenas.end(),
+                     [](const std::shared_ptr<DeviceArena>& arena) { return arena->export_fd() < 0; });
+}
 
 // "CODE: message", without the status's payloads.
 std::string ErrorText(const absl::Status& status) {
@@ -293,8 +297,13 @@ void ModelRegistry::InstallLocked(const std::shared_ptr<ModelGeneration>& model)
   for (LayoutWriters::Ended& ended : layout_writers_.EndOf(name, model->generation, "superseded")) {
     ReleaseLater(FinishLayoutWriterLocked(std::move(ended), "superseded"));
   }
-  if (previous) AnnounceLayouts(ModelEvent::Kind::kLayoutDraining, *previous);
-  if (previous) Retire(std::move(previous));
+  if (previous) {
+    // Nothing attaches the old generation's layouts any more: those without
+    // a lease are freed now (a lease holds its own layout until it ends).
+    AnnounceLayouts(ModelEvent::Kind::kLayoutDraining, *previous);
+    for (auto& layout : previous->layouts->Clear()) ReleaseLater(std::move(layout));
+    Retire(std::move(previous));
+  }
   if (listener_) listener_->OnModelServing(name, true);
   if (listener_) listener_->OnGenerationPublished(model);
 }
@@ -633,7 +642,9 @@ absl::StatusOr<ModelRegistry::Grant> ModelRegistry::Claim(const std::string& lea
   return Grant{lease.id, lease.model, lease.rank, lease.numa_copy, lease.layout};
 }
 
-void ModelRegistry::LeaseRemovedLocked(const LeaseTable::Removed& removed) {
+void ModelRegistry::LeaseRemovedLocked(LeaseTable::Removed& removed) {
+  // A dropped layout's last lease: free it on the release thread, not under the locks.
+  if (removed.layout != nullptr) ReleaseLater(std::move(removed.layout));
   if (listener_) listener_->OnLeasesChanged(removed.model->request.name, removed.leases_left);
   if (removed.leases_left == 0 && removed.model->state == ModelState::kDraining) {
     std::erase(draining_, removed.model);
@@ -643,11 +654,13 @@ void ModelRegistry::LeaseRemovedLocked(const LeaseTable::Removed& removed) {
 void ModelRegistry::DropLeasesOf(const std::string& name) {
   std::map<uint64_t, int> kept;  // generation -> claimed handle-exported leases left to their clients
   std::vector<LeaseTable::Removed> removed = leases_.RemoveOf(name, [&](const LeaseTable::Lease& lease) {
-    bool keep = lease.claimed && HasHandleExportedArenas(*lease.model);
+    // A layout lease maps the layout's arenas, not the model's.
+    bool keep = lease.claimed && (lease.layout != nullptr ? HasHandleExportedArenas(*lease.layout)
+                                                          : HasHandleExportedArenas(*lease.model));
     if (keep) ++kept[lease.model->generation];
     return keep;
   });
-  for (const LeaseTable::Removed& r : removed) LeaseRemovedLocked(r);
+  for (LeaseTable::Removed& r : removed) LeaseRemovedLocked(r);
   for (const auto& [generation, count] : kept) {
     LogWarning(absl::StrCat("forced unload of model '", name, "' generation ", generation, ": ", count,
                             " claimed lease(s) on cuda-legacy-ipc arenas end only when their clients close them or "
@@ -676,7 +689,7 @@ int ModelRegistry::ExpirePending() {
   absl::MutexLock lock(&mu_);
   auto now = Now();
   int expired = 0;
-  for (const LeaseTable::Removed& r : leases_.RemoveExpired(now)) {
+  for (LeaseTable::Removed& r : leases_.RemoveExpired(now)) {
     LeaseRemovedLocked(r);
     ++expired;
   }

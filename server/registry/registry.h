@@ -287,10 +287,6 @@ class ModelRegistry {
   // current generation of `name`: no new attaches; leases keep their
   // memory. Returns how many; NOT_FOUND naming the keys there are when none.
   absl::StatusOr<int> DropLayout(const std::string& name, const std::string& key, std::optional<uint32_t> rank);
-  // Serves `layout`, restored from the fd store at start, on the current
-  // generation of its model (layout->generation must be it).
-  // FAILED_PRECONDITION otherwise; ALREADY_EXISTS when its slot has one.
-  absl::Status AdoptLayout(std::shared_ptr<const Layout> layout);
 
   // Subscribes to the events of `name`, loaded or not (docs/api.md
   // "WatchModel"): CURRENT first when the name has a READY generation, then
@@ -385,7 +381,7 @@ class ModelRegistry {
   void AnnouncePublished(ModelGeneration& model) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A lease taken out of leases_: the listener's count, and a DRAINING
   // generation's last lease lets it go.
-  void LeaseRemovedLocked(const LeaseTable::Removed& removed) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void LeaseRemovedLocked(LeaseTable::Removed& removed) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void NotifyMemory() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The pinner finished `model`: logs what it locked and updates the gauges.
   void ReportPinned(const ModelGeneration& model, const PinResult& pinned) ABSL_LOCKS_EXCLUDED(mu_);

@@ -19,11 +19,16 @@ ModelEvent LayoutEvent(ModelEvent::Kind kind, const ModelGeneration& model, cons
   return e;
 }
 
+// The keys, quoted; the first 8 and "and N more" beyond them, so a long
+// list cannot outgrow a status message (kMaxStatusMessageBytes).
 std::string QuotedKeys(const std::vector<std::string>& keys) {
+  constexpr size_t kShown = 8;
   if (keys.empty()) return "none";
   std::vector<std::string> quoted;
-  for (const std::string& k : keys) quoted.push_back(QuoteName(k));
-  return absl::StrJoin(quoted, ", ");
+  for (size_t i = 0; i < keys.size() && i < kShown; ++i) quoted.push_back(QuoteName(keys[i]));
+  std::string list = absl::StrJoin(quoted, ", ");
+  if (keys.size() > kShown) absl::StrAppend(&list, " and ", keys.size() - kShown, " more");
+  return list;
 }
 
 }  // namespace
@@ -111,12 +116,11 @@ absl::StatusOr<ModelRegistry::LayoutGrant> ModelRegistry::BeginLayout(LayoutRequ
       }
     }
     if (id.empty()) {
-      if (!layout_writers_.AwaitFree(slot, wait_until)) {
-        return absl::DeadlineExceededError(absl::StrCat("layout ", QuoteName(request.key), " of rank ", request.rank,
-                                                        " of model ", QuoteName(request.model),
-                                                        " is still being published by another writer after ",
-                                                        request.wait_seconds, " s"));
+      absl::Status freed = layout_writers_.AwaitFree(slot, wait_until);
+      if (absl::IsDeadlineExceeded(freed)) {
+        return absl::DeadlineExceededError(absl::StrCat(freed.message(), " after ", request.wait_seconds, " s"));
       }
+      WEIGHTD_RETURN_IF_ERROR(freed);
       continue;  // committed (published) or aborted (free): look again
     }
     const std::string name = request.model;
@@ -135,7 +139,8 @@ absl::StatusOr<ModelRegistry::LayoutGrant> ModelRegistry::BeginLayout(LayoutRequ
     }
     held = std::move(*staged);
     if (!layout_writers_.SetStaged(id, held, Now() + options_.claim_timeout).ok()) {
-      return absl::AbortedError(absl::StrCat("model ", QuoteName(name), " was unloaded while the layout was being staged"));
+      return absl::AbortedError(absl::StrCat("model ", QuoteName(name), " generation ", slot.generation,
+                                             " was unloaded or replaced while the layout was being staged"));
     }
     NotifyMemory();
     return LayoutGrant{id, held, nullptr, slot.generation};
@@ -195,6 +200,7 @@ absl::StatusOr<std::shared_ptr<const Layout>> ModelRegistry::CommitLayout(
   }
   if (!current->second->layouts->Add(layout)) {
     return absl::AlreadyExistsError(absl::StrCat("layout ", QuoteName(layout->key), " of rank ", layout->rank,
+                                                 " of model ", QuoteName(name), " generation ", layout->generation,
                                                  " was published meanwhile"));
   }
   events_->Publish(LayoutEvent(ModelEvent::Kind::kLayoutPublished, *current->second, *layout));
@@ -243,30 +249,6 @@ absl::StatusOr<int> ModelRegistry::DropLayout(const std::string& name, const std
   NotifyMemory();
   for (auto& layout : removed) ReleaseLater(std::move(layout));
   return static_cast<int>(removed.size());
-}
-
-absl::Status ModelRegistry::AdoptLayout(std::shared_ptr<const Layout> layout) {
-  absl::MutexLock lock(&mu_);
-  auto current = current_.find(layout->model);
-  if (current == current_.end() || current->second->generation != layout->generation) {
-    return absl::FailedPreconditionError(absl::StrCat("layout ", QuoteName(layout->key), " belongs to model ",
-                                                      QuoteName(layout->model), " generation ", layout->generation,
-                                                      ", which is not served"));
-  }
-  if (layout->rank >= current->second->ranks.size()) {
-    return absl::FailedPreconditionError(absl::StrCat("layout ", QuoteName(layout->key), " is of rank ", layout->rank,
-                                                      " but model ", QuoteName(layout->model), " has ",
-                                                      current->second->ranks.size(), " rank(s)"));
-  }
-  if (!current->second->layouts->Add(layout)) {
-    return absl::AlreadyExistsError(absl::StrCat("layout ", QuoteName(layout->key), " of rank ", layout->rank,
-                                                 " of model ", QuoteName(layout->model), " is served already"));
-  }
-  events_->Publish(LayoutEvent(ModelEvent::Kind::kLayoutPublished, *current->second, *layout));
-  if (listener_) listener_->OnLayoutPublished(*layout);
-  if (listener_) listener_->OnLayoutsChanged(current->second);
-  NotifyMemory();
-  return absl::OkStatus();
 }
 
 absl::StatusOr<std::shared_ptr<const Layout>> ModelRegistry::FindLayoutLocked(const ModelGeneration& model,

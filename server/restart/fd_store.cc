@@ -170,6 +170,13 @@ void FdStoreKeeper::Adopted(const std::shared_ptr<ModelGeneration>& model, const
   for (size_t i = 0; i < model->arenas.size() && i < arena_names.size(); ++i) {
     AdoptSegment(model->arenas[i], model->arenas[i]->export_fd(), arena_names[i], stored);
   }
+  // A rewritten record ("wd-rec-G.N") was adopted: the next rewrite's name
+  // must differ from it, or storing the new record and removing the old
+  // one would remove both (FDSTOREREMOVE drops every fd of a name).
+  if (size_t dot = record_name.rfind('.'); dot != std::string::npos) {
+    uint64_t n = 0;
+    if (absl::SimpleAtoi(record_name.substr(dot + 1), &n)) next_rewrite_ = std::max(next_rewrite_, n + 1);
+  }
   // The record to write again (Handoff without a sink) names the layouts'
   // segments as the restored record did.
   for (const auto& [layout, names] : layouts) {
@@ -300,7 +307,9 @@ void FdStoreKeeper::Publish(const std::shared_ptr<ModelGeneration>& model, bool 
   // The name's older record goes either way: after a failure, a restart must
   // not bring back a generation older than the one served now.
   if (old != models_.end()) {
-    if (sink_) Note(sink_->Remove(old->second.record_name), absl::StrCat("drop ", old->second.record_name));
+    if (sink_ && old->second.record_name != next.record_name) {
+      Note(sink_->Remove(old->second.record_name), absl::StrCat("drop ", old->second.record_name));
+    }
     Release(old->second.segments);
     models_.erase(old);
   }
@@ -318,16 +327,20 @@ void FdStoreKeeper::Publish(const std::shared_ptr<ModelGeneration>& model, bool 
 absl::StatusOr<LayoutsToStore> FdStoreKeeper::StoreLayouts(const ModelGeneration& model, std::vector<std::string>& names) {
   LayoutsToStore out;
   for (const auto& layout : model.layouts->List()) {
+    // Arenas exported by handle (cuda-legacy-ipc) die with this process:
+    // such a layout is left out of the record, the others are kept.
+    if (std::any_of(layout->arenas.begin(), layout->arenas.end(), [](const auto& a) { return a->export_fd() < 0; })) {
+      LogWarning(absl::StrCat("fd store: layout ", QuoteName(layout->key), " of rank ", layout->rank, " of '",
+                              model.request.name, "' is not kept across a restart: its arenas are exported by "
+                              "handle, which no fd store can keep"));
+      continue;
+    }
     for (const auto& segment : layout->host_segments) {
       WEIGHTD_ASSIGN_OR_RETURN(std::string fd_name, Need(segment, segment->fd()));
       names.push_back(fd_name);
       out.host.push_back({fd_name, SegmentBackend::kMemfd, segment->size(), InodeOf(segment->fd()), segment->huge_pages(), ""});
     }
     for (const auto& arena : layout->arenas) {
-      if (arena->export_fd() < 0) {
-        return absl::UnimplementedError(absl::StrCat("layout ", QuoteName(layout->key),
-                                                     "'s arenas are exported by handle, which no fd store can keep"));
-      }
       WEIGHTD_ASSIGN_OR_RETURN(std::string fd_name, Need(arena, arena->export_fd()));
       names.push_back(fd_name);
       out.arenas.push_back(ArenaStored(*layout, *arena, fd_name));

@@ -8,8 +8,10 @@
 #include <chrono>
 #include <map>
 #include <set>
+#include <tuple>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/base/log.h"
 #include "common/base/parallel.h"
@@ -43,6 +45,14 @@ absl::StatusOr<std::string> ReadRecord(int fd) {
     done += static_cast<size_t>(got);
   }
   return bytes;
+}
+
+// N of a rewritten record's name "wd-rec-G.N" (fd_store.h); 0 for "wd-rec-G".
+uint64_t RewriteOf(const std::string& record_name) {
+  size_t dot = record_name.rfind('.');
+  uint64_t n = 0;
+  if (dot == std::string::npos || !absl::SimpleAtoi(record_name.substr(dot + 1), &n)) return 0;
+  return n;
 }
 
 class Restorer {
@@ -79,10 +89,12 @@ class Restorer {
     std::vector<size_t> order(decoded.size());
     for (size_t i = 0; i < order.size(); ++i) order[i] = i;
     // Of two records of one generation (a rewrite for its layouts that a
-    // crash cut short), the later written.
+    // crash cut short), the later rewrite ("wd-rec-G.N": the higher N; the
+    // keeper numbers rewrites upward across restarts), then the later
+    // written.
     std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
-      return std::pair(decoded[a].model->generation, decoded[a].written_ns) >
-             std::pair(decoded[b].model->generation, decoded[b].written_ns);
+      return std::tuple(decoded[a].model->generation, RewriteOf(record_fds[a].name), decoded[a].written_ns) >
+             std::tuple(decoded[b].model->generation, RewriteOf(record_fds[b].name), decoded[b].written_ns);
     });
     std::set<std::string> names;
     std::vector<size_t> chosen;
@@ -220,6 +232,9 @@ class Restorer {
   // dropped alone, with one log line; its model is still restored.
   void AdoptLayouts(StateRecord& record, RestoredModel& out) {
     ModelGeneration& m = *out.model;
+    for (const std::string& why : record.dropped_layouts) {
+      LogWarning(absl::StrCat("restore: ", why, " (of model ", QuoteName(m.request.name), ") dropped: corrupt"));
+    }
     for (StoredLayout& stored : record.layouts) {
       Layout& l = *stored.layout;
       std::optional<Refusal> refusal;

@@ -472,6 +472,72 @@ absl::StatusOr<LayoutTensor> DecodeLayoutTensor(const json& j, const std::string
   return t;
 }
 
+// One layout of a record (DecodeLayouts).
+absl::StatusOr<StoredLayout> DecodeOneLayout(const json& lj, const StateRecord& out) {
+  const ModelGeneration& m = *out.model;
+  const std::string where = "record.layouts[]";
+  if (!lj.is_object()) return absl::InvalidArgumentError(absl::StrCat(where, " is not an object"));
+  StoredLayout stored;
+  stored.layout = std::make_shared<Layout>();
+  Layout& l = *stored.layout;
+  l.model = m.request.name;
+  l.generation = m.generation;
+  WEIGHTD_ASSIGN_OR_RETURN(l.key, Field<std::string>(lj, "key", where));
+  WEIGHTD_RETURN_IF_ERROR(ValidateLayoutKey(l.key));
+  WEIGHTD_ASSIGN_OR_RETURN(l.rank, Field<uint32_t>(lj, "rank", where));
+  if (l.rank >= m.ranks.size()) return absl::InvalidArgumentError(absl::StrCat(where, ".rank is out of range"));
+  WEIGHTD_ASSIGN_OR_RETURN(l.identity, (Field<std::map<std::string, std::string>>(lj, "identity", where)));
+  WEIGHTD_RETURN_IF_ERROR(ValidateLayoutIdentity(l.identity));
+  WEIGHTD_ASSIGN_OR_RETURN(l.fingerprint, Field<std::string>(lj, "fingerprint", where));
+  WEIGHTD_ASSIGN_OR_RETURN(l.publish_seconds, Field<double>(lj, "publish_seconds", where));
+  WEIGHTD_ASSIGN_OR_RETURN(l.published_at, Field<double>(lj, "published_at", where));
+  WEIGHTD_ASSIGN_OR_RETURN(const json* segments, ArrayField(lj, "segments", where, 2));
+  for (const json& sj : *segments) {
+    SegmentRecord seg;
+    WEIGHTD_ASSIGN_OR_RETURN(std::string placement, Field<std::string>(sj, "placement", where + ".segments[]"));
+    WEIGHTD_ASSIGN_OR_RETURN(seg.placement, ParsePlacement(placement, where + ".segments[]"));
+    WEIGHTD_ASSIGN_OR_RETURN(size_t at, Field<size_t>(sj, "stored", where + ".segments[]"));
+    WEIGHTD_ASSIGN_OR_RETURN(seg.size, Field<uint64_t>(sj, "size", where + ".segments[]"));
+    WEIGHTD_ASSIGN_OR_RETURN(seg.gpu_uuid, Field<std::string>(sj, "gpu_uuid", where + ".segments[]"));
+    WEIGHTD_ASSIGN_OR_RETURN(std::string backend, Field<std::string>(sj, "backend", where + ".segments[]"));
+    WEIGHTD_ASSIGN_OR_RETURN(seg.backend, ParseSegmentBackend(backend));
+    const bool is_host = seg.placement == Placement::kHost;
+    const std::vector<StoredSegment>& pool = is_host ? out.layout_host_segments : out.layout_arenas;
+    if (at >= pool.size() || pool[at].size != seg.size || (is_host && seg.backend != SegmentBackend::kMemfd) ||
+        (!is_host && (pool[at].backend != seg.backend || pool[at].gpu_uuid != seg.gpu_uuid))) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ".segments[]: stored index ", at,
+                                                     " is out of range or disagrees with its fd"));
+    }
+    std::vector<size_t>& owners = is_host ? stored.host : stored.arenas;
+    seg.owner = static_cast<uint32_t>(owners.size());
+    owners.push_back(at);
+    (is_host ? l.host_bytes : l.device_bytes) += seg.size;
+    if (!is_host) l.gpu_uuid = seg.gpu_uuid;
+    l.segments.push_back(std::move(seg));
+  }
+  WEIGHTD_ASSIGN_OR_RETURN(const json* tensors, ArrayField(lj, "tensors", where, kMaxLayoutTensors));
+  std::set<std::string> names;
+  for (const json& tj : *tensors) {
+    WEIGHTD_ASSIGN_OR_RETURN(LayoutTensor t, DecodeLayoutTensor(tj, where + ".tensors[]"));
+    const TensorRecord& r = t.record;
+    if (r.segment >= l.segments.size() || l.segments[r.segment].placement != r.placement ||
+        r.offset > l.segments[r.segment].size || r.nbytes > l.segments[r.segment].size - r.offset) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ".tensors[] (", ElideName(r.name),
+                                                     ") lies outside its segment"));
+    }
+    if (!names.insert(r.name).second) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ".tensors[]: ", ElideName(r.name), " appears twice"));
+    }
+    l.tensors.push_back(std::move(t));
+  }
+  if (l.tensors.empty()) return absl::InvalidArgumentError(absl::StrCat(where, " has no tensors"));
+  if (LayoutFingerprint(l.tensors) != l.fingerprint) {
+    return absl::InvalidArgumentError(absl::StrCat(where, " (", ElideName(l.key),
+                                                   "): its fingerprint differs from the one its tensors give"));
+  }
+  return stored;
+}
+
 // The record's layouts, each checked: key, identity, rank, segments in
 // range of the stored fds with their sizes, tensors inside their segments,
 // names unique, fingerprint.
@@ -489,69 +555,14 @@ absl::Status DecodeLayouts(const json& j, StateRecord& out) {
     out.layout_arenas.push_back(std::move(seg));
   }
   WEIGHTD_ASSIGN_OR_RETURN(const json* layouts, ArrayField(j, "layouts", "record", kMaxSegments));
-  const ModelGeneration& m = *out.model;
   for (const json& lj : *layouts) {
-    const std::string where = "record.layouts[]";
-    if (!lj.is_object()) return absl::InvalidArgumentError(absl::StrCat(where, " is not an object"));
-    StoredLayout stored;
-    stored.layout = std::make_shared<Layout>();
-    Layout& l = *stored.layout;
-    l.model = m.request.name;
-    l.generation = m.generation;
-    WEIGHTD_ASSIGN_OR_RETURN(l.key, Field<std::string>(lj, "key", where));
-    WEIGHTD_RETURN_IF_ERROR(ValidateLayoutKey(l.key));
-    WEIGHTD_ASSIGN_OR_RETURN(l.rank, Field<uint32_t>(lj, "rank", where));
-    if (l.rank >= m.ranks.size()) return absl::InvalidArgumentError(absl::StrCat(where, ".rank is out of range"));
-    WEIGHTD_ASSIGN_OR_RETURN(l.identity, (Field<std::map<std::string, std::string>>(lj, "identity", where)));
-    WEIGHTD_RETURN_IF_ERROR(ValidateLayoutIdentity(l.identity));
-    WEIGHTD_ASSIGN_OR_RETURN(l.fingerprint, Field<std::string>(lj, "fingerprint", where));
-    WEIGHTD_ASSIGN_OR_RETURN(l.publish_seconds, Field<double>(lj, "publish_seconds", where));
-    WEIGHTD_ASSIGN_OR_RETURN(l.published_at, Field<double>(lj, "published_at", where));
-    WEIGHTD_ASSIGN_OR_RETURN(const json* segments, ArrayField(lj, "segments", where, 2));
-    for (const json& sj : *segments) {
-      SegmentRecord seg;
-      WEIGHTD_ASSIGN_OR_RETURN(std::string placement, Field<std::string>(sj, "placement", where + ".segments[]"));
-      WEIGHTD_ASSIGN_OR_RETURN(seg.placement, ParsePlacement(placement, where + ".segments[]"));
-      WEIGHTD_ASSIGN_OR_RETURN(size_t at, Field<size_t>(sj, "stored", where + ".segments[]"));
-      WEIGHTD_ASSIGN_OR_RETURN(seg.size, Field<uint64_t>(sj, "size", where + ".segments[]"));
-      WEIGHTD_ASSIGN_OR_RETURN(seg.gpu_uuid, Field<std::string>(sj, "gpu_uuid", where + ".segments[]"));
-      WEIGHTD_ASSIGN_OR_RETURN(std::string backend, Field<std::string>(sj, "backend", where + ".segments[]"));
-      WEIGHTD_ASSIGN_OR_RETURN(seg.backend, ParseSegmentBackend(backend));
-      const bool is_host = seg.placement == Placement::kHost;
-      const std::vector<StoredSegment>& pool = is_host ? out.layout_host_segments : out.layout_arenas;
-      if (at >= pool.size() || pool[at].size != seg.size || (is_host && seg.backend != SegmentBackend::kMemfd) ||
-          (!is_host && (pool[at].backend != seg.backend || pool[at].gpu_uuid != seg.gpu_uuid))) {
-        return absl::InvalidArgumentError(absl::StrCat(where, ".segments[]: stored index ", at,
-                                                       " is out of range or disagrees with its fd"));
-      }
-      std::vector<size_t>& owners = is_host ? stored.host : stored.arenas;
-      seg.owner = static_cast<uint32_t>(owners.size());
-      owners.push_back(at);
-      (is_host ? l.host_bytes : l.device_bytes) += seg.size;
-      if (!is_host) l.gpu_uuid = seg.gpu_uuid;
-      l.segments.push_back(std::move(seg));
+    absl::StatusOr<StoredLayout> stored = DecodeOneLayout(lj, out);
+    if (stored.ok()) {
+      out.layouts.push_back(std::move(*stored));
+    } else {  // dropped alone: its generation is still restored
+      std::string key = lj.is_object() && lj.contains("key") && lj["key"].is_string() ? lj["key"].get<std::string>() : "?";
+      out.dropped_layouts.push_back(absl::StrCat("layout ", QuoteName(key), ": ", stored.status().message()));
     }
-    WEIGHTD_ASSIGN_OR_RETURN(const json* tensors, ArrayField(lj, "tensors", where, kMaxLayoutTensors));
-    std::set<std::string> names;
-    for (const json& tj : *tensors) {
-      WEIGHTD_ASSIGN_OR_RETURN(LayoutTensor t, DecodeLayoutTensor(tj, where + ".tensors[]"));
-      const TensorRecord& r = t.record;
-      if (r.segment >= l.segments.size() || l.segments[r.segment].placement != r.placement ||
-          r.offset > l.segments[r.segment].size || r.nbytes > l.segments[r.segment].size - r.offset) {
-        return absl::InvalidArgumentError(absl::StrCat(where, ".tensors[] (", ElideName(r.name),
-                                                       ") lies outside its segment"));
-      }
-      if (!names.insert(r.name).second) {
-        return absl::InvalidArgumentError(absl::StrCat(where, ".tensors[]: ", ElideName(r.name), " appears twice"));
-      }
-      l.tensors.push_back(std::move(t));
-    }
-    if (l.tensors.empty()) return absl::InvalidArgumentError(absl::StrCat(where, " has no tensors"));
-    if (LayoutFingerprint(l.tensors) != l.fingerprint) {
-      return absl::InvalidArgumentError(absl::StrCat(where, " (", ElideName(l.key),
-                                                     "): its fingerprint differs from the one its tensors give"));
-    }
-    out.layouts.push_back(std::move(stored));
   }
   return absl::OkStatus();
 }

@@ -74,6 +74,9 @@ struct StateRecord {
   std::vector<StoredLayout> layouts;
   std::vector<StoredSegment> layout_host_segments;
   std::vector<StoredSegment> layout_arenas;
+  // Layouts that failed a check, each "layout 'KEY': why": dropped alone,
+  // their generation still decodes (their fds go unused).
+  std::vector<std::string> dropped_layouts;
   // When the record was written (ns since the Unix epoch): of two records of
   // one generation (a crash between storing a rewritten record and dropping
   // the one before), the later wins.

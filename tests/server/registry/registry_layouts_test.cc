@@ -170,6 +170,21 @@ TEST_F(LayoutTest, AWaitThatRunsOutIsDeadlineExceeded) {
   EXPECT_EQ(registry_.BeginLayout(waiting).status().code(), Code::kDeadlineExceeded);
 }
 
+TEST_F(LayoutTest, TooManyOpenWritersAreRefused) {
+  std::vector<std::string> ids;
+  for (size_t i = 0; i < kMaxOpenLayoutWriters; ++i) {
+    absl::StatusOr<ModelRegistry::LayoutGrant> grant = registry_.BeginLayout(Request(absl::StrCat("k", i)));
+    ASSERT_TRUE(grant.ok()) << grant.status();
+    ids.push_back(grant->writer_id);
+  }
+  absl::StatusOr<ModelRegistry::LayoutGrant> one_more = registry_.BeginLayout(Request("one-more"));
+  ASSERT_EQ(one_more.status().code(), Code::kResourceExhausted);
+  EXPECT_EQ(one_more.status().message(),
+            "256 layout writers are open at once, as many as weightd allows; commit or abort some first");
+  WEIGHTD_ASSERT_OK(registry_.AbortLayout(ids[0], "aborted_by_writer"));
+  WEIGHTD_EXPECT_OK(registry_.BeginLayout(Request("one-more")));
+}
+
 TEST_F(LayoutTest, ACommitWhileMappedWritableIsRefusedAndCanBeRetried) {
   ModelRegistry::LayoutGrant grant = Begin("k");
   const HostSegment& memory = *grant.staged->segments[0].memory;
@@ -246,7 +261,8 @@ TEST_F(LayoutTest, AReloadDrainsTheLayoutsWithTheirGeneration) {
   WEIGHTD_ASSERT_OK(registry_.Reload("m", "", nullptr));
   WEIGHTD_ASSERT_OK_AND_ASSIGN(auto gen2, registry_.Get("m"));
   EXPECT_EQ(gen1->state.load(), ModelState::kDraining);
-  EXPECT_EQ(gen1->layouts->List().size(), 1u);  // drains with its generation
+  EXPECT_TRUE(gen1->layouts->List().empty());  // nothing attaches it any more: the lease holds it
+  EXPECT_EQ(TensorContentHash(lease.layout->host_segments[0]->data(), 12), layout->tensors[0].record.content_hash);
   EXPECT_TRUE(gen2->layouts->List().empty());
   EXPECT_FALSE(registry_.IsLayoutWriterOpen(open.writer_id));  // superseded
   absl::StatusOr<ModelRegistry::Grant> next = registry_.Attach("m", 0, {}, {"k", {}});

@@ -622,3 +622,47 @@ TEST_F(Restore, ALayoutWhoseFdIsMissingIsDroppedAloneAndTheLaterRecordWins) {
 
 }  // namespace
 }  // namespace weightd
+
+namespace weightd {
+namespace {
+
+// Regression (review of the layout rewrite): a daemon that restored
+// "wd-rec-G.1" numbered its next rewrite ".1" again, stored it, then removed
+// that name, and with it the record just stored.
+TEST_F(Restore, ARewriteAfterARestartNeverReusesTheAdoptedRecordsName) {
+  auto* first_sink = new FakeSink;
+  std::vector<NamedFd> passed;
+  {
+    FdStoreKeeper keeper{std::unique_ptr<FdStoreSink>(first_sink)};
+    std::shared_ptr<ModelGeneration> model = Load("m", 7);
+    Store(keeper, model);
+    PublishLayout(*model, backend_.get(), "a", 0, 1);
+    keeper.OnLayoutsChanged(model);
+    keeper.Flush();
+    passed = first_sink->Passed();
+  }
+  RestoreResult result = RestoreAll(std::move(passed), backend_.get());
+  ASSERT_EQ(result.models.size(), 1u);
+  RestoredModel& back = result.models[0];
+  ASSERT_EQ(back.record_name, "wd-rec-7.1");
+  // The restarted daemon's store holds what it was passed.
+  auto* sink = new FakeSink;
+  FdStoreKeeper keeper{std::unique_ptr<FdStoreSink>(sink)};
+  std::shared_ptr<ModelGeneration> model = std::move(back.model);
+  std::vector<std::pair<std::shared_ptr<const Layout>, std::vector<std::string>>> layouts;
+  for (auto& l : back.layouts) layouts.emplace_back(l.layout, l.segment_names);
+  ASSERT_TRUE(sink->Store(back.record_name, back.record_fd.get()).ok());
+  keeper.Adopted(model, back.record_name, std::move(back.record_fd), back.host_segment_names, back.arena_names, layouts);
+  PublishLayout(*model, backend_.get(), "b", 1, 2);
+  keeper.OnLayoutsChanged(model);
+  keeper.Flush();
+  std::vector<std::string> log = sink->Log();
+  ASSERT_GE(log.size(), 2u);
+  EXPECT_EQ(std::vector<std::string>(log.end() - 2, log.end()),
+            (std::vector<std::string>{"+wd-rec-7.2", "-wd-rec-7.1"}));
+  std::vector<NamedFd> now = sink->Passed();
+  EXPECT_EQ(std::count_if(now.begin(), now.end(), [](const NamedFd& f) { return f.name == "wd-rec-7.2"; }), 1);
+}
+
+}  // namespace
+}  // namespace weightd
