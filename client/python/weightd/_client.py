@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import time
 from typing import Any, Callable, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -188,18 +189,10 @@ class Client:
         """
         request = pb.BeginUpdateRequest(name=name, tensors=list(tensors or ()))
         response = self._call(self._stub.BeginUpdate, request)
-        fd_socket = os.environ.get("WEIGHTD_FD_SOCKET") or response.fd_socket
-        try:
-            connection, fds = _fdsock.claim(fd_socket, response.update_id, response.claim_timeout_seconds)
-        except WeightdError:
-            self._abort_quietly(response.update_id)
-            raise
-        if len(fds) != len(response.segments):
-            for fd in fds:
-                os.close(fd)
-            connection.close()  # the daemon aborts the update
-            raise WeightdError(grpc.StatusCode.INTERNAL,
-                               f"fd socket: {len(fds)} fds for {len(response.segments)} staged segments")
+        connection, fds = self._claim_staged(
+            response.update_id, response,
+            lambda: self._stub.AbortUpdate(pb.AbortUpdateRequest(update_id=response.update_id), timeout=5),
+            "staged segments")
         return Update(self._stub, response, connection, fds, version_label)
 
     def publish_layout(self, model: str, key: str, tensors: Mapping[str, TensorSpec], *, rank: int = 0,
@@ -248,18 +241,10 @@ class Client:
         response = self._call(self._stub.BeginLayout, request)
         if response.published:
             return LayoutWriter(self._stub, key, response, None, [])
-        fd_socket = os.environ.get("WEIGHTD_FD_SOCKET") or response.fd_socket
-        try:
-            connection, fds = _fdsock.claim(fd_socket, response.writer_id, response.claim_timeout_seconds)
-        except WeightdError:
-            self._abort_layout_quietly(response.writer_id)
-            raise
-        if len(fds) != len(response.segments):
-            for fd in fds:
-                os.close(fd)
-            connection.close()  # the daemon aborts the publish
-            raise WeightdError(grpc.StatusCode.INTERNAL,
-                               f"fd socket: {len(fds)} fds for {len(response.segments)} staged memfds")
+        connection, fds = self._claim_staged(
+            response.writer_id, response,
+            lambda: self._stub.AbortLayout(pb.AbortLayoutRequest(writer_id=response.writer_id), timeout=5),
+            "staged memfds")
         return LayoutWriter(self._stub, key, response, connection, fds)
 
     def drop_layout(self, model: str, key: str, rank: Optional[int] = None) -> int:
@@ -383,17 +368,29 @@ class Client:
         except grpc.RpcError as e:
             raise WeightdError.from_rpc(e) from None
 
-    def _abort_quietly(self, update_id: str) -> None:
+    def _claim_staged(self, writer_id: str, response: Any, abort: Callable[[], Any],
+                      what: str) -> Tuple[socket.socket, List[int]]:
+        """Claims writer `writer_id` (an update or a layout publish) on the fd
+        socket: its connection (the writer's lease) and one fd per staged
+        segment of `response`. On a refused claim, `abort` ends the writer
+        (best effort: an unclaimed one ends at its claim timeout anyway);
+        a wrong fd count closes everything, which makes the daemon abort.
+        Raises WeightdError."""
+        fd_socket = os.environ.get("WEIGHTD_FD_SOCKET") or response.fd_socket
         try:
-            self._stub.AbortUpdate(pb.AbortUpdateRequest(update_id=update_id), timeout=5)
-        except grpc.RpcError:
-            pass  # the unclaimed update is aborted at its claim timeout
-
-    def _abort_layout_quietly(self, writer_id: str) -> None:
-        try:
-            self._stub.AbortLayout(pb.AbortLayoutRequest(writer_id=writer_id), timeout=5)
-        except grpc.RpcError:
-            pass  # the unclaimed publish is aborted at its claim timeout
+            connection, fds = _fdsock.claim(fd_socket, writer_id, response.claim_timeout_seconds)
+        except WeightdError:
+            try:
+                abort()
+            except grpc.RpcError:
+                pass
+            raise
+        if len(fds) != len(response.segments):
+            for fd in fds:
+                os.close(fd)
+            connection.close()
+            raise WeightdError(grpc.StatusCode.INTERNAL, f"fd socket: {len(fds)} fds for {len(response.segments)} {what}")
+        return connection, fds
 
     def _detach_quietly(self, lease_id: str) -> None:
         try:

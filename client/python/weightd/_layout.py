@@ -15,11 +15,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-import grpc
-
 from . import _torch
-from ._errors import WeightdError
-from ._staged import StagedWriter, leaves_writer_open
+from ._staged import StagedWriter
 from ._types import LayoutInfo, TensorInfo
 from .v1 import weightd_pb2 as pb
 
@@ -201,17 +198,8 @@ class LayoutWriter(StagedWriter):
         """
         if self.published_by_other:
             return None
-        self._check_open()
-        self._unmap()
         request = pb.CommitLayoutRequest(writer_id=self.writer_id, expected_hashes=dict(expected_hashes or {}))
-        try:
-            response = self._stub.CommitLayout(request)
-        except grpc.RpcError as e:
-            error = WeightdError.from_rpc(e)
-            if not leaves_writer_open(error):
-                self._end()
-            raise error from None
-        self._end()
+        response = self._commit_rpc(self._stub.CommitLayout, request)
         self.result = LayoutInfo.from_proto(response.layout)
         return self.result
 

@@ -124,6 +124,24 @@ class StagedWriter:
     def commit(self) -> Any:
         raise NotImplementedError
 
+    def _commit_rpc(self, call: Any, request: Any) -> Any:
+        """Unmaps every staged memfd (the daemon seals only memory no process
+        maps writable), then sends `request` through `call` (the stub's
+        CommitUpdate or CommitLayout) and returns its response. A refusal the
+        daemon leaves open (leaves_writer_open) keeps this writer open;
+        anything else ends it. Raises WeightdError."""
+        self._check_open()
+        self._unmap()
+        try:
+            response = call(request)
+        except grpc.RpcError as e:
+            error = WeightdError.from_rpc(e)
+            if not leaves_writer_open(error):
+                self._end()
+            raise error from None
+        self._end()
+        return response
+
     def __exit__(self, exc_type: Optional[Type[BaseException]], exc: Optional[BaseException],
                  traceback: Optional[TracebackType]) -> None:
         if self._ended:

@@ -13,11 +13,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-import grpc
-
 from . import _torch
-from ._errors import WeightdError
-from ._staged import StagedWriter, leaves_writer_open
+from ._staged import StagedWriter
 from ._types import CommitResult, ModelInfo, TensorInfo
 from .v1 import weightd_pb2 as pb
 
@@ -138,19 +135,10 @@ class Update(StagedWriter):
            was reloaded meanwhile; NOT_FOUND when the daemon already
            aborted it), and the served generation stays as it was.
         """
-        self._check_open()
-        self._unmap()
         request = pb.CommitUpdateRequest(update_id=self.update_id, expected_hashes=dict(expected_hashes or {}),
                                          version_label=(self.version_label if version_label is None
                                                         else version_label) or "")
-        try:
-            response = self._stub.CommitUpdate(request)
-        except grpc.RpcError as e:
-            error = WeightdError.from_rpc(e)
-            if not leaves_writer_open(error):
-                self._end()
-            raise error from None
-        self._end()
+        response = self._commit_rpc(self._stub.CommitUpdate, request)
         return CommitResult(ModelInfo.from_proto(response.model), response.tensors_changed, response.bytes_written,
                             response.bytes_shared, response.seconds)
 
