@@ -755,8 +755,8 @@ class Bench:
             fields = f.read().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) * 1e3 / os.sysconf("SC_CLK_TCK")
 
-    def py_layout(self, d, mode, name, key):
-        """One fresh process of tests/bench/py_layout.py; its JSON plus its whole wall time."""
+    def python_package(self):
+        """The build's Python (WEIGHTD_PYTHON) and its built client/python folder, or raises RuntimeError."""
         python = "/usr/bin/python3"
         cache = os.path.join(self.build, "CMakeCache.txt")
         if os.path.exists(cache):
@@ -765,6 +765,11 @@ class Bench:
         pkg = os.path.join(self.build, "client/python")
         if not glob.glob(os.path.join(pkg, "weightd/_native*.so")):
             raise RuntimeError("the Python package is not built (needs pybind11 and python3-dev)")
+        return python, pkg
+
+    def py_layout(self, d, mode, name, key):
+        """One fresh process of tests/bench/py_layout.py; its JSON plus its whole wall time."""
+        python, pkg = self.python_package()
         script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "py_layout.py")
         start = time.perf_counter()
         out = run_json([python, script, mode, "--socket", d.socket, "--name", name, "--key", key],
@@ -811,14 +816,7 @@ class Bench:
 
     def py_attach(self, d, name, runs, *flags):
         """The Python client's attach (tests/bench/py_attach.py), or raises RuntimeError with the reason."""
-        python = "/usr/bin/python3"
-        cache = os.path.join(self.build, "CMakeCache.txt")
-        if os.path.exists(cache):
-            m = re.search(r"^WEIGHTD_PYTHON:FILEPATH=(.*)$", open(cache).read(), re.M)
-            python = m.group(1) if m else python
-        pkg = os.path.join(self.build, "client/python")
-        if not glob.glob(os.path.join(pkg, "weightd/_native*.so")):
-            raise RuntimeError("the Python package is not built (needs pybind11 and python3-dev)")
+        python, pkg = self.python_package()
         script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "py_attach.py")
         return run_json([python, script, "--socket", d.socket, "--name", name, "--runs", str(runs), *flags],
                         env={**os.environ, "PYTHONPATH": pkg})
