@@ -18,13 +18,13 @@ loads and post-processes as without layouts, with one log line saying why.
 from __future__ import annotations
 
 import logging
-import re
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import torch
 from torch import nn
 
-from ._engine import LoadFormatError, Options, Session
+from ._engine import Options, Session
+from ._engine_layouts import EngineLayouts, device_arch, layout_key, not_plain_tensor
 
 if TYPE_CHECKING:
     from vllm.config import ModelConfig, VllmConfig
@@ -48,16 +48,8 @@ def identity_of(vllm_config: VllmConfig, rank: int) -> Dict[str, str]:
         "parallel": f"tp{parallel.tensor_parallel_size} pp{parallel.pipeline_parallel_size} "
                     f"dp{parallel.data_parallel_size}",
         "rank": str(rank),
-        "device": f"{current_platform.device_type} {_device_arch()}",
+        "device": f"{current_platform.device_type} {device_arch()}",
     }
-
-
-def _device_arch() -> str:
-    if torch.cuda.is_available():
-        major, minor = torch.cuda.get_device_capability()
-        return f"sm_{major}{minor}"
-    cpu: Any = getattr(torch.backends, "cpu")  # torch 2.0+
-    return str(cpu.get_cpu_capability())
 
 
 def key_of(identity: Dict[str, str]) -> str:
@@ -66,7 +58,7 @@ def key_of(identity: Dict[str, str]) -> str:
     quantization, device) is checked by attach, so a start whose engine or device changed is refused
     (LayoutMismatch) instead of silently publishing into another slot. Keys are [A-Za-z0-9._:/+=-]."""
     parts = [identity["architecture"], identity["dtype"], identity["parallel"].replace(" ", "-")]
-    return "vllm/" + "/".join(re.sub(r"[^A-Za-z0-9._:+=-]", "_", p) for p in parts)
+    return layout_key("vllm", parts)
 
 
 def not_plain_reason(model: nn.Module, model_config: ModelConfig) -> Optional[str]:
@@ -78,68 +70,29 @@ def not_plain_reason(model: nn.Module, model_config: ModelConfig) -> Optional[st
     if packed:
         return (f"vLLM's CPU backend packed {len(packed)} linear weights into oneDNN handles, which are not tensors "
                 f"(first: {packed[0]})")
-    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
-        if type(tensor) not in (torch.Tensor, nn.Parameter):
-            return f"{name} is a {type(tensor).__name__}, not a plain tensor"
-    return None
+    return not_plain_tensor(model)
 
 
-class Layouts:
-    """The layout of one start (one rank): attach it, or publish it after post-processing."""
-
-    def __init__(self, session: Session, rank: int, identity: Dict[str, str], logger: logging.Logger) -> None:
-        self.session = session
-        self.rank = rank
-        self.identity = identity
-        self.key = key_of(identity)
-        self.logger = logger
+class Layouts(EngineLayouts):
+    """The layout of one vLLM start (one rank): attach it, or publish it after post-processing."""
 
     @classmethod
     def for_start(cls, options: Options, session: Session, rank: int, vllm_config: VllmConfig,
                   logger: logging.Logger) -> Optional[Layouts]:
         """Layouts for this start, or None (with one log line) when the path is off or unavailable."""
-        if not options.layouts:
-            logger.info("weightd: runtime layouts off (option 'layouts' is false)")
+        if not cls.enabled(options, logger):
             return None
-        return cls(session, rank, identity_of(vllm_config, rank), logger)
+        identity = identity_of(vllm_config, rank)
+        return cls("vLLM", session, rank, identity, key_of(identity), logger)
 
     def attach(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str) -> Optional[nn.Module]:
         """The model bound to the published layout, or None when there is none yet (LayoutNotFound)."""
-        import weightd
-        import weightd.torch
-
-        client: Any = self.session.client
-        try:
-            weights = client.attach(self.session.name, self.rank, layout=self.key, identity=self.identity)
-        except weightd.LayoutNotFound:
-            self.logger.info("weightd: no runtime layout %r of model %r yet: loading and post-processing",
-                             self.key, self.session.name)
-            return None
-        except weightd.LayoutMismatch as e:
-            raise LoadFormatError(f"runtime layout {self.key!r} of model {self.session.name!r} has another "
-                                  f"identity than this vLLM start ({e}): drop it (weightctl drop-layout "
-                                  f"{self.session.name} {self.key}) or start with the option 'layouts' false") from None
-        return _bind(weights, vllm_config, model_config, prefix)
+        weights = self.attach_weights()
+        return _bind(weights, vllm_config, model_config, prefix) if weights is not None else None
 
     def publish(self, model: nn.Module, model_config: ModelConfig) -> None:
         """Publishes the post-processed parameters and buffers; one log line either way."""
-        import weightd.torch
-
-        reason = not_plain_reason(model, model_config)
-        if reason is not None:
-            self.logger.info("weightd: runtime layout not published, the next start loads and post-processes "
-                             "again: %s", reason)
-            return
-        # wait: ranks of two engines starting together publish once; the
-        # later one finds it published and keeps its own post-processed copy.
-        published = weightd.torch.publish_module(self.session.client, self.session.name, self.key, model,
-                                                 rank=self.rank, identity=self.identity, wait=True)
-        if published is None:
-            self.logger.info("weightd: runtime layout %r of model %r rank %d was published by another start meanwhile",
-                             self.key, self.session.name, self.rank)
-            return
-        self.logger.info("weightd: published runtime layout %r of model %r rank %d (%d tensors, %d bytes on the host)",
-                         self.key, self.session.name, self.rank, published.tensor_count, published.host_bytes)
+        self.publish_model(model, not_plain_reason(model, model_config))
 
 
 def _bind(weights: Any, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str) -> nn.Module:
