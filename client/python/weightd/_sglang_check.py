@@ -15,7 +15,7 @@ later name is fed would be reported; SGLang's dense loaders write at once.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Set, Tuple
+from typing import Any, Callable, Iterable, Iterator, List, Set, Tuple
 
 from torch import nn
 
@@ -24,6 +24,7 @@ from ._engine import mismatch_error
 # Checkpoint names SGLang's models skip on purpose (llama.py's load_weights:
 # rotary caches some trainers save, a vision projector of multimodal exports).
 SKIPPED = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached", "projector")
+_ABSENT = object()
 
 
 class WriteTracker:
@@ -48,20 +49,21 @@ class WriteTracker:
         """Every parameter's weight_loader records its writes within the block; restored after."""
         from sglang.srt.model_loader.weight_utils import default_weight_loader
 
-        restore: List[Tuple[Any, str, Dict[str, Any]]] = []
+        restore: List[Tuple[Any, str, Any]] = []  # (parameter, attribute, its own value or _ABSENT)
         for _, param in self.model.named_parameters():
+            # SGLang's BasevLLMParameter subclasses read weight_loader through a property of _weight_loader.
             attr = "_weight_loader" if isinstance(getattr(type(param), "weight_loader", None), property) \
                 else "weight_loader"
-            restore.append((param, attr, dict(param.__dict__)))
+            restore.append((param, attr, param.__dict__.get(attr, _ABSENT)))
             setattr(param, attr, self._recording(param, getattr(param, attr, None) or default_weight_loader))
         try:
             yield
         finally:
             for param, attr, saved in restore:
-                if attr in saved:
-                    setattr(param, attr, saved[attr])
-                else:
+                if saved is _ABSENT:
                     delattr(param, attr)
+                else:
+                    setattr(param, attr, saved)
 
     def _recording(self, param: nn.Parameter, loader: Callable[..., Any]) -> Callable[..., Any]:
         def weight_loader(*args: Any, **kwargs: Any) -> Any:
