@@ -8,6 +8,8 @@ once (wait=True: ranks of two engines starting together publish once). What
 differs per engine (the identity, how a model is built, which engine state is
 not plain tensors) stays in the engine's module; the log lines and the
 identity-mismatch error are the same for every engine, with its name in them.
+vLLM's Layouts (weightd._vllm_layouts) uses attach_weights, device_arch and
+layout_key and publishes with its own step; SGLang's uses all of this module.
 
 Imports torch, no engine.
 """

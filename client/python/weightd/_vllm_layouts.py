@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 import torch
 from torch import nn
 
-from ._engine import Options, Session
-from ._engine_layouts import EngineLayouts, device_arch, layout_key, not_plain_tensor
+from ._engine import LoadFormatError, Options, Session
+from ._engine_layouts import EngineLayouts, device_arch, layout_key
 
 if TYPE_CHECKING:
     from vllm.config import ModelConfig, VllmConfig
@@ -70,29 +70,55 @@ def not_plain_reason(model: nn.Module, model_config: ModelConfig) -> Optional[st
     if packed:
         return (f"vLLM's CPU backend packed {len(packed)} linear weights into oneDNN handles, which are not tensors "
                 f"(first: {packed[0]})")
-    return not_plain_tensor(model)
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        if type(tensor) not in (torch.Tensor, nn.Parameter):
+            return f"{name} is a {type(tensor).__name__}, not a plain tensor"
+    return None
 
 
-class Layouts(EngineLayouts):
-    """The layout of one vLLM start (one rank): attach it, or publish it after post-processing."""
+class Layouts:
+    """The layout of one start (one rank): attach it, or publish it after post-processing."""
+
+    def __init__(self, session: Session, rank: int, identity: Dict[str, str], logger: logging.Logger) -> None:
+        self.session = session
+        self.rank = rank
+        self.identity = identity
+        self.key = key_of(identity)
+        self.logger = logger
 
     @classmethod
     def for_start(cls, options: Options, session: Session, rank: int, vllm_config: VllmConfig,
                   logger: logging.Logger) -> Optional[Layouts]:
         """Layouts for this start, or None (with one log line) when the path is off or unavailable."""
-        if not cls.enabled(options, logger):
+        if not options.layouts:
+            logger.info("weightd: runtime layouts off (option 'layouts' is false)")
             return None
-        identity = identity_of(vllm_config, rank)
-        return cls("vLLM", session, rank, identity, key_of(identity), logger)
+        return cls(session, rank, identity_of(vllm_config, rank), logger)
 
     def attach(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str) -> Optional[nn.Module]:
         """The model bound to the published layout, or None when there is none yet (LayoutNotFound)."""
-        weights = self.attach_weights()
+        weights = EngineLayouts("vLLM", self.session, self.rank, self.identity, self.key, self.logger).attach_weights()
         return _bind(weights, vllm_config, model_config, prefix) if weights is not None else None
 
     def publish(self, model: nn.Module, model_config: ModelConfig) -> None:
         """Publishes the post-processed parameters and buffers; one log line either way."""
-        self.publish_model(model, not_plain_reason(model, model_config))
+        import weightd.torch
+
+        reason = not_plain_reason(model, model_config)
+        if reason is not None:
+            self.logger.info("weightd: runtime layout not published, the next start loads and post-processes "
+                             "again: %s", reason)
+            return
+        # wait: ranks of two engines starting together publish once; the
+        # later one finds it published and keeps its own post-processed copy.
+        published = weightd.torch.publish_module(self.session.client, self.session.name, self.key, model,
+                                                 rank=self.rank, identity=self.identity, wait=True)
+        if published is None:
+            self.logger.info("weightd: runtime layout %r of model %r rank %d was published by another start meanwhile",
+                             self.key, self.session.name, self.rank)
+            return
+        self.logger.info("weightd: published runtime layout %r of model %r rank %d (%d tensors, %d bytes on the host)",
+                         self.key, self.session.name, self.rank, published.tensor_count, published.host_bytes)
 
 
 def _bind(weights: Any, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str) -> nn.Module:
