@@ -410,6 +410,7 @@ class DaemonImpl final : public Daemon {
     join.peers = config_.peers;
     join.deadline = std::chrono::milliseconds(static_cast<int64_t>(config_.peer_deadline_seconds * 1000));
     join.lanes = static_cast<uint32_t>(config_.peer_lanes);
+    join.hashing = config_.peer_verify == "per-transfer" ? SourceHashing::kPerTransfer : SourceHashing::kPerSegment;
     join.transport = [this]() -> absl::StatusOr<PeerTransport*> { return PeerTransportOnce(); };
     if (!config_.peer_tls_cert.empty()) {
       grpc::SslCredentialsOptions tls;

@@ -32,7 +32,9 @@
 // build). The helper exits when the socket reaches end of file.
 //
 //   seed:  weightd-peer-helper seed N [--user NAME] [--stall] [--no-sandbox]
-//          fds 4 .. 4+N-1: the regions (their whole st_size is served)
+//          fds 4 .. 4+N-1: the regions (their whole st_size is served).
+//          One per sender of a session (PeerExportOptions::senders, one per
+//          lane the joiner opens): each has its own worker and token.
 //          helper -> daemon: Ready (token + worker address) or Error
 //          daemon -> helper: Count; helper -> daemon: Count with the bytes
 //          of the regions it has sent (replies UCX completed)

@@ -235,24 +235,32 @@ class Helper {
   std::string ended_ ABSL_GUARDED_BY(pid_mu_);
 };
 
+// A seed's export: one helper per sender, each mapping the regions
+// read-only with its own UCX worker and token, so that every lane of a
+// joiner has a sending process (and core) of its own.
 class HelperExport final : public PeerExport {
  public:
-  HelperExport(std::unique_ptr<Helper> helper, PeerOffer offer) : helper_(std::move(helper)), offer_(std::move(offer)) {}
+  HelperExport(std::vector<std::unique_ptr<Helper>> senders, PeerOffer offer)
+      : senders_(std::move(senders)), offer_(std::move(offer)) {}
   const PeerOffer& offer() const override { return offer_; }
 
-  absl::StatusOr<uint64_t> BytesSent(Clock::time_point deadline) override {
-    ph::Count ask;
-    WEIGHTD_RETURN_IF_ERROR(helper_->Send(&ask, sizeof ask, deadline));
-    WEIGHTD_ASSIGN_OR_RETURN(std::string message, helper_->Receive(deadline));
-    ph::Count answer;
-    if (message.size() != sizeof answer) return absl::InternalError("the peer helper sent a malformed count");
-    std::memcpy(&answer, message.data(), sizeof answer);
-    if (answer.kind != ph::Kind::kCount) return absl::InternalError("the peer helper sent an unexpected message");
-    return answer.bytes;
+  absl::StatusOr<std::vector<uint64_t>> BytesSent(Clock::time_point deadline) override {
+    std::vector<uint64_t> sent;
+    for (auto& helper : senders_) {
+      ph::Count ask;
+      WEIGHTD_RETURN_IF_ERROR(helper->Send(&ask, sizeof ask, deadline));
+      WEIGHTD_ASSIGN_OR_RETURN(std::string message, helper->Receive(deadline));
+      ph::Count answer;
+      if (message.size() != sizeof answer) return absl::InternalError("the peer helper sent a malformed count");
+      std::memcpy(&answer, message.data(), sizeof answer);
+      if (answer.kind != ph::Kind::kCount) return absl::InternalError("the peer helper sent an unexpected message");
+      sent.push_back(answer.bytes);
+    }
+    return sent;
   }
 
  private:
-  std::unique_ptr<Helper> helper_;  // destroyed: stops, then reaps (SIGKILL after 1 s)
+  std::vector<std::unique_ptr<Helper>> senders_;  // destroyed: each stops, then is reaped (SIGKILL after 1 s)
   PeerOffer offer_;
 };
 
@@ -510,33 +518,38 @@ class UcxHelperTransport final : public PeerTransport {
       fds.push_back(r.fd);
       offer.region_sizes.push_back(r.size);
     }
+    if (options.senders == 0 || options.senders > kMaxPeerLanes) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(options.senders, " peer senders (must be 1..", kMaxPeerLanes, ")"));
+    }
     std::vector<std::string> args = {"seed", std::to_string(regions.size())};
     AddUser(args);
     if (options.stall_for_test) args.push_back("--stall");
-    WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<Helper> helper, Helper::Start(binary_.get(), args, fds));
-    WEIGHTD_ASSIGN_OR_RETURN(std::string ready, helper->Receive(Clock::now() + options_.start_timeout));
-    ph::Head head;
-    if (ready.size() < sizeof head) return absl::InternalError("the peer helper sent a malformed message");
-    std::memcpy(&head, ready.data(), sizeof head);
-    if (head.kind != ph::Kind::kReady || head.length == 0 || head.length != ready.size() - sizeof head) {
-      return absl::InternalError("the peer helper sent a malformed message");
+    std::vector<std::unique_ptr<Helper>> senders;
+    for (uint32_t i = 0; i < options.senders; ++i) {  // they start UCX at once
+      WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<Helper> helper, Helper::Start(binary_.get(), args, fds));
+      senders.push_back(std::move(helper));
     }
-    NoteLandlock(head.landlock);
-    offer.worker_address = ready.substr(sizeof head);
-    offer.token.assign(reinterpret_cast<const char*>(head.token), sizeof head.token);
-    return std::unique_ptr<PeerExport>(new HelperExport(std::move(helper), std::move(offer)));
+    const Clock::time_point started = Clock::now() + options_.start_timeout;
+    for (auto& helper : senders) {
+      WEIGHTD_ASSIGN_OR_RETURN(PeerSender sender, ReadySender(*helper, started));
+      if (offer.worker_address.empty()) {
+        offer.worker_address = std::move(sender.worker_address);
+        offer.token = std::move(sender.token);
+      } else {
+        offer.more_senders.push_back(std::move(sender));
+      }
+    }
+    return std::unique_ptr<PeerExport>(new HelperExport(std::move(senders), std::move(offer)));
   }
 
   absl::StatusOr<std::unique_ptr<PeerConnection>> Connect(const PeerOffer& offer, Clock::time_point deadline,
                                                           const PeerConnectOptions& options) override {
-    if (offer.worker_address.empty() || offer.worker_address.size() > kMaxPeerWorkerAddressBytes) {
-      return absl::InvalidArgumentError(absl::StrCat("peer worker address of ", offer.worker_address.size(),
-                                                     " bytes (must be 1..", kMaxPeerWorkerAddressBytes, ")"));
-    }
-    if (offer.token.size() != kPeerTokenBytes) {
+    if (offer.more_senders.size() >= kMaxPeerLanes) {
       return absl::InvalidArgumentError(
-          absl::StrCat("peer session token of ", offer.token.size(), " bytes (must be ", kPeerTokenBytes, ")"));
+          absl::StrCat("the peer offers ", offer.senders(), " senders, at most ", kMaxPeerLanes));
     }
+    for (uint32_t i = 0; i < offer.senders(); ++i) WEIGHTD_RETURN_IF_ERROR(CheckSender(offer.sender(i), i));
     if (offer.region_sizes.size() > kMaxPeerRegions) {
       return absl::InvalidArgumentError(absl::StrCat("the peer offers ", offer.region_sizes.size(),
                                                      " regions, at most ", kMaxPeerRegions));
@@ -555,10 +568,11 @@ class UcxHelperTransport final : public PeerTransport {
     std::vector<std::unique_ptr<Helper>> lanes;
     for (uint32_t l = 0; l < options.lanes; ++l) {
       WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<Helper> helper, Helper::Start(binary_.get(), args, fds));
-      ph::Head head{ph::Kind::kConnect, static_cast<uint32_t>(offer.worker_address.size()), {}};
-      std::memcpy(head.token, offer.token.data(), sizeof head.token);
+      const PeerSender sender = offer.sender(l % offer.senders());  // a lane per sender, round robin
+      ph::Head head{ph::Kind::kConnect, static_cast<uint32_t>(sender.worker_address.size()), {}};
+      std::memcpy(head.token, sender.token.data(), sizeof head.token);
       WEIGHTD_RETURN_IF_ERROR(
-          helper->Send(&head, sizeof head, deadline, offer.worker_address.data(), offer.worker_address.size()));
+          helper->Send(&head, sizeof head, deadline, sender.worker_address.data(), sender.worker_address.size()));
       lanes.push_back(std::move(helper));
     }
     for (auto& helper : lanes) {  // the helpers start UCX and connect at once
@@ -575,6 +589,35 @@ class UcxHelperTransport final : public PeerTransport {
   }
 
  private:
+  // A seed helper's Ready: its worker address and token.
+  absl::StatusOr<PeerSender> ReadySender(Helper& helper, Clock::time_point deadline) {
+    WEIGHTD_ASSIGN_OR_RETURN(std::string ready, helper.Receive(deadline));
+    ph::Head head;
+    if (ready.size() < sizeof head) return absl::InternalError("the peer helper sent a malformed message");
+    std::memcpy(&head, ready.data(), sizeof head);
+    if (head.kind != ph::Kind::kReady || head.length == 0 || head.length != ready.size() - sizeof head) {
+      return absl::InternalError("the peer helper sent a malformed message");
+    }
+    NoteLandlock(head.landlock);
+    return PeerSender{ready.substr(sizeof head), std::string(reinterpret_cast<const char*>(head.token),
+                                                             sizeof head.token)};
+  }
+
+  // Sender `i` of an untrusted offer: an address of 1..kMaxPeerWorkerAddressBytes, a token of kPeerTokenBytes.
+  static absl::Status CheckSender(const PeerSender& sender, uint32_t i) {
+    if (sender.worker_address.empty() || sender.worker_address.size() > kMaxPeerWorkerAddressBytes) {
+      return absl::InvalidArgumentError(absl::StrCat("peer worker address of ", sender.worker_address.size(),
+                                                     " bytes (must be 1..", kMaxPeerWorkerAddressBytes, ")",
+                                                     i > 0 ? absl::StrCat(" of sender ", i) : ""));
+    }
+    if (sender.token.size() != kPeerTokenBytes) {
+      return absl::InvalidArgumentError(absl::StrCat("peer session token of ", sender.token.size(),
+                                                     " bytes (must be ", kPeerTokenBytes, ")",
+                                                     i > 0 ? absl::StrCat(" of sender ", i) : ""));
+    }
+    return absl::OkStatus();
+  }
+
   // The destinations' sizes, each checked: a file of its promised size
   // whose size is sealed (a helper must not be able to truncate memory
   // weightd maps: a read past the end is SIGBUS).

@@ -35,11 +35,29 @@ inline constexpr size_t kMaxPeerWorkerAddressBytes = 16 << 10;
 inline constexpr size_t kPeerTokenBytes = 16;
 inline constexpr size_t kMaxPeerRegions = 1 << 16;
 
-// What a joiner needs to read one export.
+// At most this many lanes per connection (PeerConnectOptions::lanes), and
+// senders per export (PeerExportOptions::senders).
+inline constexpr uint32_t kMaxPeerLanes = 8;
+
+// One sending endpoint of an export (for UCX: one helper process).
+struct PeerSender {
+  std::string worker_address;  // opaque transport bytes, 1..kMaxPeerWorkerAddressBytes
+  std::string token;           // kPeerTokenBytes random bytes; every read from this sender presents them
+};
+
+// What a joiner needs to read one export. `worker_address` and `token` are
+// sender 0; `more_senders` the others (at most kMaxPeerLanes - 1): lane L
+// of a connection reads from sender L mod (1 + more_senders.size()), so
+// every lane of a transfer has a sending process of its own when the
+// export has as many senders as the connection lanes.
 struct PeerOffer {
-  std::string worker_address;          // opaque transport bytes, 1..kMaxPeerWorkerAddressBytes
-  std::string token;                   // kPeerTokenBytes random bytes; every read presents them
+  std::string worker_address;          // sender 0's
+  std::string token;                   // sender 0's
   std::vector<uint64_t> region_sizes;  // bytes readable in each region
+  std::vector<PeerSender> more_senders{};
+  uint32_t senders() const { return 1 + static_cast<uint32_t>(more_senders.size()); }
+  // Sender `i` (< senders()) as one value.
+  PeerSender sender(uint32_t i) const { return i == 0 ? PeerSender{worker_address, token} : more_senders[i - 1]; }
 };
 
 // One region to export: the first `size` bytes of the file `fd` refers to
@@ -51,6 +69,10 @@ struct PeerExportRegion {
 };
 
 struct PeerExportOptions {
+  // Sending endpoints, 1..kMaxPeerLanes (for UCX: helper processes, each
+  // mapping the regions read-only and serving its own token): one per lane
+  // the joiner opens, so that no lane waits for another's sender.
+  uint32_t senders = 1;
   // Test-only fault (--peer-test-fault stall): the export accepts reads
   // and never answers them, as a seed that hangs mid-transfer would.
   bool stall_for_test = false;
@@ -62,11 +84,12 @@ class PeerExport {
  public:
   virtual ~PeerExport() = default;
   virtual const PeerOffer& offer() const = 0;
-  // Bytes of the regions sent to joiners so far, counted on this side by the
-  // transport (a joiner's report of what it read is only its claim).
-  // DEADLINE_EXCEEDED when the transport cannot tell by `deadline`,
-  // UNAVAILABLE when it is gone. Calls are serialized by the caller.
-  virtual absl::StatusOr<uint64_t> BytesSent(std::chrono::steady_clock::time_point deadline) = 0;
+  // Bytes of the regions sent to joiners so far, per sender in offer order
+  // (sender 0 first), counted on this side by the transport (a joiner's
+  // report of what it read is only its claim). DEADLINE_EXCEEDED when a
+  // sender cannot tell by `deadline`, UNAVAILABLE when one is gone. Calls
+  // are serialized by the caller.
+  virtual absl::StatusOr<std::vector<uint64_t>> BytesSent(std::chrono::steady_clock::time_point deadline) = 0;
 };
 
 // Where a connection receives: one of the joiner's fresh host segments, a
@@ -85,8 +108,6 @@ struct PeerDestination {
   int fd = -1;
   uint64_t size = 0;
 };
-
-inline constexpr uint32_t kMaxPeerLanes = 8;
 
 struct PeerConnectOptions {
   std::vector<PeerDestination> destinations;  // at most kMaxPeerRegions
@@ -142,14 +163,16 @@ class PeerTransport {
   virtual ~PeerTransport() = default;
   // "ucx", "fake": for logs, and both sides must name the same.
   virtual std::string name() const = 0;
-  // Starts serving `regions` read-only. The transport's errors:
-  // UNAVAILABLE when it cannot start, RESOURCE_EXHAUSTED, INVALID_ARGUMENT
-  // for a bad fd or size.
+  // Starts serving `regions` read-only from `options.senders` senders. The
+  // transport's errors: UNAVAILABLE when it cannot start, RESOURCE_EXHAUSTED,
+  // INVALID_ARGUMENT for a bad fd or size or a sender count outside
+  // 1..kMaxPeerLanes.
   virtual absl::StatusOr<std::unique_ptr<PeerExport>> Export(const std::vector<PeerExportRegion>& regions,
                                                              const PeerExportOptions& options) = 0;
   // Connects to `offer`, which the caller took from an untrusted peer, to
   // receive into `options.destinations`: the transport checks the offer's
-  // bounds and the options' (INVALID_ARGUMENT). UNAVAILABLE when the peer
+  // bounds (every sender's address and token, at most kMaxPeerLanes
+  // senders) and the options' (INVALID_ARGUMENT). UNAVAILABLE when the peer
   // cannot be reached, DEADLINE_EXCEEDED past `deadline`.
   virtual absl::StatusOr<std::unique_ptr<PeerConnection>> Connect(const PeerOffer& offer,
                                                                   std::chrono::steady_clock::time_point deadline,

@@ -76,6 +76,7 @@ void ForEachField(Config& c, F&& f) {
   f("peer_max_joiners", c.peer_max_joiners);
   f("peer_deadline_seconds", c.peer_deadline_seconds);
   f("peer_lanes", c.peer_lanes);
+  f("peer_verify", c.peer_verify);
   f("peer_test_fault", c.peer_test_fault);
   f("peer_helper", c.peer_helper);
   f("peer_helper_user", c.peer_helper_user);
@@ -231,6 +232,10 @@ absl::Status ValidatePeers(const DaemonConfig& c) {
     return absl::InvalidArgumentError(
         absl::StrCat("--peer-lanes must be in [0, ", kMaxPeerLanes, "] (0: by size and cores), got ", c.peer_lanes));
   }
+  if (c.peer_verify != "per-segment" && c.peer_verify != "per-transfer") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--peer-verify must be per-segment or per-transfer, got '", c.peer_verify, "'"));
+  }
   if (!c.peer_test_fault.empty() && c.peer_test_fault != "corrupt" && c.peer_test_fault != "stall" &&
       c.peer_test_fault != "helper-keeps-mapping" && c.peer_test_fault != "helper-writes-late") {
     return absl::InvalidArgumentError(absl::StrCat("--peer-test-fault must be corrupt, stall, helper-keeps-mapping or "
@@ -359,6 +364,7 @@ std::string DaemonUsage() {
          "               [--peer-address HOST:PORT] [--peers HOST:PORT ...] [--peer-max-joiners N]\n"
          "               [--peer-deadline-seconds S] [--peer-helper PATH] [--peer-helper-user USER]\n"
          "               [--peer-helper-sandbox true|false] [--peer-lanes N]\n"
+         "               [--peer-verify per-segment|per-transfer]\n"
          "               [--peer-tls-cert PEM --peer-tls-key PEM --peer-tls-ca PEM [--peer-tls-server-name NAME]]\n"
          "               [--print-config] [--version]\n";
 }

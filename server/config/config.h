@@ -67,6 +67,7 @@ struct DaemonConfig {
   int peer_max_joiners = 4;                          // transfer sessions a seed serves at once; more get UNAVAILABLE
   double peer_deadline_seconds = 600;                // joiner: per peer, ask to READY; seed: session limit
   int peer_lanes = 0;                                // joiner: UCX endpoints (helpers) per transfer; 0 = by size and cores
+  std::string peer_verify = "per-segment";            // joiner: hash each received segment once sealed, or "per-transfer" (all after the last byte)
   // Tests only: a seed's "corrupt" or "stall" (server/peer/peer_seed.h), a
   // joiner helper's "helper-keeps-mapping" or "helper-writes-late"
   // (UcxHelperOptions::test_fault).

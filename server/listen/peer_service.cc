@@ -77,7 +77,7 @@ class PeerListener::Service::Reactor final : public TransferReactor {
       opened_ = true;
       if (!ok) return End(grpc::Status(grpc::StatusCode::CANCELLED, "the joiner sent no request"));
       joiner_ = JoinerName(request_.joiner());
-      absl::StatusOr<std::unique_ptr<PeerSeed::Session>> session = service_->seed_->Open(request_.name(), joiner_);
+      absl::StatusOr<std::unique_ptr<PeerSeed::Session>> session = service_->seed_->Open(request_.name(), joiner_, request_.lanes());
       if (!session.ok()) return End(ToGrpcStatus(session.status()));
       session_ = std::move(*session);
       service_->seed_->Describe(*session_, &reply_);

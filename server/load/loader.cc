@@ -763,6 +763,7 @@ absl::StatusOr<std::unique_ptr<ModelGeneration>> LoadGeneration(const Catalog& c
                         block_hashes);
     for (HostSegment* segment : FreshHostSegments(alloc)) WEIGHTD_RETURN_IF_ERROR(segment->SealSize());
     from_source->set_cancel(options.cancel);
+    from_source->set_hashing(options.source_hashing);
     from_source->Start(cores);
   }
   HostFill fill(*reader, options.huge_fill_budget);

@@ -88,6 +88,14 @@ class HostSource {
 
 struct LoaderOptions;
 
+// When a HostSource's segments are hashed (--peer-verify): each as soon as
+// it is sealed, while later ones still arrive (per segment, the default),
+// or all of them after the last byte is in (per transfer: no hashing
+// competes with the transfer for the cores, and all of it follows the
+// transfer). Either way every byte is hashed after its segment's seal and
+// before the generation exists (server/load/source_fill.h).
+enum class SourceHashing { kPerSegment, kPerTransfer };
+
 // A source of whole generations other than the checkpoint's files, asked
 // before storage for a name this node does not serve yet: peer seeding
 // (server/peer/peer_join.h) is one. Load makes a generation of `request`
@@ -131,6 +139,7 @@ struct LoaderOptions {
   // When set, host tensors are filled from it, device tensors still from
   // storage in the same load; `shared` must then be null. Not owned.
   HostSource* host_source = nullptr;
+  SourceHashing source_hashing = SourceHashing::kPerSegment;  // with host_source
   // The NUMA topology and page binding (LoadRequest::numa_copies) come
   // from it; null: Env::Default(). Not owned.
   Env* env = nullptr;

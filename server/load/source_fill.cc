@@ -100,8 +100,9 @@ void SourceFill::Hasher() {
     uint32_t segment;
     {
       absl::MutexLock lock(&mu_);
+      // Per transfer: nothing is hashed before the source has returned.
       auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return !queue_.empty() || fill_done_ || !error_.ok();
+        return (!queue_.empty() && hashing_ == SourceHashing::kPerSegment) || fill_done_ || !error_.ok();
       };
       mu_.Await(absl::Condition(&ready));
       if (!error_.ok() || queue_.empty()) return;

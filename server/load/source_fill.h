@@ -16,7 +16,9 @@
 // the hashes with what it expects (the seed's).
 //
 // Steps 2-3 run on `threads` hashing threads as segments are reported, so
-// hashing overlaps the arrival of later segments. One more thread makes the
+// hashing overlaps the arrival of later segments (SourceHashing::kPerSegment);
+// with kPerTransfer step 2 still follows each report but step 3 waits until
+// the source has returned, and then hashes every segment. One more thread makes the
 // pages of the segments ahead of the source, in plan order
 // (HostSegment::Preallocate; Populate for THP): creating a fresh page
 // (allocating and zeroing it) is the costliest part of receiving on a VM
@@ -61,6 +63,8 @@ class SourceFill {
   // When set and true, the next segment reported filled is refused with
   // UNAVAILABLE (daemon shutdown), which stops the source. Not owned.
   void set_cancel(const std::atomic<bool>* cancel) { cancel_ = cancel; }
+  // Before Start(): when the segments are hashed (kPerSegment by default).
+  void set_hashing(SourceHashing hashing) { hashing_ = hashing; }
   // Starts the source's Fill on a thread of its own and `threads` hashers.
   void Start(int threads);
   // Waits for the fill and every hash: OK when every segment is sealed and
@@ -82,6 +86,7 @@ class SourceFill {
   std::vector<std::vector<uint64_t>>& block_hashes_;
   std::atomic<uint64_t> hashed_{0};
   const std::atomic<bool>* cancel_ = nullptr;
+  SourceHashing hashing_ = SourceHashing::kPerSegment;
   std::vector<std::thread> threads_;
   absl::Mutex mu_;
   std::deque<uint32_t> queue_ ABSL_GUARDED_BY(mu_);

@@ -103,9 +103,11 @@ absl::StatusOr<std::unique_ptr<ModelGeneration>> PeerJoiner::Load(const Catalog&
       uint64_t bytes = (*gen)->host_bytes;
       if (options_.metrics) options_.metrics->PeerSeeded(peer, bytes, seconds);
       LogInfo(absl::StrFormat("seeded '%s' from peer %s: %d host bytes in %.3f s (%.2f GB/s) over %d lane(s), "
-                              "received into the segments, %d MiB on 2 MiB pages, fingerprint %s",
+                              "received into the segments, %d MiB on 2 MiB pages, hashed %s, fingerprint %s",
                               request.name, peer, bytes, seconds, seconds > 0 ? bytes / seconds / 1e9 : 0.0,
-                              lanes, (*gen)->huge_page_bytes >> 20, (*gen)->fingerprint));
+                              lanes, (*gen)->huge_page_bytes >> 20,
+                              options_.hashing == SourceHashing::kPerTransfer ? "per transfer" : "per segment",
+                              (*gen)->fingerprint));
       return gen;
     }
     std::string reason = PeerFallbackReason(gen.status());
@@ -159,6 +161,7 @@ absl::StatusOr<std::unique_ptr<ModelGeneration>> PeerJoiner::LoadFrom(const std:
   char host[256] = {};
   gethostname(host, sizeof host - 1);
   ask.set_joiner(std::string(host).substr(0, 64));
+  ask.set_lanes(ChoosePeerLanes(planned.plan.host_bytes, options_.lanes));  // the seed starts a sender per lane
   v1::PeerTransferReply reply;
   if (!stream->Write(ask) || !stream->Read(&reply)) {
     absl::Status st = FromGrpc(stream->Finish());
@@ -170,6 +173,7 @@ absl::StatusOr<std::unique_ptr<ModelGeneration>> PeerJoiner::LoadFrom(const std:
     return WithPeerReason(st, reason);
   }
   PeerPull pull{peer, **transport, deadline, options_.metrics, options_.lanes};
+  pull.set_hashing(options_.hashing);
   absl::StatusOr<std::unique_ptr<ModelGeneration>> gen =
       SeedFromDescription(reply, catalog, request, planned, loader, progress, pull);
   *lanes = pull.lanes_used();

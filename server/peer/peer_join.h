@@ -77,6 +77,9 @@ struct PeerJoinOptions {
   std::string tls_server_name;
   std::chrono::milliseconds deadline{600000};  // per peer: from asking it to READY
   uint32_t lanes = 0;  // --peer-lanes: parallel UCX endpoints (helpers) per transfer; 0: ChoosePeerLanes
+  // --peer-verify: hash each received segment once sealed (per segment) or
+  // all after the last byte (per transfer); every byte before publish either way.
+  SourceHashing hashing = SourceHashing::kPerSegment;
   // The transport, created on first use; errors are the transport's.
   std::function<absl::StatusOr<PeerTransport*>()> transport;
   Metrics* metrics = nullptr;  // may be null

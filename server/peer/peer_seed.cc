@@ -3,9 +3,12 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
+#include <numeric>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/base/log.h"
 #include "common/base/status.h"
 
@@ -29,7 +32,12 @@ absl::StatusOr<ScopedFd> CorruptCopy(const HostSegment& segment) {
 PeerSeed::PeerSeed(ModelRegistry* registry, PeerTransport* transport, PeerSeedOptions options, Metrics* metrics)
     : registry_(registry), transport_(transport), options_(std::move(options)), metrics_(metrics) {}
 
-absl::StatusOr<std::unique_ptr<PeerSeed::Session>> PeerSeed::Open(const std::string& name, const std::string& joiner) {
+absl::StatusOr<std::unique_ptr<PeerSeed::Session>> PeerSeed::Open(const std::string& name, const std::string& joiner,
+                                                                   uint32_t lanes) {
+  if (lanes > kMaxPeerLanes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the joiner asks for ", lanes, " lanes, at most ", kMaxPeerLanes, " (--peer-lanes)"));
+  }
   {
     absl::MutexLock lock(&mu_);
     if (joiners_ >= options_.max_joiners) {
@@ -62,9 +70,11 @@ absl::StatusOr<std::unique_ptr<PeerSeed::Session>> PeerSeed::Open(const std::str
   }
   PeerExportOptions export_options;
   export_options.stall_for_test = options_.test_fault == "stall";
+  export_options.senders = std::max(lanes, 1u);
   WEIGHTD_ASSIGN_OR_RETURN(session->export_, transport_->Export(regions, export_options));
   LogInfo(absl::StrCat("peer ", joiner, " opened a transfer of '", name, "' generation ", m.generation, " (",
-                       m.host_bytes, " host bytes)"));
+                       m.host_bytes, " host bytes) over ", export_options.senders, " lane(s), served by ",
+                       session->export_->offer().senders(), " sender(s)"));
   return session;
 }
 
@@ -105,6 +115,11 @@ void PeerSeed::Describe(const Session& session, v1::PeerTransferReply* reply) co
   reply->set_transport(transport_->name());
   reply->set_worker_address(offer.worker_address);
   reply->set_session_token(offer.token);
+  for (const PeerSender& sender : offer.more_senders) {
+    v1::PeerSender* out = reply->add_more_senders();
+    out->set_worker_address(sender.worker_address);
+    out->set_session_token(sender.token);
+  }
   reply->set_session_seconds(std::chrono::duration<double>(options_.session_limit).count());
 }
 
@@ -136,15 +151,19 @@ PeerSeed::Session::~Session() {
   if (export_ != nullptr) {
     // What this seed sent, as its transport counted it; the joiner's report
     // arrived over an unauthenticated stream and is logged as its claim.
-    absl::StatusOr<uint64_t> sent = export_->BytesSent(std::chrono::steady_clock::now() + kCountTimeout);
-    if (sent.ok() && seed_->metrics_) seed_->metrics_->PeerBytesSent(seed_->JoinerLabel(joiner_), *sent);
+    absl::StatusOr<std::vector<uint64_t>> by_sender =
+        export_->BytesSent(std::chrono::steady_clock::now() + kCountTimeout);
+    const uint64_t sent = by_sender.ok() ? std::accumulate(by_sender->begin(), by_sender->end(), uint64_t{0}) : 0;
+    if (by_sender.ok() && seed_->metrics_) seed_->metrics_->PeerBytesSent(seed_->JoinerLabel(joiner_), sent);
     std::string claim = report_.has_value()
                             ? absl::StrCat("; the joiner reports it read ", report_->bytes_read, " bytes, ",
                                            report_->verified ? "verified" : "NOT verified", " (its claim)")
                             : "; the joiner sent no report";
     LogInfo(absl::StrCat("peer ", joiner_, " ended its transfer of '", model_->request.name, "' generation ",
                          model_->generation, ": this seed sent ",
-                         sent.ok() ? absl::StrCat(*sent, " bytes") : absl::StrCat("an unknown count of bytes (", sent.status().message(), ")"),
+                         by_sender.ok()
+                             ? absl::StrCat(sent, " bytes (by sender: ", absl::StrJoin(*by_sender, " + "), ")")
+                             : absl::StrCat("an unknown count of bytes (", by_sender.status().message(), ")"),
                          claim));
   }
   export_.reset();  // nothing more is sent once this returns

@@ -59,8 +59,8 @@ class PeerSeed {
     const PeerOffer& offer() const { return export_->offer(); }
     // The joiner's report at the end: bytes it read, and whether they
     // verified. Only its claim: the seed logs it as such when the session
-    // ends, beside the bytes its own transport counted as sent (which alone
-    // feed weightd_peer_bytes_sent_total).
+    // ends, beside the bytes its own transport counted as sent, in all and
+    // per sender (which alone feed weightd_peer_bytes_sent_total).
     void Finished(uint64_t bytes_read, bool verified);
 
    private:
@@ -82,10 +82,15 @@ class PeerSeed {
   };
 
   // Opens a session on the READY generation of `name` for `joiner` (its
-  // address, for logs and metrics). The registry's errors (NOT_FOUND,
+  // address, for logs and metrics) that opens `lanes` lanes (the joiner's
+  // untrusted count: 0 counts as 1): the export gets one sender per lane
+  // (for UCX, a helper process each, so lanes do not share one sending
+  // core), and the log line names how many. INVALID_ARGUMENT for more than
+  // kMaxPeerLanes lanes; the registry's errors (NOT_FOUND,
   // FAILED_PRECONDITION, INVALID_ARGUMENT); UNAVAILABLE at max_joiners; the
-  // transport's when a segment cannot be registered.
-  absl::StatusOr<std::unique_ptr<Session>> Open(const std::string& name, const std::string& joiner);
+  // transport's when a segment cannot be registered or a sender cannot start.
+  absl::StatusOr<std::unique_ptr<Session>> Open(const std::string& name, const std::string& joiner,
+                                                uint32_t lanes = 1);
 
   // The reply that describes `session` to its joiner.
   void Describe(const Session& session, v1::PeerTransferReply* reply) const;

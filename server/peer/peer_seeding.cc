@@ -148,6 +148,17 @@ uint32_t ChoosePeerLanes(uint64_t host_bytes, uint32_t configured, unsigned core
   return static_cast<uint32_t>(std::min<uint64_t>({by_size, by_cores, kMaxAutoPeerLanes}));
 }
 
+absl::StatusOr<PeerOffer> OfferOf(const v1::PeerTransferReply& reply) {
+  if (static_cast<uint32_t>(reply.more_senders_size()) >= kMaxPeerLanes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the peer offers ", 1 + reply.more_senders_size(), " senders, at most ", kMaxPeerLanes));
+  }
+  PeerOffer offer{reply.worker_address(), reply.session_token(), {}, {}};
+  for (const v1::PeerSegment& s : reply.host_segments()) offer.region_sizes.push_back(s.size());
+  for (const v1::PeerSender& s : reply.more_senders()) offer.more_senders.push_back({s.worker_address(), s.session_token()});
+  return offer;
+}
+
 absl::Status CheckSameCheckpoint(const v1::PeerTransferReply& reply, const Catalog& catalog, const LoadPlan& plan) {
   WEIGHTD_RETURN_IF_ERROR(CheckFiles(reply, catalog));
   if (static_cast<size_t>(reply.tensors_size()) != catalog.tensors.size()) {
@@ -186,11 +197,12 @@ absl::StatusOr<std::unique_ptr<ModelGeneration>> SeedFromDescription(const v1::P
   if (absl::Status same = CheckSameCheckpoint(reply, catalog, plan); !same.ok()) {
     return WithPeerReason(same, "different_checkpoint");
   }
-  PeerOffer offer{reply.worker_address(), reply.session_token(), {}};
-  for (const v1::PeerSegment& s : reply.host_segments()) offer.region_sizes.push_back(s.size());
-  PullSource source(pull, std::move(offer), ChoosePeerLanes(plan.host_bytes, pull.lanes()));
+  absl::StatusOr<PeerOffer> offer = OfferOf(reply);
+  if (!offer.ok()) return WithPeerReason(offer.status(), "other");
+  PullSource source(pull, *std::move(offer), ChoosePeerLanes(plan.host_bytes, pull.lanes()));
   LoaderOptions options = loader;
   options.host_source = &source;
+  options.source_hashing = pull.hashing();
   absl::StatusOr<std::unique_ptr<ModelGeneration>> gen = LoadGeneration(catalog, request, options, progress, nullptr, &planned);
   if (!gen.ok()) return gen.status();  // its code tells the reason (PeerReasonOf)
   if (absl::Status verified = Verify(**gen, reply); !verified.ok()) return WithPeerReason(verified, "hash_mismatch");

@@ -51,6 +51,9 @@ class PeerPull {
            Metrics* metrics, uint32_t lanes = 0)
       : peer_(std::move(peer)), transport_(transport), deadline_(deadline), metrics_(metrics), lanes_(lanes) {}
   uint32_t lanes() const { return lanes_; }  // as configured; 0: chosen per transfer (ChoosePeerLanes)
+  // When the received segments are hashed (--peer-verify); before the load.
+  SourceHashing hashing() const { return hashing_; }
+  void set_hashing(SourceHashing hashing) { hashing_ = hashing; }
   // The lanes the transfer used (0 before it connected).
   uint32_t lanes_used() const { return lanes_used_.load(); }
   void set_lanes_used(uint32_t lanes) { lanes_used_ = lanes; }
@@ -69,9 +72,15 @@ class PeerPull {
   std::chrono::steady_clock::time_point deadline_;
   Metrics* metrics_;
   uint32_t lanes_;
+  SourceHashing hashing_ = SourceHashing::kPerSegment;
   std::atomic<uint32_t> lanes_used_{0};
   std::atomic<uint64_t> bytes_read_{0};
 };
+
+// The offer of a seed's reply: its senders (at most kMaxPeerLanes: more is
+// INVALID_ARGUMENT, which the caller counts as "other") and region sizes;
+// the transport checks each sender's address and token.
+absl::StatusOr<PeerOffer> OfferOf(const v1::PeerTransferReply& reply);
 
 // OK when the seed's generation holds the same checkpoint (files by name,
 // size and header hash; tensors by name, dtype and shape) with the same

@@ -1261,16 +1261,19 @@ def _peer_seed(self):
                 with Daemon(self, f"joiner-l{lanes}", "--mlock", "false", "--huge-pages", "false",
                             "--peer-lanes", str(lanes)) as j:
                     lane_runs[lanes] = [_seed_once(self, j, peer) for _ in range(self.reps)]
+            verify = _peer_seed_verify(self, peer)
             if self.args.hugepages:
                 thp = _peer_seed_thp(self, joiner, peer)
                 huge = _peer_seed_huge(self, joiner, peer)
         # The transport alone: one helper exports a memfd, lanes of helpers receive it into
         # destination memfds whose pages exist beforehand (no daemon, no page creation).
         helper = os.path.join(os.path.dirname(self.weightd), "weightd-peer-helper")
-        for lanes in LANES:
-            transport[lanes] = [run_json([self.bench, "peer-transport", "--bytes", str(self.ckpt_bytes),
-                                          "--lanes", str(lanes), "--helper", helper])["gbps"]
-                                for _ in range(self.reps)]
+        for lanes in LANES:  # a seed sender per lane (as a seed answers), then one for all lanes (as before)
+            for senders in sorted({lanes, 1}, reverse=True):
+                transport[(lanes, senders)] = [
+                    run_json([self.bench, "peer-transport", "--bytes", str(self.ckpt_bytes), "--lanes", str(lanes),
+                              "--senders", str(senders), "--helper", helper])["gbps"]
+                    for _ in range(self.reps)]
     finally:
         for k, v in saved.items():
             if v is None:
@@ -1280,7 +1283,8 @@ def _peer_seed(self):
     fill = run_json([self.bench, "memfd-fill", "--bytes", str(self.ckpt_bytes), "--threads", str(os.cpu_count())])["gbps"]
     w, t, c = median([r["gbps"] for r in runs]), median(tcp), median([r["gbps"] for r in cold])
     self.raw["peer_seed"] = {"weightd": runs, "tcp_stream_gbps": tcp, "storage_cold": cold, "memfd_fill_gbps": fill,
-                             "transport_gbps": transport, "lanes": lane_runs}
+                             "transport_gbps": {f"{l} lanes, {k} senders": v for (l, k), v in transport.items()},
+                             "lanes": lane_runs, "verify": verify}
     label = f"{self.preset}, {self.ckpt_bytes / GIB:.2f} GiB"
     cores = os.cpu_count()
     self.table.add(f"peer seeding ({label}) over UCX, loopback TCP, received into the segments (lanes by size "
@@ -1290,18 +1294,24 @@ def _peer_seed(self):
                             "receive into fresh memfd pages, whose creation alone runs at "
                             f"{fill:.2f} GB/s here) and the hashing after each seal share the CPUs that the "
                             "stream's two kernel copies have to themselves; docs/performance.md has the profile"))
-    for lanes in LANES:
-        x = median(transport[lanes])
-        self.table.add(f"peer transport alone ({label}), {lanes} lane(s): helpers over UCX active messages, "
-                       "loopback TCP, into memfds whose pages exist, vs the same TCP stream",
+    for (lanes, senders), gbps_runs in sorted(transport.items()):
+        x = median(gbps_runs)
+        self.table.add(f"peer transport alone ({label}), {lanes} lane(s), {senders} seed sender(s): helpers over "
+                       "UCX active messages, loopback TCP, into memfds whose pages exist, vs the same TCP stream",
                        f"{x:.2f} GB/s", f"{t:.2f} GB/s", f"{x / t:.2f}", ">= 0.8",
-                       at_least(x / t, 0.8, f"UCX's send and receive each run in one helper process per lane on "
-                                f"{cores} shared cores (the seed's one helper sends for every lane), and each "
-                                "receiving helper maps every 4 KiB page of its destinations"))
+                       at_least(x / t, 0.8, f"UCX's send and receive each run in a helper process per lane and "
+                                f"per sender on {cores} shared cores, and each receiving helper maps every 4 KiB "
+                                "page of its destinations"))
     for lanes in LANES:
         x = median([r["gbps"] for r in lane_runs[lanes]])
-        self.table.add(f"peer seeding ({label}), {lanes} lane(s), 4 KiB pages, vs the same TCP stream",
-                       f"{x:.2f} GB/s", f"{t:.2f} GB/s", f"{x / t:.2f}", "-", "measured")
+        self.table.add(f"peer seeding ({label}), {lanes} lane(s) and {lanes} seed sender(s), 4 KiB pages, vs the "
+                       "same TCP stream", f"{x:.2f} GB/s", f"{t:.2f} GB/s", f"{x / t:.2f}", "-", "measured")
+    seg, xfer = (median([r["gbps"] for r in verify[m]]) for m in ("per-segment", "per-transfer"))
+    for mode, x in (("per-segment", seg), ("per-transfer", xfer)):
+        self.table.add(f"peer seeding ({label}), --peer-verify {mode} (lanes by size and cores, 4 KiB pages), vs "
+                       "the same TCP stream", f"{x:.2f} GB/s", f"{t:.2f} GB/s", f"{x / t:.2f}", "-", "measured")
+    self.table.add(f"peer seeding ({label}): --peer-verify per-transfer vs per-segment, alternating runs",
+                   f"{xfer:.2f} GB/s", f"{seg:.2f} GB/s", f"{xfer / seg:.2f}", "-", "measured")
     if thp is not None:
         self.raw["peer_seed"]["shmem_thp"] = thp
         h = median([r["gbps"] for r in thp])
@@ -1319,6 +1329,20 @@ def _peer_seed(self):
     self.table.add(f"peer seeding ({label}) vs storage with a cold page cache", f"{w:.2f} GB/s", f"{c:.2f} GB/s",
                    f"{w / c:.2f}", ">= 1.0",
                    at_least(w / c, 1.0, "this VM's disk is faster than the peer path on its cores"))
+
+
+def _peer_seed_verify(self, peer):
+    """Hashing per segment (each once sealed, while later ones arrive) against per transfer
+    (all after the last byte): two joiners alike but for --peer-verify (4 KiB pages), seeded
+    in alternation so that both see the same moments of a shared machine."""
+    runs = {"per-segment": [], "per-transfer": []}
+    with Daemon(self, "joiner-seg", "--mlock", "false", "--huge-pages", "false") as seg, \
+            Daemon(self, "joiner-xfer", "--mlock", "false", "--huge-pages", "false",
+                   "--peer-verify", "per-transfer") as xfer:
+        for _ in range(self.reps):
+            runs["per-segment"].append(_seed_once(self, seg, peer))
+            runs["per-transfer"].append(_seed_once(self, xfer, peer))
+    return runs
 
 
 def _peer_seed_thp(self, joiner, peer):

@@ -1,7 +1,8 @@
-// peer-transport --bytes B [--lanes L] [--segments S] [--piece-bytes P]
+// peer-transport --bytes B [--lanes L] [--senders K] [--segments S] [--piece-bytes P]
 //                [--pieces N] [--helper PATH]: the UCX peer transport
 // alone (common/peer/peer_transport.h), no daemon: a memfd of B bytes is
-// exported through one weightd-peer-helper and received, as a joiner
+// exported through K weightd-peer-helpers (senders; default L, as a seed
+// answers a joiner of L lanes) and received, as a joiner
 // receives, straight into S size-sealed destination memfds (a load's host
 // segments) by L lanes of helpers, each destination released once its
 // bytes are in; `lanes + 1` threads drive the reads. The destinations'
@@ -26,6 +27,8 @@ namespace weightd::bench {
 int PeerTransportCommand(const Flags& flags) {
   const uint64_t bytes = static_cast<uint64_t>(flags.GetInt("bytes", 1 << 30));
   const uint32_t lanes = static_cast<uint32_t>(flags.GetInt("lanes", 1));
+  PeerExportOptions export_options;
+  export_options.senders = static_cast<uint32_t>(flags.GetInt("senders", lanes));
   const uint64_t segments =
       static_cast<uint64_t>(flags.GetInt("segments", static_cast<long>(std::max<uint64_t>(1, bytes >> 27))));
   UcxHelperOptions options;
@@ -55,7 +58,7 @@ int PeerTransportCommand(const Flags& flags) {
   }
   auto transport = MakeUcxHelperTransport(options);
   if (!transport.ok()) return Fail(transport.status().ToString());
-  auto exported = (*transport)->Export({{fd, bytes}}, {});
+  auto exported = (*transport)->Export({{fd, bytes}}, export_options);
   if (!exported.ok()) return Fail(exported.status().ToString());
   auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(10);
   double start = Now();  // connecting the lanes (starting their helpers) counts: a transfer pays it
@@ -87,7 +90,7 @@ int PeerTransportCommand(const Flags& flags) {
     }
     close(dst[s]);
   }
-  Emit({{"seconds", seconds}, {"bytes", bytes}, {"gbps", bytes / seconds / 1e9}, {"lanes", lanes},
+  Emit({{"seconds", seconds}, {"bytes", bytes}, {"gbps", bytes / seconds / 1e9}, {"lanes", lanes}, {"senders", export_options.senders},
         {"segments", segments}, {"piece_bytes", options.piece_bytes}, {"pieces", options.pieces}});
   return 0;
 }

@@ -9,11 +9,14 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <regex>
 #include <cstdlib>
 #include <thread>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/base/scoped_fd.h"
+#include "common/peer/peer_transport.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/testing/pki.h"
@@ -82,12 +85,13 @@ class PeerE2e : public ::testing::Test {
     v1::PeerTransferReply reply;
     bool opened = false;  // the seed described its generation
   };
-  static std::unique_ptr<Session> OpenSession(DaemonProcess& seed) {
+  static std::unique_ptr<Session> OpenSession(DaemonProcess& seed, uint32_t lanes = 0) {
     auto s = std::make_unique<Session>();
     s->stub = v1::Peer::NewStub(grpc::CreateChannel(PeerOf(seed), grpc::InsecureChannelCredentials()));
     s->stream = s->stub->Transfer(&s->context);
     v1::PeerTransferRequest ask;
     ask.set_name(kModel);
+    ask.set_lanes(lanes);
     s->opened = s->stream->Write(ask) && s->stream->Read(&s->reply);
     return s;
   }
@@ -101,8 +105,9 @@ class PeerE2e : public ::testing::Test {
   // (--peer-test-fault), seeded by a node that serves it: the joiner gives
   // the peer up for `reason` and ends READY from storage with verified
   // bytes. Returns the joiner's log.
-  std::string ExpectStorageServesDespiteTheHelper(const std::string& fault, const std::string& reason) {
-    auto a = Node(), b = Node({"--peer-test-fault", fault});
+  std::string ExpectStorageServesDespiteTheHelper(const std::string& fault, const std::string& reason,
+                                                  const std::string& verify = "per-segment") {
+    auto a = Node(), b = Node({"--peer-test-fault", fault, "--peer-verify", verify});
     EXPECT_EQ(a->Ctl({"load", kModel, "demo"}).code, 0);
     std::string peer = PeerOf(*a);
     CommandResult load = b->Ctl({"load", kModel, "demo", "--peer", peer});
@@ -142,7 +147,8 @@ TEST_F(PeerE2e, ChainSeedsEachNodeFromThePreviousAndVerifies) {
   EXPECT_EQ(Metric(*a, absl::StrCat("weightd_peer_bytes_sent_total{peer=\"", joiner, "\"}")),
             static_cast<double>(host_bytes));
   EXPECT_NE(a->process().Stderr().find(absl::StrCat("peer ", joiner, " ended its transfer of 'm' generation 1: this seed sent ",
-                                                    host_bytes, " bytes; the joiner reports it read ", host_bytes,
+                                                    host_bytes, " bytes (by sender: ", host_bytes,
+                                                    "); the joiner reports it read ", host_bytes,
                                                     " bytes, verified (its claim)")),
             std::string::npos)
       << a->process().Stderr();
@@ -207,7 +213,15 @@ TEST_F(PeerE2e, JoinerHelperThatWritesAfterItsReadsFailsTheHashAndStorageServes)
   ExpectStorageServesDespiteTheHelper("helper-writes-late", "hash_mismatch");
 }
 
-TEST_F(PeerE2e, SeedsOverSeveralLanesAndSaysHowInTheLog) {
+// --peer-verify per-transfer: the same checks, all after the last byte.
+TEST_F(PeerE2e, JoinerHelperThatWritesAfterItsReadsFailsTheHashPerTransferToo) {
+  ExpectStorageServesDespiteTheHelper("helper-writes-late", "hash_mismatch", "per-transfer");
+}
+
+// Seed-side lanes: a joiner with 2 lanes is answered by 2 sender helpers of
+// the seed, each of which sends part of the bytes; together exactly the
+// host bytes the joiner received.
+TEST_F(PeerE2e, SeedsOverSeveralLanesEachServedByASenderOfItsOwn) {
   auto a = Node(), b = Node({"--peer-lanes", "2"});
   ASSERT_EQ(a->Ctl({"load", kModel, "demo"}).code, 0);
   std::string peer = PeerOf(*a);
@@ -216,9 +230,54 @@ TEST_F(PeerE2e, SeedsOverSeveralLanesAndSaysHowInTheLog) {
   EXPECT_EQ(Ls(*b)["source"], "peer " + peer);
   EXPECT_EQ(Ls(*b)["fingerprint"], Ls(*a)["fingerprint"]);
   ExpectVerifies(*b);
-  EXPECT_NE(b->process().Stderr().find("over 2 lane(s), received into the segments, "),
-            std::string::npos)
+  EXPECT_NE(b->process().Stderr().find("over 2 lane(s), received into the segments, "), std::string::npos)
       << b->process().Stderr();
+  EXPECT_NE(b->process().Stderr().find(", hashed per segment, "), std::string::npos) << b->process().Stderr();
+  ASSERT_TRUE(AwaitMetric(*a, "weightd_peer_joiners", 0));
+  const std::string log = a->process().Stderr();
+  EXPECT_NE(log.find(" (" + std::to_string(Ls(*a)["host_bytes"].get<uint64_t>()) +
+                     " host bytes) over 2 lane(s), served by 2 sender(s)"),
+            std::string::npos)
+      << log;
+  uint64_t sent = 0, first = 0, second = 0;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(log, m, std::regex(R"(this seed sent (\d+) bytes \(by sender: (\d+) \+ (\d+)\))")))
+      << log;
+  ASSERT_TRUE(absl::SimpleAtoi(m[1].str(), &sent) && absl::SimpleAtoi(m[2].str(), &first) &&
+              absl::SimpleAtoi(m[3].str(), &second));
+  EXPECT_EQ(sent, Ls(*b)["host_bytes"].get<uint64_t>());
+  EXPECT_EQ(first + second, sent);
+  EXPECT_GT(first, 0u);
+  EXPECT_GT(second, 0u);
+}
+
+TEST_F(PeerE2e, SeedsWithHashingPerTransferAndVerifies) {
+  auto a = Node(), b = Node({"--peer-verify", "per-transfer"});
+  ASSERT_EQ(a->Ctl({"load", kModel, "demo"}).code, 0);
+  std::string peer = PeerOf(*a);
+  CommandResult load = b->Ctl({"load", kModel, "demo", "--peer", peer});
+  ASSERT_EQ(load.code, 0) << load.err << b->process().Stderr();
+  EXPECT_EQ(Ls(*b)["source"], "peer " + peer);
+  EXPECT_EQ(Ls(*b)["fingerprint"], Ls(*a)["fingerprint"]);
+  ExpectVerifies(*b);
+  EXPECT_NE(b->process().Stderr().find(", hashed per transfer, "), std::string::npos) << b->process().Stderr();
+}
+
+// A joiner's lane count is bounded: more than kMaxPeerLanes is refused with
+// one clear error, no helper starts, and the seed goes on serving.
+TEST_F(PeerE2e, JoinerAskingForMoreThanEightLanesIsRefused) {
+  auto a = Node();
+  ASSERT_EQ(a->Ctl({"load", kModel, "demo"}).code, 0);
+  std::unique_ptr<Session> greedy = OpenSession(*a, kMaxPeerLanes + 1);
+  EXPECT_FALSE(greedy->opened);
+  grpc::Status st = greedy->stream->Finish();
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(st.error_message(), "the joiner asks for 9 lanes, at most 8 (--peer-lanes)");
+  EXPECT_TRUE(AwaitMetric(*a, "weightd_peer_joiners", 0));
+  std::unique_ptr<Session> fair = OpenSession(*a, 3);
+  ASSERT_TRUE(fair->opened) << a->process().Stderr();
+  EXPECT_EQ(fair->reply.more_senders_size(), 2);
+  EXPECT_EQ(Ls(*a)["state"], "READY");
 }
 
 TEST_F(PeerE2e, SeedAtItsJoinerLimitSendsTheJoinerToTheNextPeer) {
@@ -262,7 +321,7 @@ TEST_F(PeerE2e, SeedCountsWhatItSentNotWhatTheJoinerClaims) {
   EXPECT_TRUE(session->stream->Finish().ok());
   ASSERT_TRUE(AwaitMetric(*a, "weightd_peer_joiners", 0));
   EXPECT_EQ(Metric(*a, "weightd_peer_bytes_sent_total{peer=\"unnamed\"}"), 0);
-  EXPECT_NE(a->process().Stderr().find("peer unnamed ended its transfer of 'm' generation 1: this seed sent 0 bytes; "
+  EXPECT_NE(a->process().Stderr().find("peer unnamed ended its transfer of 'm' generation 1: this seed sent 0 bytes (by sender: 0); "
                                        "the joiner reports it read 18446744073709551615 bytes, verified (its claim)"),
             std::string::npos)
       << a->process().Stderr();

@@ -16,14 +16,14 @@ LOG = logging.getLogger("test_engine_options")
 def test_options_default_and_parsed():
     assert Options.from_config(None) == Options()
     options = Options.from_config({"socket": "/s.sock", "model": "m", "load": False, "host_resident": ".embed.",
-                                   "tp_rules": ["proj.weight:0", "a:b:1"], "layouts": False})
+                                   "tp_rules": ["proj.weight:0", "a:b:1"], "devices": ["GPU-a", "1"], "layouts": False})
     assert options == Options(socket="/s.sock", model="m", load=False, host_resident=(".embed.",),
-                              tp_rules=(("proj.weight", 0), ("a:b", 1)), layouts=False)
+                              tp_rules=(("proj.weight", 0), ("a:b", 1)), devices=("GPU-a", "1"), layouts=False)
 
 
 @pytest.mark.parametrize("config, message", [
     ({"sockets": "x"}, "weightd: unknown option 'sockets' in the load format's extra config "
-                       "(known: socket, model, load, host_resident, tp_rules, layouts)"),
+                       "(known: socket, model, load, host_resident, tp_rules, devices, layouts)"),
     ({"load": "yes"}, "weightd: option 'load' must be true or false, got 'yes'"),
     ({"model": ""}, "weightd: option 'model' must be a non-empty string, got ''"),
     ({"host_resident": [1]}, "weightd: option 'host_resident' must be a string or a list of non-empty strings, got [1]"),
@@ -66,6 +66,36 @@ def test_loads_when_absent_then_reuses(daemon, demo_small):
     assert again.generation == info.generation
     # A whole model serves every engine TP rank from weightd's rank 0.
     assert [session.rank_for(r, 4) for r in range(4)] == [0, 0, 0, 0]
+
+
+def test_split_load_on_the_named_devices(emulated_daemon, demo_small):
+    """tp_rules split the load into the engine's TP size, on the daemon's GPUs named by `devices`;
+    engine TP rank r then attaches weightd rank r."""
+    copy = emulated_daemon.models / "engine-options-split"
+    shutil.copytree(demo_small, copy)
+    options = Options(socket=emulated_daemon.socket, tp_rules=(("q_proj", 0), ("down_proj", 1)), devices=("0", "1"))
+    session = Session.create(options, str(copy), LOG)
+    info = session.open(2)
+    assert (info.name, info.state, info.tp_size) == ("engine-options-split", "READY", 2)
+    assert [session.rank_for(r, 2) for r in range(2)] == [0, 1]
+    split = {t.name: t.split_dim for t in emulated_daemon.client.manifest("engine-options-split", 1).tensors
+             if t.split_dim >= 0}
+    assert split and set(split.values()) == {0, 1}
+    assert all(("q_proj" in n) == (d == 0) and ("down_proj" in n) == (d == 1) for n, d in split.items())
+
+
+def test_split_load_without_devices_where_there_is_no_gpu(emulated_daemon, demo_small):
+    """Without `devices` a split load takes this process's CUDA devices 0..N-1 (one node's TP ranks);
+    a process with none (a CPU engine, this machine) gets one line saying what to give."""
+    copy = emulated_daemon.models / "engine-options-no-devices"
+    shutil.copytree(demo_small, copy)
+    session = Session.create(Options(socket=emulated_daemon.socket, tp_rules=(("q_proj", 0),)), str(copy), LOG)
+    with pytest.raises(LoadFormatError) as e:
+        session.open(2)
+    assert str(e.value) == ("weightd: option 'tp_rules' splits the model into 2 TP ranks, one GPU each, but this "
+                            "process sees 0 CUDA device(s): name the daemon's GPUs in the option 'devices' (UUIDs "
+                            "or the daemon's ordinals, one per TP rank)")
+    assert "engine-options-no-devices" not in {m.name for m in emulated_daemon.client.list()}  # nothing was asked
 
 
 def test_load_refused_outside_the_model_roots(daemon, demo_small, tmp_path):

@@ -29,6 +29,7 @@ class FakePeerTransport final : public PeerTransport {
   std::atomic<bool> write_on_release{false};  // Release() flips the first byte of the destination first
   std::atomic<uint64_t> bytes_read{0};
   std::atomic<int> open_exports{0};
+  std::atomic<uint32_t> senders_asked{0};     // PeerExportOptions::senders of the last export
 
   std::string name() const override { return "fake"; }
 
@@ -42,6 +43,7 @@ class FakePeerTransport final : public PeerTransport {
       e->offer_.region_sizes.push_back(r.size);
     }
     if (options.stall_for_test) stalled = true;
+    senders_asked = options.senders;
     absl::MutexLock lock(&mu_);
     e->offer_.worker_address = absl::StrCat("fake-worker-", next_++);
     e->offer_.token = std::string(kPeerTokenBytes, 't');
@@ -80,9 +82,10 @@ class FakePeerTransport final : public PeerTransport {
       --t->open_exports;
     }
     const PeerOffer& offer() const override { return offer_; }
-    absl::StatusOr<uint64_t> BytesSent(std::chrono::steady_clock::time_point) override {
+    // One sender, whatever PeerExportOptions::senders asked (the fake has no processes).
+    absl::StatusOr<std::vector<uint64_t>> BytesSent(std::chrono::steady_clock::time_point) override {
       absl::MutexLock lock(&t->mu_);
-      return sent;
+      return std::vector<uint64_t>{sent};
     }
     FakePeerTransport* t;
     PeerOffer offer_;

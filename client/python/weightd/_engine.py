@@ -22,7 +22,7 @@ from ._errors import WeightdError
 from ._types import LoadProgress, ModelInfo, ModelState
 
 # The keys of --model-loader-extra-config (vLLM) / model_loader_extra_config (SGLang).
-OPTION_KEYS = ("socket", "model", "load", "host_resident", "tp_rules", "layouts")
+OPTION_KEYS = ("socket", "model", "load", "host_resident", "tp_rules", "devices", "layouts")
 LOAD_WAIT_SECONDS = 3600.0  # how long a rank waits for a load that another rank started
 
 
@@ -41,6 +41,7 @@ class Options:
     load: bool = True  # ask the daemon to load the checkpoint when `model` is not loaded
     host_resident: Tuple[str, ...] = ()
     tp_rules: Tuple[Tuple[str, int], ...] = ()
+    devices: Tuple[str, ...] = ()  # the daemon's GPUs for a split load, one per TP rank; (): local_gpus()
     layouts: bool = True
 
     @classmethod
@@ -54,7 +55,7 @@ class Options:
         return cls(socket=_optional_str(config, "socket"), model=_optional_str(config, "model"),
                    load=_bool(config, "load", True), host_resident=_strings(config, "host_resident"),
                    tp_rules=tuple(_tp_rule(rule) for rule in _strings(config, "tp_rules")),
-                   layouts=_bool(config, "layouts", True))
+                   devices=_strings(config, "devices"), layouts=_bool(config, "layouts", True))
 
 
 def _optional_str(config: Mapping[str, Any], key: str) -> Optional[str]:
@@ -161,10 +162,12 @@ class Session:
                                   "local checkpoint folder the daemon could load: load it with weightctl first")
         path = os.path.abspath(self.model_path)
         split = tp_size if self.options.tp_rules else 1
-        self.logger.info("weightd: loading %s as model %r into weightd at %s", path, self.name, self.client.target)
+        devices = self.options.devices or (local_gpus(split) if self.options.tp_rules else ())
+        self.logger.info("weightd: loading %s as model %r into weightd at %s%s", path, self.name, self.client.target,
+                         f", split into {split} TP ranks on {', '.join(devices)}" if self.options.tp_rules else "")
         try:
             result = self.client.load(self.name, path, host_resident=self.options.host_resident, tp_size=split,
-                                      tp_rules=self.options.tp_rules, progress=self._progress)
+                                      tp_rules=self.options.tp_rules, devices=devices, progress=self._progress)
         except WeightdError as e:
             if e.code == grpc.StatusCode.ALREADY_EXISTS:  # another rank of this engine (or another engine) loads it
                 return self._wait_loaded(path)
@@ -196,6 +199,28 @@ class Session:
             self._last_phase["phase"] = progress.phase
             self.logger.info("weightd: loading %r: %s (%d of %d bytes)", self.name, progress.phase,
                              progress.bytes_done, progress.bytes_total)
+
+
+def local_gpus(count: int) -> Tuple[str, ...]:
+    """The UUIDs ("GPU-...", as the daemon names GPUs) of this process's CUDA devices 0..count-1: the GPUs
+    of TP ranks 0..count-1 of an engine on one node (vLLM and SGLang run TP rank r on local device r).
+    LoadFormatError when this process sees fewer (no CUDA, or a CPU engine)."""
+    seen = 0
+    try:
+        import torch
+        seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except ImportError:
+        pass
+    if seen < count:
+        raise LoadFormatError(f"option 'tp_rules' splits the model into {count} TP ranks, one GPU each, but this "
+                              f"process sees {seen} CUDA device(s): name the daemon's GPUs in the option 'devices' "
+                              "(UUIDs or the daemon's ordinals, one per TP rank)")
+    properties: List[Any] = [torch.cuda.get_device_properties(i) for i in range(count)]
+    if not all(hasattr(p, "uuid") for p in properties):  # torch before 2.0 does not report it
+        raise LoadFormatError(f"option 'tp_rules' splits the model into {count} TP ranks, one GPU each, but this "
+                              f"torch {torch.__version__} does not report GPU UUIDs: name the daemon's GPUs in the "
+                              "option 'devices' (UUIDs or the daemon's ordinals, one per TP rank)")
+    return tuple(f"GPU-{p.uuid}" for p in properties)
 
 
 class TrackedNames:

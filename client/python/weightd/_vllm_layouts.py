@@ -17,6 +17,7 @@ loads and post-processes as without layouts, with one log line saying why.
 """
 from __future__ import annotations
 
+import json
 import logging
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
@@ -29,7 +30,9 @@ from ._engine_layouts import EngineLayouts, device_arch, layout_key
 if TYPE_CHECKING:
     from vllm.config import ModelConfig, VllmConfig
 
-LAYOUT_ABI = "weightd-vllm-layout-1"  # bump when what is published or how it is bound changes
+LAYOUT_ABI = "weightd-vllm-layout-2"  # bump when what is published or how it is bound changes
+# The layout tensor (uint8, JSON {name: device type}) naming the tensors published from outside_state().
+OUTSIDE_STATE = "weightd.vllm.outside_state"
 
 
 def identity_of(vllm_config: VllmConfig, rank: int) -> Dict[str, str]:
@@ -62,18 +65,57 @@ def key_of(identity: Dict[str, str]) -> str:
 
 
 def not_plain_reason(model: nn.Module, model_config: ModelConfig) -> Optional[str]:
-    """Why the post-processed state of `model` cannot be a layout, or None when it is plain tensors."""
+    """Why the post-processed state of `model` cannot be a layout, or None when it is plain tensors.
+
+    Not plain: a quantized model (its post-processed state is not bound back yet); a linear layer whose
+    weight vLLM's CPU backend moved into a handle (oneDNN, sgl-kernel or zentorch: the parameter is left
+    an empty tensor and the packed weight lives only in the closure `layer.cpu_linear`,
+    vllm/model_executor/layers/utils.py dispatch_cpu_unquantized_gemm); a parameter or buffer of a
+    tensor subclass; a non-empty tensor held as a plain module attribute (it would not be published,
+    and a meta-built model would lack it; an empty one, like vLLM's attn.kv_cache before the KV cache is
+    bound, is a slot the engine fills later). A CPU layer whose weight stayed in place (vLLM's fallback to
+    torch.nn.functional.linear, or a handle made beside a kept weight, as for lm_head) is plain: the
+    bound model computes it with torch.nn.functional.linear from the same tensor."""
     if model_config.quantization is not None:
         return f"the post-processed state of quantization {model_config.quantization!r} is not bound back yet"
     packed: List[str] = [name for name, module in model.named_modules()
-                         if getattr(module, "cpu_linear", torch.nn.functional.linear) is not torch.nn.functional.linear]
+                         if hasattr(module, "cpu_linear") and _emptied(getattr(module, "weight", None))]
     if packed:
         return (f"vLLM's CPU backend packed {len(packed)} linear weights into oneDNN handles, which are not tensors "
                 f"(first: {packed[0]})")
     for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
-        if type(tensor) not in (torch.Tensor, nn.Parameter):
-            return f"{name} is a {type(tensor).__name__}, not a plain tensor"
+        # vLLM's own parameter classes (ModelWeightParameter, ...) subclass nn.Parameter for their weight
+        # loaders only; a subclass that dispatches torch ops itself (FP8 or torchao tensors, DTensor) keeps
+        # state its bytes do not show.
+        if getattr(type(tensor), "__torch_dispatch__", None) is not torch.Tensor.__torch_dispatch__:
+            return f"{name} is a {type(tensor).__name__}, a tensor subclass with its own dispatch"
+    for name, tensor in outside_state(model).items():
+        if getattr(type(tensor), "__torch_dispatch__", None) is not torch.Tensor.__torch_dispatch__:
+            return f"{name} is a {type(tensor).__name__}, a tensor subclass with its own dispatch"
     return None
+
+
+def outside_state(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """The tensors a module tree holds outside its parameters and persistent buffers, by dotted name:
+    non-persistent buffers (the rotary embedding's cos_sin_cache) and tensors held as plain attributes
+    (an attention layer's _k_scale_cpu; MLA's W_UV made by post-processing). A meta-built model has
+    none of their values, so a layout carries them (publish_module's extra) and _bind sets them back.
+    Empty tensors are slots the engine fills later (attn.kv_cache before the KV cache is bound)."""
+    found: Dict[str, torch.Tensor] = {}
+    for path, module in model.named_modules():
+        base = path + "." if path else ""
+        for attribute in sorted(module._non_persistent_buffers_set):
+            buffer = module._buffers.get(attribute)
+            if buffer is not None and buffer.numel():
+                found[base + attribute] = buffer
+        for attribute, value in vars(module).items():
+            if isinstance(value, torch.Tensor) and value.numel():
+                found[base + attribute] = value
+    return found
+
+
+def _emptied(weight: Any) -> bool:
+    return isinstance(weight, torch.Tensor) and weight.numel() == 0
 
 
 class Layouts:
@@ -111,14 +153,24 @@ class Layouts:
             return
         # wait: ranks of two engines starting together publish once; the
         # later one finds it published and keeps its own post-processed copy.
+        # On a GPU the layout is device-placed on this rank's GPU (the daemon copies it into an arena of
+        # its own there), so the next start binds GPU tensors; on a CPU it is host-placed.
+        device = torch.cuda.current_device() if any(p.is_cuda for p in model.parameters()) else None
+        outside = outside_state(model)
+        devices = {name: tensor.device.type for name, tensor in outside.items()}
+        outside[OUTSIDE_STATE] = torch.frombuffer(bytearray(json.dumps(devices, sort_keys=True).encode()),
+                                                  dtype=torch.uint8)
         published = weightd.torch.publish_module(self.session.client, self.session.name, self.key, model,
-                                                 rank=self.rank, identity=self.identity, wait=True)
+                                                 rank=self.rank, identity=self.identity, device=device, wait=True,
+                                                 extra=outside)
         if published is None:
             self.logger.info("weightd: runtime layout %r of model %r rank %d was published by another start meanwhile",
                              self.key, self.session.name, self.rank)
             return
-        self.logger.info("weightd: published runtime layout %r of model %r rank %d (%d tensors, %d bytes on the host)",
-                         self.key, self.session.name, self.rank, published.tensor_count, published.host_bytes)
+        where = ", ".join(f"{n} bytes on {gpu}" for gpu, n in sorted(published.device_bytes.items())) or \
+            f"{published.host_bytes} bytes on the host"
+        self.logger.info("weightd: published runtime layout %r of model %r rank %d (%d tensors, %s)",
+                         self.key, self.session.name, self.rank, published.tensor_count, where)
 
 
 def _bind(weights: Any, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str) -> nn.Module:
@@ -131,7 +183,15 @@ def _bind(weights: Any, vllm_config: VllmConfig, model_config: ModelConfig, pref
     meta: Any = torch.device("meta")  # a context manager in torch 2.0+
     with set_default_torch_dtype(model_config.dtype), meta:
         model: nn.Module = initialize_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
-    weightd.torch.load_into(model, weights, strict=True)
+    if OUTSIDE_STATE not in weights:
+        raise LoadFormatError(f"runtime layout has no {OUTSIDE_STATE!r}: not published by {LAYOUT_ABI}")
+    devices: Dict[str, str] = json.loads(bytes(weights[OUTSIDE_STATE].to_torch().cpu().numpy()).decode())
+    weightd.torch.load_into(model, {name: weights[name] for name in weights
+                                    if name not in devices and name != OUTSIDE_STATE}, strict=True)
+    for name, device in devices.items():  # as the publishing start had them, on the device it had them on
+        path, _, attribute = name.rpartition(".")
+        tensor = weights[name].to_torch()
+        setattr(model.get_submodule(path), attribute, tensor if tensor.device.type == device else tensor.to(device))
     if current_platform.is_cpu():  # what CPU post-processing sets besides tensors, for plain state
         for module in model.modules():
             if hasattr(module, "quant_method"):

@@ -1,16 +1,20 @@
 """Tensors that weightd split by a TP plan (option `tp_rules`), fed to vLLM as shards.
 
-vLLM's linear layers narrow every tensor to their TP rank's slice unless the
-parameter says the tensor is already sharded (`is_sharded_weight`, as for
-pre-sharded bitsandbytes checkpoints). weightd's even split along a rule's
-dim is the slice vLLM's column- and row-parallel layers take (q/k/v, gate/up,
-o/down projections), so a tensor that weightd split is marked, and while
-load_weights runs each parameter's weight_loader sets `is_sharded_weight`
-for exactly the marked tensors. A marked tensor that reaches any other
+vLLM's linear layers narrow every tensor to their TP rank's slice: the
+weight_loader of a plain parameter unless it says the tensor is already
+sharded (`is_sharded_weight`, as for pre-sharded bitsandbytes checkpoints),
+weight_loader_v2 of a BasevLLMParameter always, at `param.tp_rank` times the
+slice's size. weightd's even split along a rule's dim is the slice vLLM's
+column- and row-parallel layers take (q/k/v, gate/up, o/down projections),
+so a tensor that weightd split is marked, and while load_weights runs each
+parameter's weight_loader, for exactly the marked tensors, sets
+`is_sharded_weight` and makes the parameter's tp_rank 0 for the call (the
+slice at offset 0 of a shard is the whole shard). A marked tensor that reaches any other
 loader (an embedding, a layer that is not a linear layer) is refused with a
 LoadFormatError naming it: vLLM would take another slice than weightd did.
-Untested on this project's CPU machines (vLLM CPU with TP > 1 needs more
-cores than CI has); a whole model (no tp_rules) is the tested path.
+Tested against the real vLLM on the CPU with TP 2 (tests/python/engines/test_vllm.py,
+a daemon on the emulated device backend splitting the tiny Llama's q/k/v/o,
+gate/up/down projections).
 """
 from __future__ import annotations
 
@@ -42,11 +46,19 @@ def _wrapped(param: nn.Parameter, name: str, original: Callable[..., Any]) -> Ca
         if not isinstance(getattr(original, "__self__", None), LinearBase):
             raise LoadFormatError(f"tensor {split_name!r} is split by weightd's tp_rules, but vLLM's parameter "
                                   f"{name!r} shards whole tensors itself: remove the rule that matches it")
+        # weight_loader honours is_sharded_weight; weight_loader_v2 (vLLM's BasevLLMParameter, e.g. every
+        # unquantized linear layer) ignores it and narrows at its tp_rank's offset, which on a shard of
+        # exactly the slice's size is the whole shard at offset 0: so rank 0 for the call.
         target.is_sharded_weight = True  # type: ignore[attr-defined]
+        rank = getattr(target, "tp_rank", None)
+        if rank is not None:
+            target.tp_rank = 0  # type: ignore[attr-defined]
         try:
             return original(target, loaded_weight, *args, **kwargs)
         finally:
             del target.is_sharded_weight  # type: ignore[attr-defined]
+            if rank is not None:
+                target.tp_rank = rank  # type: ignore[attr-defined]
     return weight_loader
 
 

@@ -217,7 +217,8 @@ def _layout_strides(tensor: torch.Tensor) -> Optional[Sequence[int]]:
 
 def publish_module(client: weightd.Client, model: str, key: str, module: torch.nn.Module, *, rank: int = 0,
                    identity: Optional[Mapping[str, str]] = None, device: Union[str, int, None] = None,
-                   wait: Union[bool, float] = False) -> Optional[weightd.LayoutInfo]:
+                   wait: Union[bool, float] = False,
+                   extra: Optional[Mapping[str, torch.Tensor]] = None) -> Optional[weightd.LayoutInfo]:
     """Publishes every parameter and persistent buffer of `module` as runtime layout `key` of `model`.
 
     Names are the module's state_dict keys; a tied group (one tensor under
@@ -229,7 +230,10 @@ def publish_module(client: weightd.Client, model: str, key: str, module: torch.n
     Values are copied from CPU or CUDA tensors into the staged memory (one
     copy; device-to-host for CUDA). rank, identity, device, wait: as
     Client.publish_layout (device None: every tensor is host-placed,
-    wherever the module's tensors are).
+    wherever the module's tensors are). extra: more tensors to publish
+    beside the module's, by layout name (state the module holds outside its
+    parameters and buffers, which load_into does not bind: the caller binds
+    it); a name that is also one of the module's is a ValueError.
 
     Returns the published LayoutInfo, or None when wait found the layout
     published by another writer (nothing of this module was written).
@@ -241,6 +245,10 @@ def publish_module(client: weightd.Client, model: str, key: str, module: torch.n
     for name, slot in slots.items():
         if name == slot.names[0]:
             tensors[name] = slot.tensor.detach()
+    for name, tensor in (extra or {}).items():
+        if name in slots:
+            raise ValueError(f"extra tensor {name!r} is also a parameter or buffer of the module")
+        tensors[name] = tensor.detach()
     specs: Dict[str, Any] = {}
     for name, tensor in tensors.items():
         strides = _layout_strides(tensor)

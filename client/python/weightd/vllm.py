@@ -4,7 +4,7 @@ Installing the package registers it: the `vllm.general_plugins` entry point
 `weightd` (client/python/pyproject.toml) calls register() in every vLLM
 process (API server, engine core, workers). Options arrive as
 `--model-loader-extra-config '{"socket": ..., "model": ..., "load": ...,
-"host_resident": [...], "tp_rules": ["PATTERN:DIM"], "layouts": ...}'`
+"host_resident": [...], "tp_rules": ["PATTERN:DIM"], "devices": [...], "layouts": ...}'`
 (weightd._engine.Options; an unknown key is an error naming it).
 
 Each worker attaches its rank of the model in weightd (loading the checkpoint

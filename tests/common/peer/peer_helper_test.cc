@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "common/peer/peer_transport.h"
@@ -63,9 +64,10 @@ class PeerHelperTest : public ::testing::Test {
   }
   void TearDown() override { close(fd_); }
 
-  std::unique_ptr<PeerExport> Export(bool stall = false) {
+  std::unique_ptr<PeerExport> Export(bool stall = false, uint32_t senders = 1) {
     PeerExportOptions options;
     options.stall_for_test = stall;
+    options.senders = senders;
     absl::StatusOr<std::unique_ptr<PeerExport>> e = transport_->Export({{fd_, data_.size()}}, options);
     EXPECT_TRUE(e.ok()) << e.status();
     return e.ok() ? std::move(*e) : nullptr;
@@ -120,6 +122,47 @@ TEST_F(PeerHelperTest, TwoLanesAreTwoHelpersThatShareOneRead) {
   EXPECT_TRUE(dest_->Bytes(0, 0, data_.size()) == data_);
   c.reset();
   EXPECT_EQ(HelperChildren().size(), 1u);  // both lanes reaped
+}
+
+// Seed-side lanes: an export of 4 senders is 4 seed helpers, each with its
+// own worker and token, and lane L of a 4-lane connection reads from sender
+// L. A 10-piece read goes round the lanes (0, 1, 2, 3, 0, ...), so each
+// sender counts exactly the pieces of its lane.
+TEST_F(PeerHelperTest, EachLaneReadsFromASenderHelperOfItsOwn) {
+  std::unique_ptr<PeerExport> e = Export(/*stall=*/false, /*senders=*/4);
+  ASSERT_NE(e, nullptr);
+  ASSERT_EQ(e->offer().senders(), 4u);
+  EXPECT_EQ(HelperChildren().size(), 4u);
+  for (uint32_t i = 1; i < 4; ++i) {
+    EXPECT_NE(e->offer().sender(i).worker_address, e->offer().worker_address);
+    EXPECT_NE(e->offer().sender(i).token, e->offer().token);
+    EXPECT_EQ(e->offer().sender(i).token.size(), kPeerTokenBytes);
+  }
+  std::unique_ptr<PeerConnection> c = Connect(e->offer(), /*lanes=*/4);
+  ASSERT_NE(c, nullptr);
+  EXPECT_EQ(HelperChildren().size(), 8u);  // 4 seed senders, 4 joiner lanes
+  WEIGHTD_ASSERT_OK(c->Read({{0, 0, data_.size(), 0, 0}}, steady_clock::now() + seconds(30)));
+  EXPECT_TRUE(dest_->Bytes(0, 0, data_.size()) == data_);
+  const uint64_t piece = Options().piece_bytes;
+  const std::vector<uint64_t> expected = {3 * piece, 3 * piece, 2 * piece, 2 * piece};
+  std::vector<uint64_t> sent;
+  for (auto until = steady_clock::now() + seconds(5); steady_clock::now() < until;) {  // sends complete a moment later
+    WEIGHTD_ASSERT_OK_AND_ASSIGN(sent, e->BytesSent(steady_clock::now() + seconds(5)));
+    if (sent == expected) break;
+    std::this_thread::sleep_for(milliseconds(10));
+  }
+  EXPECT_EQ(sent, expected);
+}
+
+TEST_F(PeerHelperTest, SenderCountsOutsideOneToEightAreRefused) {
+  for (uint32_t senders : {0u, kMaxPeerLanes + 1}) {
+    PeerExportOptions options;
+    options.senders = senders;
+    EXPECT_THAT(transport_->Export({{fd_, data_.size()}}, options),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         absl::StrCat(senders, " peer senders (must be 1..", kMaxPeerLanes, ")")));
+  }
+  EXPECT_TRUE(HelperChildren().empty());
 }
 
 // The rule the loader relies on: while a helper maps a destination, the
@@ -268,6 +311,13 @@ TEST_F(PeerHelperTest, MalformedOffersAreRefusedBeforeAnyHelperStarts) {
   EXPECT_THAT(transport_->Connect(offer, steady_clock::now() + seconds(5), dest_->Options()),
               StatusIs(absl::StatusCode::kInvalidArgument, "session token of 5 bytes"));
   offer.token = std::string(kPeerTokenBytes, 't');
+  offer.more_senders.assign(kMaxPeerLanes, {"x", std::string(kPeerTokenBytes, 't')});  // 9 senders in all
+  EXPECT_THAT(transport_->Connect(offer, steady_clock::now() + seconds(5), dest_->Options()),
+              StatusIs(absl::StatusCode::kInvalidArgument, "the peer offers 9 senders, at most 8"));
+  offer.more_senders = {{"x", "short"}};
+  EXPECT_THAT(transport_->Connect(offer, steady_clock::now() + seconds(5), dest_->Options()),
+              StatusIs(absl::StatusCode::kInvalidArgument, "session token of 5 bytes (must be 16) of sender 1"));
+  offer.more_senders.clear();
   offer.region_sizes.assign(kMaxPeerRegions + 1, 1);
   EXPECT_THAT(transport_->Connect(offer, steady_clock::now() + seconds(5), dest_->Options()),
               StatusIs(absl::StatusCode::kInvalidArgument, "regions, at most"));

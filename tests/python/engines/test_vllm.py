@@ -88,6 +88,10 @@ def test_tokens_equal_transformers_and_the_attach_shows_in_metrics(served):
     assert after[ATTACHES] - before.get(ATTACHES, 0) == 1
     assert after["weightd_attach_duration_seconds_count"] - before.get("weightd_attach_duration_seconds_count", 0) == 1
     assert after['weightd_leases_active{model="tiny"}'] == 0  # the worker's lease ended with the load
+    # The worker copied every tensor into vLLM's own parameters (oneDNN then packed the linear ones), and
+    # weightd holds nothing on a device for it (host-only daemon): get_external_weight_memory is 0.
+    assert result["workers"] == [{"external_weight_memory": 0, "params_in_weightd": 0,
+                                  "params_elsewhere": LAYOUT_PARAMETERS, "bytes_in_weightd": 0}]
     _report["first_start_seconds"] = result["start_seconds"]
 
 
@@ -121,6 +125,135 @@ def test_second_start_reports_how_it_got_its_weights(served):
         _report["second_start"] = "loaded and post-processed: " + layouts[0]
     _report["second_start_seconds"] = result["start_seconds"]
     _report["disk_start_seconds"] = result0["start_seconds"]
+
+
+PLAIN_GEMM = {"WEIGHTD_TEST_PLAIN_GEMM": "1"}  # run_vllm.py: vLLM's torch.nn.functional.linear fallback, in-process
+LAYOUT_KEY = "vllm/LlamaForCausalLM/float32/tp1-pp1-dp1"
+# vLLM's LlamaForCausalLM of the tiny Llama after post-processing: embed_tokens, lm_head and the final
+# norm, and per layer (2) qkv_proj, o_proj, gate_up_proj, down_proj and two norms: 15 parameters.
+LAYOUT_PARAMETERS = 15
+# Its layout: those, each attention layer's four scale buffers, the state outside parameters and
+# persistent buffers (each attention layer's _k_scale_cpu and _v_scale_cpu attributes, the shared rotary
+# embedding's non-persistent cos_sin_cache) and the list of that state (_vllm_layouts.OUTSIDE_STATE).
+LAYOUT_NAMES = sorted(
+    ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight",
+     "model.layers.0.self_attn.rotary_emb.cos_sin_cache", "weightd.vllm.outside_state"] +
+    [f"model.layers.{i}.{name}" for i in range(2) for name in (
+        "input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.qkv_proj.weight",
+        "self_attn.o_proj.weight", "mlp.gate_up_proj.weight", "mlp.down_proj.weight",
+        "self_attn.attn._k_scale", "self_attn.attn._v_scale", "self_attn.attn._q_scale",
+        "self_attn.attn._prob_scale", "self_attn.attn._k_scale_cpu", "self_attn.attn._v_scale_cpu")])
+
+
+def test_runtime_layout_is_published_then_attached_where_vllm_keeps_plain_tensors(served):
+    """Where vLLM's CPU post-processing keeps every weight a tensor (its fallback GEMM, as in a build
+    without oneDNN), the first start publishes its runtime layout and the second attaches it: no load,
+    no post-processing, every parameter inside weightd's mappings, the same tokens as transformers."""
+    extra = {"socket": served.socket, "model": "tiny-layout"}
+    before = metrics(served)
+    first, output = start_vllm(served.folder, extra, env=PLAIN_GEMM)
+    assert first is not None, output
+    assert first["tokens"] == served.expected
+    published = re.findall(rf"weightd: published runtime layout '{LAYOUT_KEY}' of model 'tiny-layout' rank 0 "
+                           r"\((\d+) tensors, (\d+) bytes on the host\)", output)
+    assert published and int(published[0][0]) == len(LAYOUT_NAMES) == 29, output
+    with served.client.attach("tiny-layout", 0, layout=LAYOUT_KEY) as layout:
+        assert sorted(layout) == LAYOUT_NAMES
+    # The first start ran on its own copy of the post-processed weights.
+    assert first["workers"] == [{"external_weight_memory": 0, "params_in_weightd": 0,
+                                 "params_elsewhere": LAYOUT_PARAMETERS, "bytes_in_weightd": 0}]
+    middle = metrics(served)
+    assert middle['weightd_layout_attaches_total{result="not_found"}'] - \
+        before.get('weightd_layout_attaches_total{result="not_found"}', 0) == 1
+    assert middle['weightd_layouts{model="tiny-layout"}'] == 1
+
+    second, output = start_vllm(served.folder, extra, env=PLAIN_GEMM)
+    assert second is not None, output
+    assert second["tokens"] == served.expected
+    assert re.search(rf"weightd: start of model 'tiny-layout' rank 0: attached runtime layout '{LAYOUT_KEY}' in "
+                     r"[0-9.]+ s \(no load, no post-processing\)", output), output
+    assert "through LlamaForCausalLM.load_weights" not in output  # no tensor was fed through the loader
+    layout_bytes = sum(p.numel() * p.element_size() for p in _tiny_vllm_parameters(served))
+    assert second["workers"] == [{"external_weight_memory": 0, "params_in_weightd": LAYOUT_PARAMETERS,
+                                  "params_elsewhere": 0, "bytes_in_weightd": layout_bytes}]
+    after = metrics(served)
+    assert after['weightd_layout_attaches_total{result="hit"}'] - \
+        middle.get('weightd_layout_attaches_total{result="hit"}', 0) == 1
+    assert after.get(LOADS, 0) == middle.get(LOADS, 0)
+    _report["layout_first_start_seconds"] = first["start_seconds"]
+    _report["layout_second_start_seconds"] = second["start_seconds"]
+
+
+def _tiny_vllm_parameters(served):
+    """The post-processed parameters' shapes of vLLM's Llama for the tiny checkpoint, from the files:
+    q, k and v stacked into qkv_proj, gate and up into gate_up_proj, the vocabulary of embed_tokens and
+    lm_head padded to a multiple of 64 rows (vLLM's DEFAULT_VOCAB_PADDING_SIZE: 258 -> 320), everything
+    else as stored."""
+    import torch
+
+    def padded(name, shape):
+        return (-(-shape[0] // 64) * 64, *shape[1:]) if name in ("model.embed_tokens.weight", "lm_head.weight") \
+            else shape
+    tensors = {k: torch.zeros(padded(k, s), dtype=torch.float32) for k, (_, s, _) in
+               read_safetensors(served.folder / "model.safetensors").items()}
+    fused = {}
+    for name, tensor in tensors.items():
+        for parts, into in ((("q_proj", "k_proj", "v_proj"), "qkv_proj"), (("gate_proj", "up_proj"), "gate_up_proj")):
+            for part in parts:
+                if f".{part}." in name:
+                    fused.setdefault(name.replace(part, into), []).append(tensor)
+                    break
+            else:
+                continue
+            break
+        else:
+            fused[name] = [tensor]
+    assert len(fused) == LAYOUT_PARAMETERS
+    return [torch.cat(group) for group in fused.values()]
+
+
+TP_RULES = ["q_proj:0", "k_proj:0", "v_proj:0", "o_proj:1", "gate_proj:0", "up_proj:0", "down_proj:1"]
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory, served):
+    """A daemon on the emulated device backend (memfd-backed "GPUs": device tensors reach a CPU process
+    as CPU tensors), with a copy of the tiny Llama, so that weightd splits by TP rules on this machine."""
+    root = tmp_path_factory.mktemp("weightd-vllm-emulated")
+    (root / "models").mkdir()
+    try:
+        daemon = Daemon(root, root / "models", "--metrics-address", "127.0.0.1:0", "--device-backend", "emulated")
+    except DaemonStartError as e:
+        pytest.fail(str(e))
+    daemon.folder = root / "models" / "tiny"
+    shutil.copytree(served.folder, daemon.folder)
+    yield daemon
+    assert daemon.stop() == 0, daemon.log.read_text()
+
+
+def test_tp_rules_split_in_weightd_feed_vllm_the_shards(emulated, served):
+    """vLLM with TP 2 on a model that weightd split by tp_rules: each rank attaches its own weightd rank
+    (its slices of the q/k/v/o and MLP projections, the rest replicated), vLLM takes them as shards, the
+    tokens equal transformers', and get_external_weight_memory reports exactly the rank's device bytes."""
+    extra = {"socket": emulated.socket, "model": "tiny-split", "tp_rules": TP_RULES, "devices": ["0", "1"]}
+    result, output = start_vllm(emulated.folder, extra, tp_size=2, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    assert result is not None, output
+    assert result["tokens"] == served.expected
+    [info] = [m for m in emulated.client.list() if m.name == "tiny-split"]
+    assert info.tp_size == 2
+    fed = re.findall(rf"weightd: fed 21 tensors of model 'tiny-split' \(generation {info.generation}, rank (\d)\) "
+                     r"through LlamaForCausalLM.load_weights for TP rank (\d) of 2", output)
+    assert sorted(fed) == [("0", "0"), ("1", "1")], [line for line in output.splitlines() if "weightd:" in line]
+    # Every tensor is on the (emulated) device: a split one half of its bytes per rank, the rest whole.
+    split_bytes = whole_bytes = 0
+    for name, (_, shape, data) in read_safetensors(emulated.folder / "model.safetensors").items():
+        if any(rule.split(":")[0] in name for rule in TP_RULES):
+            split_bytes += len(data) // 2
+        else:
+            whole_bytes += len(data)
+    assert split_bytes == 2 * (3 * 128 * 128 + 128 * 128 + 3 * 256 * 128) * 4 // 2
+    assert [w["external_weight_memory"] for w in result["workers"]] == [split_bytes + whole_bytes] * 2
+    assert [w["params_in_weightd"] for w in result["workers"]] == [0, 0]  # vLLM copied the shards
 
 
 def test_tensor_parallel_ranks_share_the_one_host_copy(served):
@@ -236,7 +369,7 @@ def test_load_refused(served, tmp_path):
 def test_unknown_option(served):
     lines, output = _failed_line(served.folder, {"socket": served.socket, "sockets": "x"})
     assert ("weightd: unknown option 'sockets' in the load format's extra config "
-            "(known: socket, model, load, host_resident, tp_rules, layouts)") in lines, output
+            "(known: socket, model, load, host_resident, tp_rules, devices, layouts)") in lines, output
 
 
 def _variant(served, name, change):

@@ -265,6 +265,12 @@ TEST(DaemonConfig, PeerKeysDefaultParseAndRefuseBadValues) {
               StatusIs(Code::kInvalidArgument, "--peer-lanes must be in [0, 8] (0: by size and cores), got 9"));
   EXPECT_THAT(ParseDaemonArgs({"--peer-lanes", "-1"}),
               StatusIs(Code::kInvalidArgument, "--peer-lanes must be in [0, 8] (0: by size and cores), got -1"));
+  EXPECT_EQ(defaults.config.peer_verify, "per-segment");
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(ParsedArgs verify, ParseDaemonArgs({"--peer-verify", "per-transfer"}));
+  EXPECT_EQ(verify.config.peer_verify, "per-transfer");
+  EXPECT_THAT(ParseDaemonArgs({"--peer-verify", "never"}),
+              StatusIs(Code::kInvalidArgument, "--peer-verify must be per-segment or per-transfer, got 'never'"));
+  EXPECT_NE(DaemonUsage().find("[--peer-verify per-segment|per-transfer]"), std::string::npos);
   EXPECT_NE(DaemonUsage().find("[--peer-address HOST:PORT]"), std::string::npos);
   EXPECT_EQ(defaults.config.peer_helper, "");
   EXPECT_EQ(defaults.config.peer_helper_user, "nobody");
@@ -367,7 +373,7 @@ TEST(DaemonConfig, ConfigToJsonRoundTripsThroughConfigFile) {
   EXPECT_TRUE(reread.config.grpc_tcp_admin);
   EXPECT_EQ(reread.config.grpc_tls_client_ca, "/t/ca.pem");
   EXPECT_FALSE(reread.config.huge_pages);
-  EXPECT_EQ(json.size(), 40u);  // every DaemonConfig field, so a new one cannot be forgotten silently
+  EXPECT_EQ(json.size(), 41u);  // every DaemonConfig field, so a new one cannot be forgotten silently
 }
 
 }  // namespace

@@ -22,6 +22,10 @@ class ScriptedSource final : public HostSource {
   int64_t stray = -1;
   bool keep_mapping = false;
   absl::Status fail;
+  // When set: what it says when the source returns (after the last report).
+  const SourceFill* watch = nullptr;
+  uint64_t hashed_when_done = ~0ull;
+  bool sealed_when_done = false;
 
   absl::Status Fill(const std::vector<HostSegment*>& segments, const std::vector<std::vector<Range>>& ranges,
                     const std::function<absl::Status(uint32_t)>& filled) override {
@@ -38,6 +42,10 @@ class ScriptedSource final : public HostSource {
         munmap(map, segments[i]->size());
       }
       WEIGHTD_RETURN_IF_ERROR(filled(i));
+    }
+    if (watch != nullptr) {
+      hashed_when_done = watch->bytes_hashed();
+      sealed_when_done = segments[0]->sealed() && segments.back()->sealed();
     }
     return absl::OkStatus();
   }
@@ -62,10 +70,13 @@ class SourceFillTest : public ::testing::Test {
     tensors_ = {{{0, 0, 100}, {1, 128, 3872}}, {{2, 0, (20ull << 20) - 1}}};
     hashes_ = {{0}, {0}, {0, 0}};
   }
-  absl::Status Run(ScriptedSource& source, const std::atomic<bool>* cancel = nullptr) {
+  absl::Status Run(ScriptedSource& source, const std::atomic<bool>* cancel = nullptr,
+                   SourceHashing hashing = SourceHashing::kPerSegment) {
     std::vector<HostSegment*> raw = {segments_[0].get(), segments_[1].get()};
     SourceFill fill(source, raw, tensors_, hashes_);
     fill.set_cancel(cancel);
+    fill.set_hashing(hashing);
+    source.watch = &fill;
     fill.Start(2);
     absl::Status st = fill.Wait();
     bytes_hashed_ = fill.bytes_hashed();
@@ -88,6 +99,26 @@ TEST_F(SourceFillTest, SealsEverySegmentAndHashesTheSealedBytes) {
   EXPECT_EQ(CombineBlockHashes(hashes_[1]), TensorContentHash(t1.data(), t1.size()));
   EXPECT_EQ(CombineBlockHashes(hashes_[2]), TensorContentHash(t2.data(), t2.size()));
   EXPECT_EQ(bytes_hashed_, 100u + 3872u + (20ull << 20) - 1);
+}
+
+// --peer-verify per-transfer: every segment is sealed as it is reported,
+// none is hashed before the source returns, and then all of them are.
+TEST_F(SourceFillTest, PerTransferHashesNothingBeforeTheLastSegmentIsIn) {
+  ScriptedSource source;
+  WEIGHTD_ASSERT_OK(Run(source, nullptr, SourceHashing::kPerTransfer));
+  EXPECT_TRUE(source.sealed_when_done);
+  EXPECT_EQ(source.hashed_when_done, 0u);
+  std::string t2((20ull << 20) - 1, 7);
+  EXPECT_EQ(CombineBlockHashes(hashes_[2]), TensorContentHash(t2.data(), t2.size()));
+  EXPECT_EQ(bytes_hashed_, 100u + 3872u + (20ull << 20) - 1);
+}
+
+TEST_F(SourceFillTest, PerTransferStillFindsAByteWrittenBetweenTensors) {
+  ScriptedSource source;
+  source.stray = 120;
+  EXPECT_THAT(Run(source, nullptr, SourceHashing::kPerTransfer),
+              StatusIs(absl::StatusCode::kDataLoss, "host segment 0: byte 120 lies outside every tensor and is not zero"));
+  EXPECT_EQ(source.hashed_when_done, 0u);
 }
 
 TEST_F(SourceFillTest, AByteWrittenBetweenTensorsIsDataLossNamingIt) {

@@ -56,9 +56,11 @@ class PeerSeedingTest : public ::testing::Test {
 
   // The joiner's half, against the reply of an open session.
   absl::StatusOr<std::unique_ptr<ModelGeneration>> Join(const v1::PeerTransferReply& reply,
-                                                        std::chrono::milliseconds deadline = std::chrono::seconds(30)) {
+                                                        std::chrono::milliseconds deadline = std::chrono::seconds(30),
+                                                        SourceHashing hashing = SourceHashing::kPerSegment) {
     WEIGHTD_ASSIGN_OR_RETURN(Catalog catalog, BuildCatalog(dir_));
     PeerPull pull("10.0.0.1:7000", transport_, std::chrono::steady_clock::now() + deadline, nullptr);
+    pull.set_hashing(hashing);
     WEIGHTD_ASSIGN_OR_RETURN(PlannedLoad planned, PlanLoad(catalog, Request(), Loader()));
     auto gen = SeedFromDescription(reply, catalog, Request(), planned, Loader(), nullptr, pull);
     pulled_ = pull.bytes_read();
@@ -142,6 +144,62 @@ TEST_F(PeerSeedingTest, HelperThatWritesAfterItsReadsFailsTheHashCheck) {
   absl::StatusOr<std::unique_ptr<ModelGeneration>> gen = Join(Describe(*session));
   EXPECT_THAT(gen, StatusIs(absl::StatusCode::kDataLoss, "the bytes received hash to"));
   EXPECT_EQ(PeerFallbackReason(gen.status()), "hash_mismatch");
+}
+
+// --peer-verify per-transfer: both a byte the seed's transport changed and
+// one the joiner's helper wrote after its reads fail the hashes taken after
+// the last byte, as they fail those taken per segment.
+TEST_F(PeerSeedingTest, PerTransferHashingCatchesWhatPerSegmentCatches) {
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto session, seed_->Open("m", "10.0.0.2"));
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<ModelGeneration> gen,
+                               Join(Describe(*session), std::chrono::seconds(30), SourceHashing::kPerTransfer));
+  EXPECT_EQ(gen->fingerprint, session->model().fingerprint);
+  transport_.corrupt_at = 100;
+  absl::StatusOr<std::unique_ptr<ModelGeneration>> corrupt =
+      Join(Describe(*session), std::chrono::seconds(30), SourceHashing::kPerTransfer);
+  EXPECT_THAT(corrupt, StatusIs(absl::StatusCode::kDataLoss, "tensor 'a.big': the bytes received hash to"));
+  EXPECT_EQ(PeerFallbackReason(corrupt.status()), "hash_mismatch");
+  transport_.corrupt_at = -1;
+  transport_.write_on_release = true;
+  absl::StatusOr<std::unique_ptr<ModelGeneration>> late =
+      Join(Describe(*session), std::chrono::seconds(30), SourceHashing::kPerTransfer);
+  EXPECT_THAT(late, StatusIs(absl::StatusCode::kDataLoss, "the bytes received hash to"));
+  EXPECT_EQ(PeerFallbackReason(late.status()), "hash_mismatch");
+}
+
+// Seed-side lanes: a session asks its transport for one sender per lane of
+// the joiner (0 counts as 1); more than kMaxPeerLanes is refused before a
+// slot or a sender is taken.
+TEST_F(PeerSeedingTest, SeedStartsASenderPerLaneAndRefusesMoreThanEight) {
+  {
+    WEIGHTD_ASSERT_OK_AND_ASSIGN(auto session, seed_->Open("m", "10.0.0.2", 3));
+    EXPECT_EQ(transport_.senders_asked.load(), 3u);
+  }
+  {
+    WEIGHTD_ASSERT_OK_AND_ASSIGN(auto session, seed_->Open("m", "10.0.0.2", 0));
+    EXPECT_EQ(transport_.senders_asked.load(), 1u);
+  }
+  transport_.senders_asked = 0;
+  EXPECT_THAT(seed_->Open("m", "10.0.0.2", kMaxPeerLanes + 1),
+              StatusIs(absl::StatusCode::kInvalidArgument, "the joiner asks for 9 lanes, at most 8 (--peer-lanes)"));
+  EXPECT_EQ(transport_.senders_asked.load(), 0u);
+  EXPECT_EQ(seed_->joiners(), 0);
+  EXPECT_EQ(transport_.open_exports.load(), 0);
+}
+
+// A seed's reply names at most kMaxPeerLanes senders: a joiner refuses more
+// before it starts anything.
+TEST_F(PeerSeedingTest, ReplyWithMoreThanEightSendersIsRefused) {
+  WEIGHTD_ASSERT_OK_AND_ASSIGN(auto session, seed_->Open("m", "10.0.0.2"));
+  v1::PeerTransferReply reply = Describe(*session);
+  for (uint32_t i = 0; i < kMaxPeerLanes; ++i) reply.add_more_senders()->set_worker_address("x");
+  absl::StatusOr<std::unique_ptr<ModelGeneration>> gen = Join(reply);
+  EXPECT_THAT(gen, StatusIs(absl::StatusCode::kInvalidArgument, "the peer offers 9 senders, at most 8"));
+  EXPECT_EQ(PeerFallbackReason(gen.status()), "other");
+  EXPECT_EQ(pulled_, 0u);
+  reply.mutable_more_senders()->RemoveLast();
+  WEIGHTD_EXPECT_OK(OfferOf(reply).status());
+  EXPECT_EQ(OfferOf(reply)->senders(), 8u);
 }
 
 TEST_F(PeerSeedingTest, LanesFollowTheConfigElseSizeAndCores) {
