@@ -231,7 +231,7 @@ def test_checkpoint_with_a_missing_tensor(served):
 def test_unknown_option(served):
     lines, output = _failed_lines(served.folder, {"socket": served.socket, "sockets": "x"})
     assert ("weightd: unknown option 'sockets' in the load format's extra config "
-            "(known: socket, model, load, host_resident, tp_rules, layouts)") in lines, output
+            "(known: socket, model, load, host_resident, tp_rules, devices, layouts)") in lines, output
 
 
 def test_load_format_weightd_parses_with_the_plugin(served):
