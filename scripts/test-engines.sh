@@ -43,8 +43,7 @@ echo "$name: venv and weightd wheel ready in $(( $(date +%s) - start )) s"
 
 export WEIGHTD_BINARY=$root/build/server/weightd WEIGHTCTL_BINARY=$root/build/client/weightctl
 export WEIGHTD_REQUIRE_ENGINES=1  # an engine missing from its venv fails instead of skipping
-if [ "$engine" = vllm ]; then
-  export WEIGHTD_ENGINES_REPORT=${WEIGHTD_ENGINES_REPORT:-$root/build/engines-report.json}
-fi
+report=$root/build/$([ "$engine" = vllm ] && echo engines || echo sglang)-report.json  # the measured start times
+export WEIGHTD_ENGINES_REPORT=${WEIGHTD_ENGINES_REPORT:-$report}
 "$python" -m pytest -q -rs -p no:cacheprovider "tests/python/engines/test_$engine.py"
 echo "$name: done in $(( $(date +%s) - start )) s${WEIGHTD_ENGINES_REPORT:+ (start times: $WEIGHTD_ENGINES_REPORT)}"

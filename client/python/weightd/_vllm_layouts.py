@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import torch
 from torch import nn
 
 from ._engine import LoadFormatError, Options, Session
+from ._engine_layouts import EngineLayouts, device_arch, layout_key
 
 if TYPE_CHECKING:
     from vllm.config import ModelConfig, VllmConfig
@@ -51,16 +51,8 @@ def identity_of(vllm_config: VllmConfig, rank: int) -> Dict[str, str]:
         "parallel": f"tp{parallel.tensor_parallel_size} pp{parallel.pipeline_parallel_size} "
                     f"dp{parallel.data_parallel_size}",
         "rank": str(rank),
-        "device": f"{current_platform.device_type} {_device_arch()}",
+        "device": f"{current_platform.device_type} {device_arch()}",
     }
-
-
-def _device_arch() -> str:
-    if torch.cuda.is_available():
-        major, minor = torch.cuda.get_device_capability()
-        return f"sm_{major}{minor}"
-    cpu: Any = getattr(torch.backends, "cpu")  # torch 2.0+
-    return str(cpu.get_cpu_capability())
 
 
 def key_of(identity: Dict[str, str]) -> str:
@@ -69,7 +61,7 @@ def key_of(identity: Dict[str, str]) -> str:
     quantization, device) is checked by attach, so a start whose engine or device changed is refused
     (LayoutMismatch) instead of silently publishing into another slot. Keys are [A-Za-z0-9._:/+=-]."""
     parts = [identity["architecture"], identity["dtype"], identity["parallel"].replace(" ", "-")]
-    return "vllm/" + "/".join(re.sub(r"[^A-Za-z0-9._:+=-]", "_", p) for p in parts)
+    return layout_key("vllm", parts)
 
 
 def not_plain_reason(model: nn.Module, model_config: ModelConfig) -> Optional[str]:
@@ -147,21 +139,8 @@ class Layouts:
 
     def attach(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str) -> Optional[nn.Module]:
         """The model bound to the published layout, or None when there is none yet (LayoutNotFound)."""
-        import weightd
-        import weightd.torch
-
-        client: Any = self.session.client
-        try:
-            weights = client.attach(self.session.name, self.rank, layout=self.key, identity=self.identity)
-        except weightd.LayoutNotFound:
-            self.logger.info("weightd: no runtime layout %r of model %r yet: loading and post-processing",
-                             self.key, self.session.name)
-            return None
-        except weightd.LayoutMismatch as e:
-            raise LoadFormatError(f"runtime layout {self.key!r} of model {self.session.name!r} has another "
-                                  f"identity than this vLLM start ({e}): drop it (weightctl drop-layout "
-                                  f"{self.session.name} {self.key}) or start with the option 'layouts' false") from None
-        return _bind(weights, vllm_config, model_config, prefix)
+        weights = EngineLayouts("vLLM", self.session, self.rank, self.identity, self.key, self.logger).attach_weights()
+        return _bind(weights, vllm_config, model_config, prefix) if weights is not None else None
 
     def publish(self, model: nn.Module, model_config: ModelConfig) -> None:
         """Publishes the post-processed parameters and buffers; one log line either way."""

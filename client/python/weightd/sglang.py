@@ -9,12 +9,15 @@ calls register() in SGLang's processes: it adds `weightd` to the
 --load-format choices and maps that string to WeightdModelLoader when
 SGLang's LoadConfig checks it (SGLang's get_model_loader instantiates a
 load_format that is a class). Options and errors are those of weightd.vllm
-(weightd._engine.Options, LoadFormatError); runtime layouts are not wired
-for SGLang yet, so the option `layouts` is accepted and has no effect.
+(weightd._engine.Options, LoadFormatError).
 
 The model is built as SGLang's DefaultModelLoader builds it; the tensors of
-this TP rank come from weightd through the model's own load_weights, then
-SGLang post-processes as usual. Importing this module imports SGLang and torch.
+this TP rank come from weightd through the model's own load_weights, checked
+for missing and unexpected tensors as vLLM checks them
+(weightd._sglang_check), then SGLang post-processes as usual. With runtime
+layouts (weightd._sglang_layouts) the post-processed tensors are published
+once and attached by later starts. `import weightd.sglang` imports neither
+SGLang nor torch until WeightdModelLoader is used.
 """
 from __future__ import annotations
 
