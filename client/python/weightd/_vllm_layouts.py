@@ -14,6 +14,8 @@ published: where post-processing leaves state that is not (vLLM's CPU backend
 packs linear weights into oneDNN handles held by closures) or a quantized
 model whose post-processed state this module does not bind back, the start
 loads and post-processes as without layouts, with one log line saying why.
+The attach and its one-line identity-mismatch error are the steps shared with
+SGLang (weightd._engine_layouts).
 """
 from __future__ import annotations
 
@@ -70,10 +72,10 @@ def not_plain_reason(model: nn.Module, model_config: ModelConfig) -> Optional[st
     Not plain: a quantized model (its post-processed state is not bound back yet); a linear layer whose
     weight vLLM's CPU backend moved into a handle (oneDNN, sgl-kernel or zentorch: the parameter is left
     an empty tensor and the packed weight lives only in the closure `layer.cpu_linear`,
-    vllm/model_executor/layers/utils.py dispatch_cpu_unquantized_gemm); a parameter or buffer of a
-    tensor subclass; a non-empty tensor held as a plain module attribute (it would not be published,
-    and a meta-built model would lack it; an empty one, like vLLM's attn.kv_cache before the KV cache is
-    bound, is a slot the engine fills later). A CPU layer whose weight stayed in place (vLLM's fallback to
+    vllm/model_executor/layers/utils.py dispatch_cpu_unquantized_gemm); a parameter, buffer or
+    outside_state() tensor of a tensor subclass with its own dispatch (state its bytes do not show).
+    Tensors outside parameters and persistent buffers are published (outside_state). A CPU layer whose
+    weight stayed in place (vLLM's fallback to
     torch.nn.functional.linear, or a handle made beside a kept weight, as for lm_head) is plain: the
     bound model computes it with torch.nn.functional.linear from the same tensor."""
     if model_config.quantization is not None:
