@@ -101,6 +101,18 @@ class PeerE2e : public ::testing::Test {
     EXPECT_EQ(json::parse(attach.out)["verified"], true);
   }
 
+  // Loads the model on `joiner` from `seed`, which serves it: the joiner's
+  // copy came from that peer, has the seed's fingerprint and verifies
+  // against the files.
+  static void ExpectSeededFrom(DaemonProcess& seed, DaemonProcess& joiner) {
+    std::string peer = PeerOf(seed);
+    CommandResult load = joiner.Ctl({"load", kModel, "demo", "--peer", peer});
+    ASSERT_EQ(load.code, 0) << load.err << joiner.process().Stderr();
+    EXPECT_EQ(Ls(joiner)["source"], "peer " + peer);
+    EXPECT_EQ(Ls(joiner)["fingerprint"], Ls(seed)["fingerprint"]);
+    ExpectVerifies(joiner);
+  }
+
   // Loads the model on a joiner whose transfer helper runs `fault`
   // (--peer-test-fault), seeded by a node that serves it: the joiner gives
   // the peer up for `reason` and ends READY from storage with verified
@@ -224,12 +236,7 @@ TEST_F(PeerE2e, JoinerHelperThatWritesAfterItsReadsFailsTheHashPerTransferToo) {
 TEST_F(PeerE2e, SeedsOverSeveralLanesEachServedByASenderOfItsOwn) {
   auto a = Node(), b = Node({"--peer-lanes", "2"});
   ASSERT_EQ(a->Ctl({"load", kModel, "demo"}).code, 0);
-  std::string peer = PeerOf(*a);
-  CommandResult load = b->Ctl({"load", kModel, "demo", "--peer", peer});
-  ASSERT_EQ(load.code, 0) << load.err << b->process().Stderr();
-  EXPECT_EQ(Ls(*b)["source"], "peer " + peer);
-  EXPECT_EQ(Ls(*b)["fingerprint"], Ls(*a)["fingerprint"]);
-  ExpectVerifies(*b);
+  ASSERT_NO_FATAL_FAILURE(ExpectSeededFrom(*a, *b));
   EXPECT_NE(b->process().Stderr().find("over 2 lane(s), received into the segments, "), std::string::npos)
       << b->process().Stderr();
   EXPECT_NE(b->process().Stderr().find(", hashed per segment, "), std::string::npos) << b->process().Stderr();
@@ -254,12 +261,7 @@ TEST_F(PeerE2e, SeedsOverSeveralLanesEachServedByASenderOfItsOwn) {
 TEST_F(PeerE2e, SeedsWithHashingPerTransferAndVerifies) {
   auto a = Node(), b = Node({"--peer-verify", "per-transfer"});
   ASSERT_EQ(a->Ctl({"load", kModel, "demo"}).code, 0);
-  std::string peer = PeerOf(*a);
-  CommandResult load = b->Ctl({"load", kModel, "demo", "--peer", peer});
-  ASSERT_EQ(load.code, 0) << load.err << b->process().Stderr();
-  EXPECT_EQ(Ls(*b)["source"], "peer " + peer);
-  EXPECT_EQ(Ls(*b)["fingerprint"], Ls(*a)["fingerprint"]);
-  ExpectVerifies(*b);
+  ASSERT_NO_FATAL_FAILURE(ExpectSeededFrom(*a, *b));
   EXPECT_NE(b->process().Stderr().find(", hashed per transfer, "), std::string::npos) << b->process().Stderr();
 }
 

@@ -13,6 +13,7 @@ import re
 import struct
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -126,6 +127,14 @@ class Daemon:
                     self.stop()
                     raise DaemonStartError(f"weightd did not answer on {self.socket}: {self.log.read_text()}")
                 time.sleep(0.05)
+
+    def metrics(self):
+        """{sample name with labels: value} from the daemon's /metrics (started with --metrics-address
+        127.0.0.1:0 among its extra arguments: the address is read from its log)."""
+        address = re.search(r"metrics on (http://\S+/metrics)", self.log.read_text()).group(1)
+        text = urllib.request.urlopen(address, timeout=10).read().decode()
+        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                if line and not line.startswith("#")}
 
     def weightctl_json(self, *args):
         out = subprocess.run([self.weightctl, "--socket", self.socket, *args, "--json"], check=True,

@@ -16,7 +16,6 @@ import re
 import shutil
 import subprocess
 import sys
-import urllib.request
 from importlib.metadata import version
 from pathlib import Path
 
@@ -51,14 +50,6 @@ def served(tmp_path_factory):
         Path(os.environ["WEIGHTD_ENGINES_REPORT"]).write_text(json.dumps(_report, indent=2) + "\n")
 
 
-def metrics(daemon):
-    """{sample name with labels: value} from the daemon's /metrics."""
-    address = re.search(r"metrics on (http://\S+/metrics)", daemon.log.read_text()).group(1)
-    text = urllib.request.urlopen(address, timeout=10).read().decode()
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-            if line and not line.startswith("#")}
-
-
 def growth(before, after, name):
     return after.get(name, 0) - before.get(name, 0)
 
@@ -86,9 +77,9 @@ def identity(**changes):
 @pytest.fixture(scope="module")
 def first_start(served):
     """The run's first start of tiny-sglang: loaded into the daemon, post-processed, layout published."""
-    before = metrics(served)
+    before = served.metrics()
     result, output = run("load", str(served.folder), json.dumps({"socket": served.socket}))
-    return result, output, before, metrics(served)
+    return result, output, before, served.metrics()
 
 
 def test_first_start_equals_sglangs_default_loader_and_publishes_its_layout(served, first_start):
@@ -118,9 +109,9 @@ def test_second_start_attaches_the_layout(served, first_start):
     """A restart: the layout is attached and bound into a meta-built model, no tensor is fed and
     nothing post-processed; every parameter and buffer equals the first start's and the files'."""
     first = first_start[0]
-    before = metrics(served)
+    before = served.metrics()
     result, output = run("load", str(served.folder), json.dumps({"socket": served.socket}))
-    after = metrics(served)
+    after = served.metrics()
     assert result is not None, output
     assert (result["tensors"], result["names_equal"], result["differ"]) == (16, True, []), output
     assert result["digests"] == first["digests"]
@@ -133,9 +124,9 @@ def test_second_start_attaches_the_layout(served, first_start):
 
 
 def test_layouts_false_loads_and_post_processes(served, first_start):
-    before = metrics(served)
+    before = served.metrics()
     result, output = run("weightd", str(served.folder), json.dumps({"socket": served.socket, "layouts": False}))
-    after = metrics(served)
+    after = served.metrics()
     assert result is not None, output
     assert result["digests"] == first_start[0]["digests"]
     assert "weightd: runtime layouts off (option 'layouts' is false)" in weightd_lines(output)
@@ -178,12 +169,12 @@ def test_engine_generates_transformers_tokens_from_the_files_and_from_the_layout
     assert first is not None, output
     assert first["tokens"] == expected
     assert f"weightd: published runtime layout '{KEY}' of model 'tiny-sglang-engine' rank 0 (16 tensors," in output
-    before = metrics(served)
+    before = served.metrics()
     second, output = run("engine", str(folder), json.dumps({"socket": served.socket}))
     assert second is not None, output
     assert second["tokens"] == expected
     assert f"weightd: start of model 'tiny-sglang-engine' rank 0: attached runtime layout '{KEY}' in " in output
-    assert growth(before, metrics(served), HIT) == 1
+    assert growth(before, served.metrics(), HIT) == 1
     _report["engine_first_ready_seconds"] = first["ready_seconds"]
     _report["engine_second_ready_seconds"] = second["ready_seconds"]
 

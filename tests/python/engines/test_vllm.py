@@ -53,14 +53,6 @@ def served(tmp_path_factory):
         Path(os.environ["WEIGHTD_ENGINES_REPORT"]).write_text(json.dumps(_report, indent=2) + "\n")
 
 
-def metrics(daemon):
-    """{sample name with labels: value} from the daemon's /metrics."""
-    address = re.search(r"metrics on (http://\S+/metrics)", daemon.log.read_text()).group(1)
-    text = urllib.request.urlopen(address, timeout=10).read().decode()
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-            if line and not line.startswith("#")}
-
-
 ATTACHES = 'weightd_rpc_requests_total{code="OK",method="weightd.v1.Weightd/Attach"}'
 LOADS = 'weightd_rpc_requests_total{code="OK",method="weightd.v1.Weightd/LoadModel"}'
 
@@ -75,7 +67,7 @@ def start_vllm(folder, extra, load_format="weightd", timeout=300, tp_size=1, env
 
 
 def test_tokens_equal_transformers_and_the_attach_shows_in_metrics(served):
-    before = metrics(served)
+    before = served.metrics()
     result, output = start_vllm(served.folder, {"socket": served.socket})
     assert result is not None, output
     assert result["tokens"] == served.expected
@@ -83,7 +75,7 @@ def test_tokens_equal_transformers_and_the_attach_shows_in_metrics(served):
     assert "weightd: loading " + str(served.folder) + " as model 'tiny'" in output
     assert "weightd: fed 21 tensors of model 'tiny' (generation 1, rank 0) through LlamaForCausalLM.load_weights" \
         in output
-    after = metrics(served)
+    after = served.metrics()
     assert after[LOADS] - before.get(LOADS, 0) == 1
     assert after[ATTACHES] - before.get(ATTACHES, 0) == 1
     assert after["weightd_attach_duration_seconds_count"] - before.get("weightd_attach_duration_seconds_count", 0) == 1
@@ -100,12 +92,12 @@ def test_second_start_reports_how_it_got_its_weights(served):
     layout was attached or the weights were loaded and post-processed (and why)."""
     served.client.load("tiny", served.folder)  # loaded by the test before (reused), or now when run alone
     result0, _ = start_vllm(served.folder, {}, load_format="auto")
-    before = metrics(served)
+    before = served.metrics()
     result, output = start_vllm(served.folder, {"socket": served.socket, "model": "tiny"})
     assert result is not None, output
     assert result["tokens"] == served.expected
     assert "weightd: model 'tiny' generation 1 is READY in weightd" in output
-    after = metrics(served)
+    after = served.metrics()
     assert after.get(LOADS, 0) == before.get(LOADS, 0)
     assert after[ATTACHES] - before.get(ATTACHES, 0) == 1
     # The start asked for its runtime layout once: a hit, or not_found (then it loaded and post-processed).
@@ -150,7 +142,7 @@ def test_runtime_layout_is_published_then_attached_where_vllm_keeps_plain_tensor
     without oneDNN), the first start publishes its runtime layout and the second attaches it: no load,
     no post-processing, every parameter inside weightd's mappings, the same tokens as transformers."""
     extra = {"socket": served.socket, "model": "tiny-layout"}
-    before = metrics(served)
+    before = served.metrics()
     first, output = start_vllm(served.folder, extra, env=PLAIN_GEMM)
     assert first is not None, output
     assert first["tokens"] == served.expected
@@ -162,7 +154,7 @@ def test_runtime_layout_is_published_then_attached_where_vllm_keeps_plain_tensor
     # The first start ran on its own copy of the post-processed weights.
     assert first["workers"] == [{"external_weight_memory": 0, "params_in_weightd": 0,
                                  "params_elsewhere": LAYOUT_PARAMETERS, "bytes_in_weightd": 0}]
-    middle = metrics(served)
+    middle = served.metrics()
     assert middle['weightd_layout_attaches_total{result="not_found"}'] - \
         before.get('weightd_layout_attaches_total{result="not_found"}', 0) == 1
     assert middle['weightd_layouts{model="tiny-layout"}'] == 1
@@ -176,7 +168,7 @@ def test_runtime_layout_is_published_then_attached_where_vllm_keeps_plain_tensor
     layout_bytes = sum(p.numel() * p.element_size() for p in _tiny_vllm_parameters(served))
     assert second["workers"] == [{"external_weight_memory": 0, "params_in_weightd": LAYOUT_PARAMETERS,
                                   "params_elsewhere": 0, "bytes_in_weightd": layout_bytes}]
-    after = metrics(served)
+    after = served.metrics()
     assert after['weightd_layout_attaches_total{result="hit"}'] - \
         middle.get('weightd_layout_attaches_total{result="hit"}', 0) == 1
     assert after.get(LOADS, 0) == middle.get(LOADS, 0)
@@ -259,7 +251,7 @@ def test_tp_rules_split_in_weightd_feed_vllm_the_shards(emulated, served):
 def test_tensor_parallel_ranks_share_the_one_host_copy(served):
     """vLLM with TP 2 (one CPU each): both ranks attach weightd's rank 0 of the whole model (one host copy on
     the node) and take their slices as from disk; one load however many ranks ask for it."""
-    before = metrics(served)
+    before = served.metrics()
     result, output = start_vllm(served.folder, {"socket": served.socket, "model": "tiny-tp"}, tp_size=2,
                                 env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
     assert result is not None, output
@@ -269,7 +261,7 @@ def test_tensor_parallel_ranks_share_the_one_host_copy(served):
     fed = re.findall(rf"weightd: fed 21 tensors of model 'tiny-tp' \(generation {generations[0]}, rank 0\) through "
                      r"LlamaForCausalLM.load_weights for TP rank (\d) of 2", output)
     assert sorted(fed) == ["0", "1"], [line for line in output.splitlines() if "weightd:" in line]
-    after = metrics(served)
+    after = served.metrics()
     assert after[ATTACHES] - before.get(ATTACHES, 0) == 2
 
 
