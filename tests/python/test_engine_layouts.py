@@ -9,7 +9,7 @@ from torch import nn
 
 from conftest import write_safetensors
 from weightd._engine import LoadFormatError, Options, Session
-from weightd._engine_layouts import EngineLayouts, layout_key
+from weightd._engine_layouts import EngineLayouts, layout_key, not_plain_tensor, own_dispatch, tensor_attributes
 
 LOG = logging.getLogger("test_engine_layouts")
 IDENTITY = {"engine": "testengine 1.0", "layout_abi": "1", "rank": "0"}
@@ -42,6 +42,30 @@ def _layouts(session, key, all_buffers=True, identity=IDENTITY):
 def test_layout_key_replaces_what_a_key_may_not_hold():
     assert layout_key("sglang", ["LlamaForCausalLM", "bfloat16", "tp1 pp1"]) == \
         "sglang/LlamaForCausalLM/bfloat16/tp1_pp1"
+
+
+class _Scaled(nn.Module):
+    """A weight, a tensor kept as a plain attribute (an engine's scale copy or MLA's w_kc) and an empty
+    slot filled later (vLLM's attn.kv_cache)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(2, 2, bias=False)
+        self.inner.scale_cpu = torch.tensor(1.0)
+        self.kv_cache = torch.tensor([])
+
+
+class _LoaderParameter(nn.Parameter):
+    """As the engines' ModelWeightParameter: a Parameter subclass for its weight loader only."""
+
+
+def test_tensor_attributes_and_subclasses():
+    model = _Scaled()
+    assert list(tensor_attributes(model)) == ["inner.scale_cpu"]
+    assert tensor_attributes(model)["inner.scale_cpu"] is model.inner.scale_cpu
+    assert not_plain_tensor(model) is None
+    model.inner.weight = _LoaderParameter(torch.zeros(2, 2))
+    assert not own_dispatch(model.inner.weight) and not_plain_tensor(model) is None
 
 
 def test_published_then_bound_into_a_meta_module_with_every_buffer(session, caplog):

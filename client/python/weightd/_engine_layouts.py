@@ -40,12 +40,33 @@ def layout_key(engine: str, parts: Sequence[str]) -> str:
     return engine + "/" + "/".join(re.sub(r"[^A-Za-z0-9._:+=-]", "_", p) for p in parts)
 
 
+def own_dispatch(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is a subclass that dispatches torch ops itself (FP8 or torchao tensors, DTensor):
+    state its bytes do not show. The engines' own parameter classes (vLLM's and SGLang's
+    ModelWeightParameter, ...) subclass nn.Parameter for their weight loaders only, and do not."""
+    return getattr(type(tensor), "__torch_dispatch__", None) is not torch.Tensor.__torch_dispatch__
+
+
 def not_plain_tensor(model: nn.Module) -> Optional[str]:
-    """Why a parameter or buffer of `model` cannot be published (a tensor subclass), or None."""
+    """Why a parameter or buffer of `model` cannot be published (a tensor subclass with its own
+    dispatch), or None."""
     for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
-        if type(tensor) not in (torch.Tensor, nn.Parameter):
-            return f"{name} is a {type(tensor).__name__}, not a plain tensor"
+        if own_dispatch(tensor):
+            return f"{name} is a {type(tensor).__name__}, a tensor subclass with its own dispatch"
     return None
+
+
+def tensor_attributes(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """The non-empty tensors a module tree holds as plain attributes, neither parameters nor buffers,
+    by dotted name: state a model built on the meta device lacks (vLLM's attention _k_scale_cpu; MLA's
+    w_kc / W_UV that an engine's load_weights or post-processing makes). An empty tensor is a slot the
+    engine fills later (vLLM's attn.kv_cache before the KV cache is bound) and is left out."""
+    found: Dict[str, torch.Tensor] = {}
+    for path, module in model.named_modules():
+        for attribute, value in vars(module).items():
+            if isinstance(value, torch.Tensor) and value.numel():
+                found[(path + "." if path else "") + attribute] = value
+    return found
 
 
 @contextlib.contextmanager

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ._engine import Options, Session
-from ._engine_layouts import EngineLayouts, device_arch, layout_key
+from ._engine_layouts import EngineLayouts, device_arch, layout_key, tensor_attributes
 
 if TYPE_CHECKING:
     from sglang.srt.configs.load_config import LoadConfig
@@ -63,6 +63,10 @@ def not_plain_reason(model: nn.Module, quant_config: Any) -> Optional[str]:
     if amx:
         return (f"SGLang's CPU AMX backend packed the weights of {len(amx)} modules for sgl-kernel, which uses them "
                 f"only where the module's flag use_intel_amx_backend (not a tensor) is set (first: {amx[0]})")
+    attributes = tensor_attributes(model)  # e.g. DeepSeek's w_kc/w_vc, made by its own load_weights
+    if attributes:
+        return (f"{next(iter(attributes))} is a tensor held outside the model's parameters and buffers "
+                f"({len(attributes)} such), which SGLang's layouts do not carry yet")
     return None
 
 

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ._engine import LoadFormatError, Options, Session
-from ._engine_layouts import EngineLayouts, device_arch, layout_key
+from ._engine_layouts import EngineLayouts, device_arch, layout_key, not_plain_tensor, own_dispatch, tensor_attributes
 
 if TYPE_CHECKING:
     from vllm.config import ModelConfig, VllmConfig
@@ -85,14 +85,11 @@ def not_plain_reason(model: nn.Module, model_config: ModelConfig) -> Optional[st
     if packed:
         return (f"vLLM's CPU backend packed {len(packed)} linear weights into oneDNN handles, which are not tensors "
                 f"(first: {packed[0]})")
-    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
-        # vLLM's own parameter classes (ModelWeightParameter, ...) subclass nn.Parameter for their weight
-        # loaders only; a subclass that dispatches torch ops itself (FP8 or torchao tensors, DTensor) keeps
-        # state its bytes do not show.
-        if getattr(type(tensor), "__torch_dispatch__", None) is not torch.Tensor.__torch_dispatch__:
-            return f"{name} is a {type(tensor).__name__}, a tensor subclass with its own dispatch"
+    reason = not_plain_tensor(model)
+    if reason is not None:
+        return reason
     for name, tensor in outside_state(model).items():
-        if getattr(type(tensor), "__torch_dispatch__", None) is not torch.Tensor.__torch_dispatch__:
+        if own_dispatch(tensor):
             return f"{name} is a {type(tensor).__name__}, a tensor subclass with its own dispatch"
     return None
 
@@ -105,14 +102,11 @@ def outside_state(model: nn.Module) -> Dict[str, torch.Tensor]:
     Empty tensors are slots the engine fills later (attn.kv_cache before the KV cache is bound)."""
     found: Dict[str, torch.Tensor] = {}
     for path, module in model.named_modules():
-        base = path + "." if path else ""
         for attribute in sorted(module._non_persistent_buffers_set):
             buffer = module._buffers.get(attribute)
             if buffer is not None and buffer.numel():
-                found[base + attribute] = buffer
-        for attribute, value in vars(module).items():
-            if isinstance(value, torch.Tensor) and value.numel():
-                found[base + attribute] = value
+                found[(path + "." if path else "") + attribute] = buffer
+    found.update(tensor_attributes(model))
     return found
 
 
@@ -136,6 +130,10 @@ class Layouts:
         """Layouts for this start, or None (with one log line) when the path is off or unavailable."""
         if not options.layouts:
             logger.info("weightd: runtime layouts off (option 'layouts' is false)")
+            return None
+        if getattr(vllm_config.cache_config, "calculate_kv_scales", False):
+            logger.info("weightd: runtime layouts off: calculate_kv_scales makes vLLM write the attention layers' "
+                        "scale buffers in place, and a layout's tensors are read-only")
             return None
         return cls(session, rank, identity_of(vllm_config, rank), logger)
 
@@ -190,10 +188,11 @@ def _bind(weights: Any, vllm_config: VllmConfig, model_config: ModelConfig, pref
     devices: Dict[str, str] = json.loads(bytes(weights[OUTSIDE_STATE].to_torch().cpu().numpy()).decode())
     weightd.torch.load_into(model, {name: weights[name] for name in weights
                                     if name not in devices and name != OUTSIDE_STATE}, strict=True)
-    for name, device in devices.items():  # as the publishing start had them, on the device it had them on
+    for name, device in devices.items():
+        # A private copy (these are small: scales, a rotary cache) on the device the publishing start had
+        # it on: vLLM may write such state in place, which must never reach weightd's read-only memory.
         path, _, attribute = name.rpartition(".")
-        tensor = weights[name].to_torch()
-        setattr(model.get_submodule(path), attribute, tensor if tensor.device.type == device else tensor.to(device))
+        setattr(model.get_submodule(path), attribute, weights[name].to_torch().to(device, copy=True))
     if current_platform.is_cpu():  # what CPU post-processing sets besides tensors, for plain state
         for module in model.modules():
             if hasattr(module, "quant_method"):
