@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-from typing import Any, Dict, Iterator, Optional, Sequence, Union
+from typing import Any, Dict, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -136,9 +136,11 @@ class EngineLayouts:
             weightd.torch.load_into(model, weights, strict=True)
         return model
 
-    def publish_model(self, model: nn.Module, reason: Optional[str]) -> None:
-        """Publishes the post-processed parameters and buffers of `model`, or not when `reason`
-        (why its state is not plain tensors) is given; one log line either way."""
+    def publish_model(self, model: nn.Module, reason: Optional[str],
+                      extra: Optional[Mapping[str, torch.Tensor]] = None) -> None:
+        """Publishes the post-processed parameters and buffers of `model` (and the tensors of `extra`,
+        as publish_module's), or not when `reason` (why its state is not plain tensors) is given; one
+        log line either way."""
         import weightd.torch
 
         reason = reason or not_plain_tensor(model)
@@ -151,11 +153,13 @@ class EngineLayouts:
         with all_buffers_persistent(model) if self.all_buffers else contextlib.nullcontext():
             published = weightd.torch.publish_module(self.session.client, self.session.name, self.key, model,
                                                      rank=self.rank, identity=self.identity, device=self.device,
-                                                     wait=True)
+                                                     wait=True, extra=extra)
         if published is None:
             self.logger.info("weightd: runtime layout %r of model %r rank %d was published by another start meanwhile",
                              self.key, self.session.name, self.rank)
             return
-        self.logger.info("weightd: published runtime layout %r of model %r rank %d (%d tensors, %d bytes on the host)",
-                         self.key, self.session.name, self.rank, published.tensor_count, published.host_bytes)
+        where = ", ".join(f"{n} bytes on {gpu}" for gpu, n in sorted(published.device_bytes.items())) or \
+            f"{published.host_bytes} bytes on the host"
+        self.logger.info("weightd: published runtime layout %r of model %r rank %d (%d tensors, %s)",
+                         self.key, self.session.name, self.rank, published.tensor_count, where)
 

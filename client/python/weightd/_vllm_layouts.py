@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ._engine import LoadFormatError, Options, Session
-from ._engine_layouts import EngineLayouts, device_arch, layout_key, not_plain_tensor, own_dispatch, tensor_attributes
+from ._engine_layouts import EngineLayouts, device_arch, layout_key, own_dispatch, tensor_attributes
 
 if TYPE_CHECKING:
     from vllm.config import ModelConfig, VllmConfig
@@ -72,8 +72,9 @@ def not_plain_reason(model: nn.Module, model_config: ModelConfig) -> Optional[st
     Not plain: a quantized model (its post-processed state is not bound back yet); a linear layer whose
     weight vLLM's CPU backend moved into a handle (oneDNN, sgl-kernel or zentorch: the parameter is left
     an empty tensor and the packed weight lives only in the closure `layer.cpu_linear`,
-    vllm/model_executor/layers/utils.py dispatch_cpu_unquantized_gemm); a parameter, buffer or
-    outside_state() tensor of a tensor subclass with its own dispatch (state its bytes do not show).
+    vllm/model_executor/layers/utils.py dispatch_cpu_unquantized_gemm); an outside_state() tensor of a
+    tensor subclass with its own dispatch (state its bytes do not show; parameters and buffers are
+    checked by EngineLayouts.publish_model, not_plain_tensor).
     Tensors outside parameters and persistent buffers are published (outside_state). A CPU layer whose
     weight stayed in place (vLLM's fallback to
     torch.nn.functional.linear, or a handle made beside a kept weight, as for lm_head) is plain: the
@@ -85,9 +86,6 @@ def not_plain_reason(model: nn.Module, model_config: ModelConfig) -> Optional[st
     if packed:
         return (f"vLLM's CPU backend packed {len(packed)} linear weights into oneDNN handles, which are not tensors "
                 f"(first: {packed[0]})")
-    reason = not_plain_tensor(model)
-    if reason is not None:
-        return reason
     for name, tensor in outside_state(model).items():
         if own_dispatch(tensor):
             return f"{name} is a {type(tensor).__name__}, a tensor subclass with its own dispatch"
@@ -115,21 +113,18 @@ def _emptied(weight: Any) -> bool:
 
 
 class Layouts:
-    """The layout of one start (one rank): attach it, or publish it after post-processing."""
+    """The layout of one start (one rank): attach it, or publish it after post-processing, through the
+    steps shared with SGLang (EngineLayouts)."""
 
     def __init__(self, session: Session, rank: int, identity: Dict[str, str], logger: logging.Logger) -> None:
-        self.session = session
-        self.rank = rank
-        self.identity = identity
         self.key = key_of(identity)
-        self.logger = logger
+        self.shared = EngineLayouts("vLLM", session, rank, identity, self.key, logger)
 
     @classmethod
     def for_start(cls, options: Options, session: Session, rank: int, vllm_config: VllmConfig,
                   logger: logging.Logger) -> Optional[Layouts]:
         """Layouts for this start, or None (with one log line) when the path is off or unavailable."""
-        if not options.layouts:
-            logger.info("weightd: runtime layouts off (option 'layouts' is false)")
+        if not EngineLayouts.enabled(options, logger):
             return None
         if getattr(vllm_config.cache_config, "calculate_kv_scales", False):
             logger.info("weightd: runtime layouts off: calculate_kv_scales makes vLLM write the attention layers' "
@@ -139,38 +134,22 @@ class Layouts:
 
     def attach(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str) -> Optional[nn.Module]:
         """The model bound to the published layout, or None when there is none yet (LayoutNotFound)."""
-        weights = EngineLayouts("vLLM", self.session, self.rank, self.identity, self.key, self.logger).attach_weights()
+        weights = self.shared.attach_weights()
         return _bind(weights, vllm_config, model_config, prefix) if weights is not None else None
 
     def publish(self, model: nn.Module, model_config: ModelConfig) -> None:
-        """Publishes the post-processed parameters and buffers; one log line either way."""
-        import weightd.torch
-
+        """Publishes the post-processed parameters, buffers and outside state; one log line either way."""
         reason = not_plain_reason(model, model_config)
-        if reason is not None:
-            self.logger.info("weightd: runtime layout not published, the next start loads and post-processes "
-                             "again: %s", reason)
-            return
-        # wait: ranks of two engines starting together publish once; the
-        # later one finds it published and keeps its own post-processed copy.
-        # On a GPU the layout is device-placed on this rank's GPU (the daemon copies it into an arena of
-        # its own there), so the next start binds GPU tensors; on a CPU it is host-placed.
-        device = torch.cuda.current_device() if any(p.is_cuda for p in model.parameters()) else None
-        outside = outside_state(model)
-        devices = {name: tensor.device.type for name, tensor in outside.items()}
-        outside[OUTSIDE_STATE] = torch.frombuffer(bytearray(json.dumps(devices, sort_keys=True).encode()),
-                                                  dtype=torch.uint8)
-        published = weightd.torch.publish_module(self.session.client, self.session.name, self.key, model,
-                                                 rank=self.rank, identity=self.identity, device=device, wait=True,
-                                                 extra=outside)
-        if published is None:
-            self.logger.info("weightd: runtime layout %r of model %r rank %d was published by another start meanwhile",
-                             self.key, self.session.name, self.rank)
-            return
-        where = ", ".join(f"{n} bytes on {gpu}" for gpu, n in sorted(published.device_bytes.items())) or \
-            f"{published.host_bytes} bytes on the host"
-        self.logger.info("weightd: published runtime layout %r of model %r rank %d (%d tensors, %s)",
-                         self.key, self.session.name, self.rank, published.tensor_count, where)
+        outside: Dict[str, torch.Tensor] = {}
+        if reason is None:
+            # On a GPU the layout is device-placed on this rank's GPU (the daemon copies it into an arena of
+            # its own there), so the next start binds GPU tensors; on a CPU it is host-placed.
+            self.shared.device = torch.cuda.current_device() if any(p.is_cuda for p in model.parameters()) else None
+            outside = outside_state(model)
+            devices = {name: tensor.device.type for name, tensor in outside.items()}
+            outside[OUTSIDE_STATE] = torch.frombuffer(bytearray(json.dumps(devices, sort_keys=True).encode()),
+                                                      dtype=torch.uint8)
+        self.shared.publish_model(model, reason, extra=outside)
 
 
 def _bind(weights: Any, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str) -> nn.Module:
